@@ -1,0 +1,1 @@
+"""Data layer (installed as ``xmc_engine.datasets``)."""

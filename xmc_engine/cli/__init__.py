@@ -1,0 +1,49 @@
+"""Command-line interface: ``xmc-engine SUBCOMMAND ...`` (also ``python -m xmc_engine``).
+
+Each subcommand group lives in its own module with ``register(subparsers)``; argument parsing is
+kept apart from the work it triggers (the handlers call library functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from xmc_engine.errors import XMCError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from xmc_engine.cli import datasets as _datasets
+    from xmc_engine.cli import train as _train
+
+    parser = argparse.ArgumentParser(
+        prog="xmc-engine",
+        description="Adaptive SGD for extreme multi-label classification on heterogeneous devices.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _train.register(sub)
+    _datasets.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        if args.command is None:
+            # `xmc-engine` alone runs the main job: train on the built-in default.
+            args = parser.parse_args(["train", *(argv or [])])
+        else:
+            parser.parse_args([args.command, "--help"])
+    try:
+        return int(args.func(args) or 0)
+    except XMCError as exc:
+        print(f"xmc-engine: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("xmc-engine: interrupted", file=sys.stderr)
+        return 130

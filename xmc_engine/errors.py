@@ -1,0 +1,37 @@
+"""Every exception the engine raises on purpose lives here."""
+
+
+class XMCError(Exception):
+    """Base class of the engine's own errors."""
+
+
+class DatasetFormatError(XMCError, ValueError):
+    """A data file is malformed: the message names the file, the line and the offending token."""
+
+
+class ConfigError(XMCError, ValueError):
+    """A configuration (file, dict or CLI argument) is invalid: unknown key, bad value or type."""
+
+
+class DeviceSpecError(XMCError, ValueError):
+    """A device specification string such as ``"cpu,cpu@0.5"`` cannot be parsed or satisfied."""
+
+
+class BackendUnavailableError(XMCError, RuntimeError):
+    """A backend was requested that this machine cannot provide (e.g. CUDA without a GPU)."""
+
+
+class CheckpointError(XMCError, ValueError):
+    """A checkpoint or model folder is missing, truncated, corrupted or of the wrong version."""
+
+
+class MemoryPlanError(XMCError, RuntimeError):
+    """The memory plan says a run does not fit on its devices; the message gives a setting that fits."""
+
+
+class DivergenceError(XMCError, RuntimeError):
+    """Every replica produced non-finite parameters or loss; training cannot continue."""
+
+
+class DeviceFailure(XMCError, RuntimeError):
+    """A device worker failed (raised, or was made to fail by fault injection)."""
