@@ -1,0 +1,125 @@
+"""Run log: JSON lines, NaN as null, crash tolerance; plots drawn from synthetic logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from xmc_engine.runlog import RunLog, read_log
+
+
+def test_records_and_file(tmp_path):
+    t0 = time.perf_counter() - 100.0
+    with RunLog(tmp_path / "run", t0=t0) as log:
+        log.write("start", config={"lr": 0.1, "ks": (1, 3)}, algorithm="adaptive")
+        log.write("eval", epoch=np.float32(1.0), samples=np.int64(500), train_time=1.5,
+                  metrics={"P@1": np.float64(0.25), "P@3": float("nan"), "P@5": np.inf},
+                  weights=np.array([0.5, 0.5]))
+    text = (tmp_path / "run" / "log.jsonl").read_text()
+    lines = text.splitlines()
+    assert len(lines) == 2 and text.endswith("\n")
+    assert "NaN" not in text and "Infinity" not in text
+    recs = [json.loads(line) for line in lines]
+    assert recs == log.records == read_log(tmp_path / "run")
+    assert recs[0]["event"] == "start" and recs[0]["config"]["ks"] == [1, 3]
+    assert recs[1]["metrics"] == {"P@1": 0.25, "P@3": None, "P@5": None}
+    assert recs[1]["samples"] == 500 and recs[1]["weights"] == [0.5, 0.5]
+    assert recs[0]["wall_time"] >= 100.0 and recs[1]["wall_time"] >= recs[0]["wall_time"]
+    with pytest.raises(ValueError, match="closed"):
+        log.write("eval")
+
+
+def test_flushed_after_every_record(tmp_path):
+    log = RunLog(tmp_path / "a.jsonl")
+    log.write("eval", epoch=1)
+    assert read_log(tmp_path / "a.jsonl")[0]["epoch"] == 1  # visible before close
+    log.close()
+    log.close()
+
+
+def test_memory_only():
+    log = RunLog(None)
+    log.write("eval", x=1)
+    assert log.path is None and log.records[0]["x"] == 1
+    with pytest.raises(ValueError, match="wall_time"):
+        log.write("eval", wall_time=3)
+
+
+def test_truncated_last_line(tmp_path, caplog):
+    path = tmp_path / "log.jsonl"
+    with RunLog(tmp_path) as log:
+        for e in range(3):
+            log.write("eval", epoch=e)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-7])  # the process died while writing the last record
+    with caplog.at_level(logging.WARNING, logger="xmc_engine.runlog"):
+        recs = read_log(tmp_path)
+    assert [r["epoch"] for r in recs] == [0, 1]
+    assert "truncated" in caplog.text
+    # resuming appends after the last complete record
+    with RunLog(tmp_path) as log:
+        log.write("resume", epoch=2)
+    assert [r["event"] for r in read_log(path)] == ["eval", "eval", "resume"]
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"event": "start"}\n{"event": \n{"event": "final"}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_log(path)
+
+
+def test_concurrent_writers(tmp_path):
+    log = RunLog(tmp_path)
+
+    def work(i):
+        for j in range(200):
+            log.write("merge", device=i, j=j)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log.close()
+    assert len(read_log(tmp_path)) == 800
+
+
+def _synthetic_run(run_dir, algorithm, devices, speed):
+    with RunLog(run_dir) as log:
+        log.write("start", algorithm=algorithm, devices=devices, config={"lr": 0.1})
+        for e in range(1, 6):
+            log.write("eval", epoch=e, samples=1000 * e, train_time=e / speed,
+                      metrics={"P@1": 0.5 - 0.4 / e, "P@3": 0.4 - 0.3 / e})
+        log.write("final", epoch=5, samples=5000, train_time=5 / speed,
+                  metrics={"P@1": 0.42, "P@3": 0.34})
+
+
+def test_plot_runs_png(tmp_path):
+    from xmc_engine.plots import plot_runs
+
+    _synthetic_run(tmp_path / "adaptive", "adaptive", "cpu*2,cpu*1:speed=0.5", 2.0)
+    _synthetic_run(tmp_path / "sync", "sync", "cpu*2", 1.0)
+    out = plot_runs([tmp_path / "adaptive", tmp_path / "sync" / "log.jsonl"],
+                    tmp_path / "plots" / "p.png", metrics=("P@1", "P@3"))
+    assert out == tmp_path / "plots" / "p.png"
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert [p.name for p in out.parent.iterdir()] == ["p.png"]  # no temp file left
+    from matplotlib.image import imread
+    assert imread(out).shape[2] in (3, 4)
+
+
+def test_plot_runs_without_data(tmp_path):
+    from xmc_engine.plots import plot_runs
+
+    with RunLog(tmp_path / "r") as log:
+        log.write("start")
+    with pytest.raises(ValueError, match="P@1"):
+        plot_runs(tmp_path / "r", tmp_path / "p.png")
+    assert not (tmp_path / "p.png").exists()

@@ -1,0 +1,245 @@
+"""The machine-readable run log: one JSON object per line in ``<run_dir>/log.jsonl``.
+
+Every record has ``"event"`` (a string) and ``"wall_time"`` (seconds since the :class:`RunLog`
+was created, or since the ``t0`` it was given; added automatically). Times are in seconds, metrics
+are fractions in ``[0, 1]`` with the names of :mod:`xmc_engine.metrics` (``"P@1"``, ``"nDCG@3"``,
+``"PSP@5"``, ...). NaN and infinities are written as ``null``. Readers must ignore fields they do
+not know. The events the engine writes:
+
+``start``
+    Once, first. ``config`` (the full run configuration as a JSON object), ``algorithm``
+    (``"adaptive"``, ``"sync"``, ``"average"``, ``"easgd"``, ``"crossbow"``, ``"single"``),
+    ``devices`` (the device spec string), ``dataset``, ``n_samples``, ``n_features``,
+    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions).
+``eval``
+    After each evaluation. ``epoch`` (float, epochs of training data consumed), ``samples`` (int,
+    training samples consumed), ``train_time`` (training seconds only; evaluation excluded),
+    ``eval_time`` (seconds this evaluation took), ``metrics`` (``{"P@1": ..., ...}``).
+``merge``
+    After each merge period (Adaptive SGD and the averaging baselines). ``merge`` (index),
+    ``epoch``, ``samples``, ``train_time``, ``lr``, ``devices``: a list with one object per
+    device: ``device`` (name), ``batch_size``, ``updates``, ``samples``, ``weight`` (merge weight
+    ``p_i``), ``busy_s``, ``idle_s`` (time computing vs. waiting at the barrier); optionally
+    ``norm`` and ``flag`` (the adaptive-normalisation trend).
+``checkpoint``
+    After a checkpoint is written: ``path``, ``seq``, ``epoch``, ``samples``, ``train_time``.
+``resume``
+    When a run continues from a checkpoint: ``path``, ``seq``, ``epoch``, ``samples``.
+``device_dropped``
+    A device failed and the run continues without it: ``device``, ``reason``, ``epoch``,
+    ``samples``.
+``final``
+    Once, last. ``status`` (``"completed"``, ``"time_limit"``, ``"diverged"``, ``"interrupted"``),
+    ``epoch``, ``samples``, ``train_time``, ``eval_time`` (total), ``metrics`` (the last
+    evaluation, if any).
+
+For example::
+
+    {"event": "eval", "wall_time": 12.9, "epoch": 1.0, "samples": 490449, "train_time": 11.2,
+     "eval_time": 1.6, "metrics": {"P@1": 0.31, "P@3": 0.27, "P@5": 0.24}}
+
+The file is opened in append mode and flushed after every record, so a crash loses at most the
+record being written; :func:`read_log` drops such a truncated last line with a warning, and a
+:class:`RunLog` that reopens the file first cuts it back to its last complete line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LOG_NAME", "RunLog", "read_log", "log_path"]
+
+LOG_NAME = "log.jsonl"
+
+
+def log_path(path) -> Path:
+    """The log file: ``path`` itself if it ends in ``.jsonl``, else ``path/log.jsonl``."""
+    path = Path(path)
+    return path if path.suffix == ".jsonl" else path / LOG_NAME
+
+
+def _jsonable(obj):
+    """``obj`` in plain JSON types (NaN/Inf -> None; NumPy, tuples, paths, dataclasses too)."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, (int, np.integer)) and not isinstance(obj, np.bool_):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        obj = float(obj)
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return _jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    return str(obj)
+
+
+def _cut_partial_last_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline, so that appended records start on a fresh line."""
+    with open(path, "r+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        pos, chunk = end, 65536
+        while pos > 0:
+            start = max(0, pos - chunk)
+            f.seek(start)
+            nl = f.read(pos - start).rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+        logger.warning("%s: dropping a truncated last record (%d bytes) before appending",
+                       path, end - keep)
+        f.truncate(keep)
+
+
+class RunLog:
+    """Append-only JSON-lines log of one run (record schema in the module docstring).
+
+    Thread-safe: device workers and the evaluation loop may write concurrently.
+
+    Parameters
+    ----------
+    path : str, os.PathLike or None
+        The run folder (the log is ``path/log.jsonl``; the folder is created) or a ``.jsonl``
+        file. ``None`` writes no file; records are still kept in :attr:`records`.
+    t0 : float, optional
+        A :func:`time.perf_counter` value that ``wall_time`` counts from (default: now).
+
+    Attributes
+    ----------
+    path : pathlib.Path or None
+        The log file.
+    records : list of dict
+        Every record written through this object, as written (after NaN -> None).
+    """
+
+    def __init__(self, path=None, t0: float | None = None):
+        self.t0 = time.perf_counter() if t0 is None else float(t0)
+        self.records: list[dict] = []
+        self.path = None if path is None else log_path(path)
+        self._lock = threading.Lock()
+        self._file = None
+        self._closed = False
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                _cut_partial_last_line(self.path)
+            self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+
+    def write(self, event: str, **fields) -> dict:
+        """Append one record ``{"event": event, "wall_time": ..., **fields}``.
+
+        Parameters
+        ----------
+        event : str
+            The record type (``"eval"``, ``"merge"``, ...).
+        **fields
+            JSON-able values; NumPy scalars and arrays, tuples, paths and dataclasses are
+            converted, NaN/Inf become ``null``, anything else is written as ``str(value)``.
+
+        Returns
+        -------
+        dict
+            The record as written.
+        """
+        if not isinstance(event, str) or not event:
+            raise ValueError(f"event must be a non-empty string, got {event!r}")
+        if "wall_time" in fields:
+            raise ValueError("'wall_time' is set by RunLog; pass the time via t0")
+        wall = time.perf_counter() - self.t0
+        record = {"event": event, "wall_time": round(wall, 6), **_jsonable(fields)}
+        line = json.dumps(record, allow_nan=False, separators=(", ", ": "))
+        with self._lock:
+            if self._closed:
+                raise ValueError(f"RunLog {self.path} is closed")
+            if self._file is not None:
+                self._file.write(line + "\n")
+                self._file.flush()
+            self.records.append(record)
+        return record
+
+    def close(self) -> None:
+        """Close the file (idempotent); :attr:`records` stays readable."""
+        with self._lock:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RunLog({str(self.path) if self.path else None!r}, records={len(self.records)})"
+
+
+def read_log(path) -> list[dict]:
+    """Read a run log written by :class:`RunLog`.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A run folder (reads ``path/log.jsonl``) or a ``.jsonl`` file.
+
+    Returns
+    -------
+    list of dict
+        The records in file order. A last line that is not valid JSON (the process died while
+        writing it) is dropped with a warning; blank lines are skipped.
+
+    Raises
+    ------
+    FileNotFoundError
+        No log file.
+    ValueError
+        A line other than the last is not a JSON object (the message gives file and line).
+    """
+    path = log_path(path)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            if i == last:
+                logger.warning("%s line %d: dropping a truncated last record (%s)",
+                               path, i + 1, exc)
+                break
+            raise ValueError(f"{path} line {i + 1}: not a JSON record ({exc})") from None
+        records.append(rec)
+    return records
