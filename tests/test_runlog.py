@@ -105,6 +105,11 @@ def test_plot_runs_png(tmp_path):
 
     _synthetic_run(tmp_path / "adaptive", "adaptive", "cpu*2,cpu*1:speed=0.5", 2.0)
     _synthetic_run(tmp_path / "sync", "sync", "cpu*2", 1.0)
+    from xmc_engine.plots import _run_label
+
+    assert _run_label(tmp_path / "sync", read_log(tmp_path / "sync")) == "sync (sync, cpu*2)"
+    start = {"event": "start", "devices": [{"kind": "cpu"}], "config": {"devices": "cpu*2"}}
+    assert _run_label(tmp_path / "r", [start]) == "r (cpu*2)"
     out = plot_runs([tmp_path / "adaptive", tmp_path / "sync" / "log.jsonl"],
                     tmp_path / "plots" / "p.png", metrics=("P@1", "P@3"))
     assert out == tmp_path / "plots" / "p.png"
@@ -123,3 +128,14 @@ def test_plot_runs_without_data(tmp_path):
     with pytest.raises(ValueError, match="P@1"):
         plot_runs(tmp_path / "r", tmp_path / "p.png")
     assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_curve_of_a_resumed_run():
+    from xmc_engine.plots import _curve
+
+    def ev(t, p):
+        return {"event": "eval", "train_time": t, "metrics": {"P@1": p}}
+
+    records = [ev(1, 0.1), ev(2, 0.2), ev(3, 0.3), {"event": "start"}, ev(2.5, 0.25), ev(3.5, 0.35),
+               {"event": "final", "train_time": 3.5, "metrics": {"P@1": 0.35}}]
+    assert _curve(records, "P@1", "train_time") == ([1, 2, 2.5, 3.5], [0.1, 0.2, 0.25, 0.35])

@@ -30,13 +30,20 @@ def _run_label(run_path: Path, records: list[dict]) -> str:
     name = run_path.parent.name if run_path.suffix == ".jsonl" else run_path.name
     start = next((r for r in records if r.get("event") == "start"), {})
     config = start.get("config") if isinstance(start.get("config"), dict) else {}
-    extra = [str(v) for v in (start.get("algorithm", config.get("algorithm")),
-                              start.get("devices", config.get("devices"))) if v]
+    extra = []
+    for key in ("algorithm", "devices"):  # prefer plain strings (a device spec, not a list)
+        value = next((v for v in (start.get(key), config.get(key)) if isinstance(v, str)), None)
+        if value:
+            extra.append(value)
     return f"{name} ({', '.join(extra)})" if extra else name
 
 
 def _curve(records: list[dict], metric: str, x: str) -> tuple[list[float], list[float]]:
-    """Points ``(x, metric)`` of the ``eval`` records, plus the ``final`` one if it adds a point."""
+    """Points ``(x, metric)`` of the ``eval`` records, plus the ``final`` one if it adds a point.
+
+    A log appended to by a resumed run may step back in ``x`` (the run restarted from an older
+    checkpoint): the later points replace the earlier ones they overlap.
+    """
     xs, ys = [], []
     for r in records:
         if r.get("event") not in ("eval", "final"):
@@ -44,9 +51,13 @@ def _curve(records: list[dict], metric: str, x: str) -> tuple[list[float], list[
         xv, yv = r.get(x), (r.get("metrics") or {}).get(metric)
         if xv is None or yv is None:
             continue
+        xv = float(xv)
         if r.get("event") == "final" and xs and xv == xs[-1]:
             continue
-        xs.append(float(xv))
+        while xs and xs[-1] >= xv:
+            xs.pop()
+            ys.pop()
+        xs.append(xv)
         ys.append(float(yv))
     return xs, ys
 
