@@ -1,5 +1,39 @@
-"""Data layer (installed as ``xmc_engine.datasets``)."""
+"""Data layer (installed as ``xmc_engine.datasets``): readers, writers, cache, registry, fetch,
+synthetic generator.
 
-from .io import load_libsvm, load_split, load_xc, save_xc
+Every loader returns canonical ``scipy.sparse.csr_matrix`` on the host: ``X`` float32 of shape
+``(n_samples, n_features)`` and ``Y`` float32 ones of shape ``(n_samples, n_labels)``.
+"""
 
-__all__ = ["load_libsvm", "load_split", "load_xc", "save_xc"]
+from .fetch import FetchError, fetch
+from .io import load_libsvm, load_npz, load_split, load_xc, save_npz, save_xc
+from .registry import (
+    DatasetInfo,
+    get_dataset_info,
+    list_datasets,
+    load_dataset,
+    load_file,
+    resolve,
+)
+from .stats import describe
+from .synthetic import PRESETS, make_synthetic
+
+__all__ = [
+    "DatasetInfo",
+    "FetchError",
+    "PRESETS",
+    "describe",
+    "fetch",
+    "get_dataset_info",
+    "list_datasets",
+    "load_dataset",
+    "load_file",
+    "load_libsvm",
+    "load_npz",
+    "load_split",
+    "load_xc",
+    "make_synthetic",
+    "resolve",
+    "save_npz",
+    "save_xc",
+]

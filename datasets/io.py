@@ -74,6 +74,18 @@ def read_bytes(path) -> bytes:
             f"{path.name}: corrupt or truncated {path.suffix[1:]} stream ({exc})") from exc
 
 
+def read_head(path, n_bytes: int = 4096) -> bytes:
+    """The first ``n_bytes`` of the decompressed file (for sniffing the format)."""
+    path = Path(path)
+    opener = _OPENERS.get(path.suffix.lower(), open)
+    try:
+        with opener(path, "rb") as fh:
+            return fh.read(n_bytes)
+    except (lzma.LZMAError, EOFError, zlib.error, gzip.BadGzipFile, ValueError) as exc:
+        raise DatasetFormatError(
+            f"{path.name}: corrupt or truncated {path.suffix[1:]} stream ({exc})") from exc
+
+
 def _first_line(buf: bytes) -> tuple[bytes, int]:
     end = buf.find(b"\n")
     if end < 0:
