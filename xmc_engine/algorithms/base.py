@@ -1,0 +1,148 @@
+"""The policy interface every training algorithm implements over the shared scheduler.
+
+A *policy* decides, per merge period (DESIGN.md §4): how batches are assigned (dynamic shared
+cursor or static equal quotas, and each device's batch size), the learning rate of each device,
+and what the merge does (weighted average + broadcast for Adaptive SGD and model averaging;
+elastic moves toward a centre for EASGD / CROSSBOW; one step per period with a global batch for
+synchronous SGD). The scheduler (:class:`xmc_engine.scheduler.ParallelTrainer`) runs the devices
+and calls the policy between periods, on the main thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from xmc_engine.errors import ConfigError, DivergenceError
+from xmc_engine.scheduler.merge import find_nonfinite
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ConfigMixin", "Policy"]
+
+
+class ConfigMixin:
+    """JSON round-trip for config dataclasses; unknown keys and bad types are ``ConfigError``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "config"):
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {unknown} for {cls.__name__}; "
+                              f"valid keys: {sorted(names)}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for k, v in d.items():
+            t = hints[k]
+            if t is bool:
+                ok = isinstance(v, bool)
+            elif t is int:
+                ok = isinstance(v, int) and not isinstance(v, bool)
+            elif t is float:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+                v = float(v) if ok else v
+            elif t is str:
+                ok = isinstance(v, str)
+            else:
+                ok = True
+            if not ok:
+                raise ConfigError(f"{source}: {cls.__name__}.{k} must be {t.__name__}, "
+                                  f"got {v!r}")
+            kwargs[k] = v
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "config"):
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{source}: not valid JSON: {e}") from None
+        return cls.from_dict(d, source=source)
+
+
+class Policy:
+    """Base class of the training algorithms (subclasses override the hooks they need).
+
+    Attributes
+    ----------
+    name : str
+    static : bool
+        Static equal quotas per period (``True``) or the dynamic shared cursor (``False``).
+    merge_period : int
+        ``S``, samples per merge period.
+    """
+
+    name = "base"
+    static = False
+    merge_period: int = 1
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def setup(self, replicas: Sequence, n_samples: int) -> None:
+        """Called once by the trainer after the replicas were made identical."""
+        self.n_devices = len(replicas)
+        self.n_samples = int(n_samples)
+        self.backend = replicas[0].backend
+        xp = getattr(self.backend, "xp", np)
+        self.central = [xp.array(a, copy=True) for a in replicas[0].params()]
+
+    # -- per period ----------------------------------------------------------------------------
+    def batch_sizes(self) -> list[int]:
+        """Batch size of each device for the next period."""
+        raise NotImplementedError
+
+    def learning_rates(self, lr0: float, progress: float) -> tuple[float, list[float]]:
+        """``(lr(t), [lr_i])`` for the next period; ``progress`` = epochs done at its end."""
+        raise NotImplementedError
+
+    def merge(self, replicas: Sequence, updates: Sequence[int]) -> dict[str, Any]:
+        """Merge the replicas after a period (main thread); returns loggable info.
+
+        The info holds at least ``weights`` (one float per device).
+        """
+        raise NotImplementedError
+
+    def end_period(self, progress: float, updates: Sequence[int], samples: Sequence[int],
+                   busy_s: Sequence[float]) -> None:
+        """Observe the period's measurements (e.g. to adapt batch sizes)."""
+
+    def central_params(self) -> list:
+        """The central (merged) model: list of arrays on the first device's backend."""
+        return self.central
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _finite_updates(self, params: Sequence[Sequence], updates: Sequence[int]):
+        """Update counts with non-finite replicas zeroed; raises if no finite replica is left.
+
+        Returns ``(counts, bad)``; when every finite replica has a zero count, the finite ones
+        get count 1 (uniform over the finite replicas).
+        """
+        bad = find_nonfinite(params, self.backend)
+        if len(bad) == len(params):
+            raise DivergenceError(f"every replica ({len(bad)}) has non-finite parameters")
+        c = np.asarray(updates, dtype=np.float64).copy()
+        if bad:
+            logger.warning("replicas %s are non-finite: dropped from the merge and reset", bad)
+            c[bad] = 0.0
+            if c.sum() == 0:
+                c[:] = 1.0
+                c[bad] = 0.0
+        return c, bad
+
+    def _broadcast(self, replicas: Sequence, params: Sequence) -> None:
+        for r in replicas:
+            r.set_params(params)

@@ -1,0 +1,120 @@
+"""Per-device batch sizes and learning rates of Adaptive SGD: warm-up, adaptation, decay.
+
+arXiv 2110.07029 §III-C ("adaptive batch size") and §IV (warm-up, learning-rate schedule),
+DESIGN.md §4.2, §4.4, §4.5.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchSizeController", "learning_rate", "RULES"]
+
+RULES = ("step", "proportional", "fixed")
+
+
+def learning_rate(lr0: float, progress: float, *, warmup_epochs: float = 0.0,
+                  decay: float = 0.0) -> float:
+    """Base learning rate ``lr(t)`` after ``progress`` epochs (float, e.g. 1.25).
+
+    Warm-up (``progress < warmup_epochs``): linear ramp ``lr0 * progress / warmup_epochs`` — the
+    caller passes the progress at the *end* of the period about to run, so the first period does
+    not get ``lr = 0``. After warm-up: ``lr0 / (1 + decay * (progress - warmup_epochs))`` with
+    ``progress`` counted in whole epochs (DESIGN.md §4.5: ``lr(e) = lr0 / (1 + λ (e − e_warm))``).
+    """
+    if warmup_epochs > 0 and progress < warmup_epochs:
+        return lr0 * max(progress, 0.0) / warmup_epochs
+    e = int(np.floor(progress + 1e-9)) - warmup_epochs
+    return lr0 / (1.0 + decay * max(e, 0.0))
+
+
+class BatchSizeController:
+    """Batch size ``b_i`` of every device, updated after each merge period.
+
+    Parameters
+    ----------
+    n_devices : int
+    batch_size : int
+        ``B``, the base batch size; every device uses it during warm-up.
+    b_min, b_max, delta_b : int
+        Bounds and step of the adaptation (paper: 32, 1024, 32).
+    rule : {'step', 'proportional', 'fixed'}
+        ``step`` — the paper's rule (arXiv 2110.07029 §III-C): ``b_i -= Δb`` if ``p_i < 1/n``,
+        ``b_i += Δb`` if ``p_i > 1/n``, clipped to ``[b_min, b_max]``; a device whose update count
+        is within ``deadband`` updates of the mean is left alone (``p_i - 1/n = (c_i - c̄)/Σc``;
+        ``deadband = 0`` is the paper's strict rule, which keeps oscillating by ``Δb`` around the
+        steady state).
+        ``proportional`` — ``b_i = n B v_i / Σ_j v_j`` with ``v_i`` = samples per busy second
+        measured in the period (busy time includes the emulated slow-down, excludes barrier
+        waits): every device then needs the same time per update, which is the steady state
+        of the step rule, reached in one period. Rounded so that ``Σ b_i = n B``, then clipped.
+        ``fixed`` — ``b_i = B`` always (the baselines).
+    warmup_epochs : float
+        No adaptation while ``progress < warmup_epochs`` (equal batches ``B``).
+    deadband : float
+        See ``step``.
+    """
+
+    def __init__(self, n_devices: int, batch_size: int, *, b_min: int = 32, b_max: int = 1024,
+                 delta_b: int = 32, rule: str = "step", warmup_epochs: float = 0.0,
+                 deadband: float = 0.5):
+        if rule not in RULES:
+            raise ValueError(f"unknown batch-size rule {rule!r}; expected one of {RULES}")
+        if not (1 <= b_min <= b_max):
+            raise ValueError(f"need 1 <= b_min <= b_max, got {b_min}, {b_max}")
+        self.n_devices = int(n_devices)
+        self.batch_size = int(batch_size)
+        self.b_min, self.b_max, self.delta_b = int(b_min), int(b_max), int(delta_b)
+        self.rule = rule
+        self.warmup_epochs = float(warmup_epochs)
+        self.deadband = float(deadband)
+        self.batch_sizes = [self.batch_size] * self.n_devices
+
+    def learning_rates(self, lr: float) -> list[float]:
+        """Per-device ``lr_i = lr(t) * b_i / B`` (linear scaling, arXiv 2110.07029 §III-C)."""
+        return [lr * b / self.batch_size for b in self.batch_sizes]
+
+    def update(self, progress: float, updates: Sequence[int], samples: Sequence[int],
+               busy_s: Sequence[float]) -> list[int]:
+        """Adapt the batch sizes after a merge period; returns (and keeps) the new sizes.
+
+        Parameters
+        ----------
+        progress : float
+            Epochs done at the end of the period that just merged.
+        updates, samples, busy_s : sequences of length n_devices
+            ``c_i``, samples taken and busy seconds of each device in that period.
+        """
+        if self.rule == "fixed" or progress < self.warmup_epochs or self.n_devices == 1:
+            return self.batch_sizes
+        c = np.asarray(updates, dtype=np.float64)
+        if c.sum() <= 0:
+            return self.batch_sizes
+        if self.rule == "step":
+            mean = c.mean()
+            new = []
+            for b, ci in zip(self.batch_sizes, c, strict=True):
+                if ci < mean - self.deadband:
+                    b -= self.delta_b
+                elif ci > mean + self.deadband:
+                    b += self.delta_b
+                new.append(int(min(max(b, self.b_min), self.b_max)))
+            self.batch_sizes = new
+            return new
+        s = np.asarray(samples, dtype=np.float64)
+        t = np.asarray(busy_s, dtype=np.float64)
+        if np.any(s <= 0) or np.any(t <= 0):
+            return self.batch_sizes  # a device sat out the period: keep the sizes
+        v = s / t
+        target = self.n_devices * self.batch_size * v / v.sum()
+        base = np.floor(target).astype(np.int64)
+        short = int(self.n_devices * self.batch_size - base.sum())
+        order = np.argsort(-(target - base), kind="stable")
+        base[order[:short]] += 1
+        self.batch_sizes = [int(min(max(b, self.b_min), self.b_max)) for b in base]
+        return self.batch_sizes

@@ -1,0 +1,245 @@
+"""Model merging as pure functions: merge weights, adaptive normalization, weighted sum, momentum.
+
+arXiv 2110.07029 §III-B ("normalized model merging"), DESIGN.md §4.3. Array arguments are lists of
+parameter arrays (one list per replica, same order and shapes), on the device of ``backend``.
+The arithmetic goes through the backend's merge launchers (``weighted_sum``, ``momentum``,
+``elastic``) when the backend has them and falls back to plain ``xp`` arithmetic otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from xmc_engine.errors import DivergenceError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FLAG_RULES",
+    "NormTrend",
+    "adaptive_normalization",
+    "central_momentum",
+    "elastic_update",
+    "find_nonfinite",
+    "l2_norm",
+    "merge_weights",
+    "weighted_merge",
+]
+
+#: Rules for the L2-norm trend flag of adaptive normalization (see :class:`NormTrend`).
+FLAG_RULES = ("norm_rise", "always", "never")
+
+
+def _xp(backend, array=None):
+    xp = getattr(backend, "xp", None)
+    if xp is not None:
+        return xp
+    if array is not None and type(array).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def merge_weights(updates: Sequence[float]) -> np.ndarray:
+    """Normalized merge weights ``p_i = c_i / sum_j c_j`` (arXiv 2110.07029 §III-B).
+
+    Parameters
+    ----------
+    updates : sequence of float, length n_devices
+        ``c_i``, the updates (steps) device ``i`` made in the period.
+
+    Returns
+    -------
+    numpy.ndarray of float64, shape (n_devices,)
+        Sums to 1. When no device made an update the weights are uniform.
+    """
+    c = np.asarray(updates, dtype=np.float64)
+    if c.ndim != 1 or c.size == 0 or np.any(c < 0) or not np.all(np.isfinite(c)):
+        raise ValueError(f"update counts must be a non-empty list of finite counts >= 0, got {c}")
+    total = c.sum()
+    if total == 0:
+        return np.full(c.size, 1.0 / c.size)
+    return c / total
+
+
+def adaptive_normalization(p: Sequence[float], flag: int, boost: float = 0.1) -> np.ndarray:
+    """Adaptive normalization of merge weights (arXiv 2110.07029 §III-B, DESIGN.md §4.3).
+
+    When ``flag == +1`` the largest weight is multiplied by ``1 + boost`` and the smallest by
+    ``1 - boost``, then the weights are renormalised to sum to 1. Otherwise (and when all
+    weights are equal, or there is one device) ``p`` is returned unchanged (as a copy). Ties go
+    to the lowest index.
+
+    Parameters
+    ----------
+    p : sequence of float, shape (n_devices,)
+        Merge weights summing to 1.
+    flag : int
+        The L2-norm trend flag (+1 to boost; see :class:`NormTrend`).
+    boost : float
+        Relative change, the paper's 10 %: ``0.1``.
+    """
+    q = np.array(p, dtype=np.float64)
+    if flag != 1 or q.size < 2 or boost == 0:
+        return q
+    hi, lo = int(np.argmax(q)), int(np.argmin(q))
+    if q[hi] == q[lo]:
+        return q
+    q[hi] *= 1.0 + boost
+    q[lo] *= 1.0 - boost
+    return q / q.sum()
+
+
+class NormTrend:
+    """The L2-norm trend flag that switches adaptive normalization on.
+
+    The paper boosts the weights "while the L2-norm of the merged model rises" without giving the
+    exact condition. Ours, rule ``"norm_rise"``: after merge ``t`` the flag is ``+1`` iff
+    ``||w̄_t||_2 > ||w̄_{t-1}||_2``, where ``w̄`` is the merged model *before* momentum and the norm
+    is taken over all parameter arrays together; the flag is then used at merge ``t + 1`` (so each
+    merge needs only one weighted sum). Before two merges have been seen the flag is ``0``. Rule
+    ``"always"`` gives ``+1`` at every merge, rule ``"never"`` gives ``0`` (no boost: the
+    baseline to benchmark the boost against).
+    """
+
+    def __init__(self, rule: str = "norm_rise"):
+        if rule not in FLAG_RULES:
+            raise ValueError(f"unknown flag rule {rule!r}; expected one of {FLAG_RULES}")
+        self.rule = rule
+        self.norms: list[float] = []
+
+    @property
+    def flag(self) -> int:
+        """``+1`` (boost at the next merge) or ``0``."""
+        if self.rule == "always":
+            return 1
+        if self.rule == "never" or len(self.norms) < 2:
+            return 0
+        return 1 if self.norms[-1] > self.norms[-2] else 0
+
+    def observe(self, norm: float) -> None:
+        """Record the L2 norm of the merged model of the merge just done."""
+        self.norms.append(float(norm))
+        del self.norms[:-2]
+
+
+def l2_norm(params: Sequence, backend=None) -> float:
+    """L2 norm of all parameter arrays together (host float; synchronizes the device)."""
+    total = 0.0
+    for a in params:
+        xp = _xp(backend, a)
+        v = xp.ravel(a)
+        total += float(xp.dot(v, v))
+    return math.sqrt(total)
+
+
+def find_nonfinite(replica_params: Sequence[Sequence], backend=None) -> list[int]:
+    """Indices of the replicas with a NaN or infinite parameter (host list; synchronizes).
+
+    A sum propagates any NaN/inf, so one reduction per array suffices (float64 accumulation).
+    """
+    bad = []
+    for i, params in enumerate(replica_params):
+        for a in params:
+            xp = _xp(backend, a)
+            if not math.isfinite(float(xp.sum(a, dtype=xp.float64))):
+                bad.append(i)
+                break
+    return bad
+
+
+def weighted_merge(replica_params: Sequence[Sequence], p: Sequence[float], out: Sequence,
+                   backend=None, *, check: bool = True) -> Sequence:
+    """Merged model ``w̄ = sum_i p_i w_i`` (arXiv 2110.07029 §III-B), written into ``out``.
+
+    Parameters
+    ----------
+    replica_params : list (n_devices) of list of arrays
+        Each replica's parameters; arrays on the device of ``backend`` (or peer-accessible).
+    p : sequence of float, shape (n_devices,)
+        Merge weights (summing to 1 for a convex combination). Replicas with weight 0 are
+        skipped entirely, so a non-finite replica with weight 0 cannot poison the merge.
+    out : list of arrays
+        Destination, same shapes; may be one of the replicas' lists only if that replica's
+        weight is the first non-zero one.
+    backend : optional
+        Uses ``backend.weighted_sum(arrays, weights, out)`` when present.
+    check : bool
+        Raise ``DivergenceError`` if a replica with non-zero weight is non-finite.
+
+    Returns
+    -------
+    out
+    """
+    n = len(replica_params)
+    w = [float(x) for x in p]
+    if len(w) != n:
+        raise ValueError(f"{len(w)} weights for {n} replicas")
+    used = [i for i in range(n) if w[i] != 0.0]
+    if not used:
+        raise ValueError("all merge weights are zero")
+    if check:
+        bad = find_nonfinite([replica_params[i] for i in used], backend)
+        if bad:
+            raise DivergenceError(f"replicas {[used[j] for j in bad]} have non-finite "
+                                  "parameters and a non-zero merge weight")
+    ws = [w[i] for i in used]
+    kernel = getattr(backend, "weighted_sum", None)
+    for k, dst in enumerate(out):
+        arrays = [replica_params[i][k] for i in used]
+        if kernel is not None:
+            kernel(arrays, ws, dst)
+            continue
+        xp = _xp(backend, dst)
+        xp.multiply(arrays[0], ws[0], out=dst)
+        for a, wi in zip(arrays[1:], ws[1:], strict=True):
+            dst += wi * a
+    return out
+
+
+def central_momentum(wbar: Sequence, z_prev: Sequence, z_prev2: Sequence, mu: float,
+                     out: Sequence, backend=None) -> Sequence:
+    """Momentum on the central model ``z_t = w̄_t + mu (z_{t-1} - z_{t-2})`` into ``out``.
+
+    arXiv 2110.07029 §III-B (merge followed by momentum), DESIGN.md §4.3. All arguments are lists
+    of arrays with the same shapes; ``out`` must not alias ``z_prev``. With ``mu == 0`` this is an
+    exact copy of ``wbar``. Uses ``backend.momentum(wbar, z_prev, z_prev2, mu, out)`` if present.
+    """
+    kernel = getattr(backend, "momentum", None)
+    for wb, z1, z2, dst in zip(wbar, z_prev, z_prev2, out, strict=True):
+        xp = _xp(backend, dst)
+        if mu == 0:
+            if dst is not wb:
+                xp.copyto(dst, wb)
+        elif kernel is not None:
+            kernel(wb, z1, z2, mu, dst)
+        else:
+            xp.subtract(z1, z2, out=dst)
+            dst *= mu
+            dst += wb
+    return out
+
+
+def elastic_update(x: Sequence, center: Sequence, alpha: float, diff_out: Sequence,
+                   backend=None) -> Sequence:
+    """Elastic step ``d = alpha (x - c)``, ``x <- x - d``; returns ``diff_out`` holding ``d``.
+
+    The building block of EASGD (Zhang et al. 2015) and CROSSBOW (Koliousis et al. 2019),
+    DESIGN.md §4 baselines; the caller accumulates ``d`` into the centre. Uses
+    ``backend.elastic(x, center, alpha, diff_out)`` if present.
+    """
+    kernel = getattr(backend, "elastic", None)
+    for xi, c, d in zip(x, center, diff_out, strict=True):
+        if kernel is not None:
+            kernel(xi, c, alpha, d)
+            continue
+        xp = _xp(backend, xi)
+        xp.subtract(xi, c, out=d)
+        d *= alpha
+        xi -= d
+    return diff_out

@@ -1,0 +1,156 @@
+"""The worker interface the scheduler drives (``Replica``) and a deterministic fake for tests.
+
+The scheduler never looks inside a model: it only asks a replica to train on some rows, and
+reads/writes its parameter list at merges (STYLE.md "Scheduler logic is testable without
+hardware"). :class:`xmc_engine.model` implements the real one; :class:`FakeReplica` has no real
+compute, a fixed latency per sample and per step, and a small convex problem whose parameters
+change deterministically with every step, so merges can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Replica", "FakeReplica", "HostBackend"]
+
+
+@runtime_checkable
+class Replica(Protocol):
+    """One model copy on one device (arXiv 2110.07029 §III: a "worker" replica ``w_i``).
+
+    Attributes
+    ----------
+    backend
+        The device backend (:mod:`xmc_engine.backends`): at least ``xp``; the scheduler also uses
+        ``synchronize()``, ``thread_budget(n)`` and the merge launchers ``weighted_sum``,
+        ``momentum``, ``elastic`` when present.
+    """
+
+    backend: Any
+
+    def train_batch(self, rows: np.ndarray, lr: float) -> float:
+        """One SGD step on the training rows ``rows`` (int64, host); returns the summed loss."""
+
+    def params(self) -> list:
+        """The live parameter arrays on the device (same order and shapes for every replica)."""
+
+    def set_params(self, params: list) -> None:
+        """Copy ``params`` into this replica's own arrays (peer copy across GPUs)."""
+
+
+class HostBackend:
+    """Minimal NumPy backend for fakes: ``xp``, ``asarray``, ``to_host``, no merge launchers.
+
+    The merge code falls back to plain ``xp`` arithmetic for backends without ``weighted_sum``
+    / ``momentum`` / ``elastic`` (see :mod:`xmc_engine.scheduler.merge`).
+    """
+
+    name = "cpu"
+    device_id = None
+    xp = np
+
+    def asarray(self, a):
+        return np.asarray(a)
+
+    def to_host(self, a):
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        pass
+
+    def thread_budget(self, n: int):
+        return contextlib.nullcontext()
+
+
+class FakeReplica:
+    """A replica without real compute, for scheduler tests and integration scaffolding.
+
+    The model is the convex problem ``loss_j(w) = 0.5 * ||w - t_j||^2`` per sample ``j``, with
+    targets ``t_j`` drawn once from ``seed`` (the same for every replica built with the same
+    ``seed``). One step sets ``w <- w - lr * (w - mean_{j in rows} t_j)`` on every parameter
+    array and returns the summed loss: deterministic, order-sensitive, cheap.
+
+    Parameters
+    ----------
+    n_samples : int
+        Training rows this replica can be asked for.
+    shapes : sequence of tuple
+        Shapes of the parameter arrays (float64, host).
+    latency_per_sample, latency_per_step : float
+        Seconds one step on ``b`` rows takes: ``latency_per_step + b * latency_per_sample``. In the
+        threaded scheduler the replica sleeps that long; the simulated scheduler reads it from
+        :meth:`simulated_seconds` instead and never sleeps.
+    sleep : bool
+        Whether :meth:`train_batch` really sleeps (set False for the simulated scheduler).
+    fail_at_step : int, optional
+        Raise ``RuntimeError`` at this step (0-based), to test failure propagation.
+    nan_at_step : int, optional
+        Make the parameters NaN at this step, to test non-finite detection.
+    hang_at_step : int, optional
+        Sleep ``hang_seconds`` at this step (to test scheduler timeouts).
+    record : bool
+        Keep ``self.history`` = list of ``(rows, lr)`` for every step.
+    seed : int
+        Seeds the targets and the initial parameters.
+    """
+
+    def __init__(self, n_samples: int, shapes=((4, 3), (3,)), *, latency_per_sample: float = 1e-5,
+                 latency_per_step: float = 1e-4, sleep: bool = True,
+                 fail_at_step: int | None = None, nan_at_step: int | None = None,
+                 hang_at_step: int | None = None,
+                 hang_seconds: float = 60.0, record: bool = True, seed: int = 0, backend=None):
+        self.n_samples = int(n_samples)
+        self.backend = backend if backend is not None else HostBackend()
+        rng = np.random.default_rng(seed)
+        self._targets = [rng.standard_normal((self.n_samples, *s)) for s in shapes]
+        self._params = [rng.standard_normal(s) for s in shapes]
+        self.latency_per_sample = float(latency_per_sample)
+        self.latency_per_step = float(latency_per_step)
+        self.sleep = sleep
+        self.fail_at_step = fail_at_step
+        self.nan_at_step = nan_at_step
+        self.hang_at_step = hang_at_step
+        self.hang_seconds = hang_seconds
+        self.record = record
+        self.steps = 0
+        self.history: list[tuple[np.ndarray, float]] = []
+
+    def simulated_seconds(self, n_rows: int) -> float:
+        """Latency of one step on ``n_rows`` rows (used by the simulated scheduler's clock)."""
+        return self.latency_per_step + n_rows * self.latency_per_sample
+
+    def train_batch(self, rows: np.ndarray, lr: float) -> float:
+        step = self.steps
+        self.steps += 1
+        if self.fail_at_step is not None and step == self.fail_at_step:
+            raise RuntimeError(f"FakeReplica: injected failure at step {step}")
+        if self.hang_at_step is not None and step == self.hang_at_step:
+            time.sleep(self.hang_seconds)
+        if self.sleep:
+            time.sleep(self.simulated_seconds(len(rows)))
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.record:
+            self.history.append((rows.copy(), float(lr)))
+        loss = 0.0
+        for w, t in zip(self._params, self._targets, strict=True):
+            tb = t[rows]
+            loss += 0.5 * float(((w[None] - tb) ** 2).sum())
+            w -= lr * (w - tb.mean(axis=0))
+        if self.nan_at_step is not None and step == self.nan_at_step:
+            for w in self._params:
+                w[...] = np.nan
+        return loss
+
+    def params(self) -> list:
+        return self._params
+
+    def set_params(self, params: list) -> None:
+        for dst, src in zip(self._params, params, strict=True):
+            dst[...] = src

@@ -1,0 +1,363 @@
+"""The parallel trainer: one host thread per device, merge barrier, merge on the main thread.
+
+arXiv 2110.07029 §III (dynamic scheduling + normalized model merging), DESIGN.md §3-4. Each merge
+period: the policy gives batch sizes and learning rates; the devices draw batches from the shared
+:class:`~xmc_engine.scheduler.queue.BatchQueue` until it refuses them; at the barrier the main
+thread runs the policy's merge (which broadcasts the central model) and lets the policy adapt.
+
+Two modes share the queue, the controller and the merge code:
+
+``"threads"``    one persistent host thread per device (the real thing). A worker sets its
+                 device's thread budget once, in its own thread. A speed factor ``s < 1`` makes
+                 the worker idle ``(1/s - 1)`` times the busy time of each step (emulated
+                 heterogeneity, DESIGN.md §3).
+``"simulated"``  a deterministic discrete-event run on a virtual clock, all on the main thread,
+                 no sleeping: a step of device ``i`` on ``b`` rows lasts ``cost(i, b) / s_i``
+                 virtual seconds, where ``cost`` defaults to ``replica.simulated_seconds(b)``
+                 (:class:`~xmc_engine.scheduler.replica.FakeReplica`) or else the measured wall
+                 time of the step. The device with the earliest clock takes the next batch
+                 (ties: lowest id). Used by the tests on noisy machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue as _queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from xmc_engine.errors import DeviceFailure
+from xmc_engine.scheduler.queue import BatchQueue
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParallelTrainer"]
+
+MODES = ("threads", "simulated")
+
+
+class _Abort(Exception):
+    pass
+
+
+class ParallelTrainer:
+    """Runs a training policy over several replicas, one per device.
+
+    Parameters
+    ----------
+    replicas : sequence of Replica
+        One per device (:class:`~xmc_engine.scheduler.replica.Replica`). At construction every
+        replica is set to replica 0's parameters, so all start from the same model.
+    devices : sequence of DeviceSpec
+        Same length; provides the speed factor and thread budget of each worker. ``None`` means
+        full-speed single-thread devices.
+    policy : Policy or str
+        A policy object (:mod:`xmc_engine.algorithms`) or an algorithm name with default options.
+    n_samples : int
+        Training rows; ``replica.train_batch`` receives int64 indices into ``range(n_samples)``.
+    seed : int
+        Seeds the epoch permutations.
+    log : object with ``write(event, **fields)``, optional
+        Receives one ``"merge"`` event per period (the run log, :mod:`xmc_engine.runlog`).
+    mode : {'threads', 'simulated'}
+        See the module docstring.
+    cost : callable ``(device_id, n_rows) -> seconds``, optional
+        Simulated mode's step latency (before the speed factor).
+    timeout : float
+        Seconds the main thread waits for a worker report before declaring the silent devices
+        failed (``DeviceFailure``): no hang even if a device stalls.
+    trace : bool
+        Record ``self.events``: ``(kind, period, device)`` tuples in the order they happened,
+        kinds ``"take"``, ``"merge_start"``, ``"merge_end"`` (for barrier tests).
+
+    Notes
+    -----
+    Use as a context manager (or call :meth:`close`) to stop the worker threads.
+    """
+
+    def __init__(self, replicas: Sequence, devices: Sequence | None, policy, n_samples: int, *,
+                 seed: int = 0, log=None, mode: str = "threads",
+                 cost: Callable[[int, int], float] | None = None, timeout: float = 600.0,
+                 trace: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.replicas = list(replicas)
+        n = len(self.replicas)
+        if n == 0:
+            raise ValueError("ParallelTrainer needs at least one replica")
+        if devices is None:
+            from xmc_engine.devices import DeviceSpec
+
+            devices = [DeviceSpec("cpu")] * n
+        self.devices = list(devices)
+        if len(self.devices) != n:
+            raise ValueError(f"{n} replicas but {len(self.devices)} devices")
+        if isinstance(policy, str):
+            from xmc_engine.algorithms import get_algorithm
+
+            policy = get_algorithm(policy)
+        self.policy = policy
+        self.n_samples = int(n_samples)
+        self.seed = int(seed)
+        self.log = log
+        self.mode = mode
+        self.cost = cost
+        self.timeout = float(timeout)
+        self.trace = trace
+        self.events: list[tuple[str, int, int]] = []
+        self._trace_lock = threading.Lock()
+        self.queue = BatchQueue(self.n_samples, n, policy.merge_period, seed=self.seed,
+                                static=policy.static)
+        init = self.replicas[0].params()
+        for r in self.replicas[1:]:
+            r.set_params(init)
+        policy.setup(self.replicas, self.n_samples)
+        self.period_global = 0
+        self.virtual_time = 0.0
+        self._broken: BaseException | None = None
+        self._threads: list[threading.Thread] = []
+        self._abort = threading.Event()
+        if mode == "threads":
+            self._start_workers()
+
+    # -- public --------------------------------------------------------------------------------
+    @property
+    def n_devices(self) -> int:
+        return len(self.replicas)
+
+    def central_params(self) -> list:
+        """The central model after the last merge (valid until the next merge)."""
+        return self.policy.central_params()
+
+    def run_epoch(self, epoch: int, lr: float) -> dict[str, Any]:
+        """Train one epoch (every sample exactly once), merging every ``S`` samples.
+
+        Parameters
+        ----------
+        epoch : int
+            Epoch number (seeds the shuffle, drives warm-up and decay).
+        lr : float
+            Base learning rate ``lr0``; the policy applies its schedule (warm-up ramp, decay,
+            per-device linear scaling) on top.
+
+        Returns
+        -------
+        dict
+            ``epoch, samples, updates, periods, loss`` (mean per sample), ``lr`` (base rate of the
+            last period), ``train_seconds`` (wall time, or virtual time in simulated mode),
+            ``merge_seconds`` and ``devices``: one dict per device with ``device, samples,
+            updates, busy_s, idle_s, batch_size`` (at the end of the epoch).
+
+        Raises
+        ------
+        DeviceFailure
+            A worker raised or stayed silent for ``timeout`` seconds; names the device.
+        DivergenceError
+            Every replica became non-finite.
+        """
+        if self._broken is not None:
+            raise DeviceFailure(f"trainer is unusable after an earlier failure: {self._broken}")
+        n = self.n_devices
+        q = self.queue
+        q.start_epoch(epoch)
+        tot = {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n}
+        loss_sum, periods, merge_s, train_s, lr_t = 0.0, 0, 0.0, 0.0, 0.0
+        t_epoch = time.perf_counter()
+        while not q.epoch_done:
+            done_before = self.n_samples - q.remaining
+            acct = q.start_period(self.policy.batch_sizes())
+            progress = epoch + (done_before + acct.budget) / self.n_samples
+            lr_t, lrs = self.policy.learning_rates(lr, progress)
+            if self.mode == "threads":
+                res = self._period_threads(lrs)
+            else:
+                res = self._period_simulated(lrs)
+            train_s += res["seconds"]
+            t0 = time.perf_counter()
+            self._trace("merge_start", -1)
+            info = self.policy.merge(self.replicas, acct.updates)
+            self._trace("merge_end", -1)
+            merge_s += time.perf_counter() - t0
+            self.policy.end_period(progress, acct.updates, acct.samples, res["busy_s"])
+            loss_sum += sum(res["loss"])
+            rows = []
+            for i in range(n):
+                tot["samples"][i] += acct.samples[i]
+                tot["updates"][i] += acct.updates[i]
+                tot["busy_s"][i] += res["busy_s"][i]
+                tot["idle_s"][i] += res["idle_s"][i]
+                rows.append({"device": i, "name": str(self.devices[i]),
+                             "batch_size": acct.batch_sizes[i], "updates": acct.updates[i],
+                             "samples": acct.samples[i], "weight": info["weights"][i],
+                             "lr": lrs[i], "busy_s": res["busy_s"][i],
+                             "idle_s": res["idle_s"][i], "loss": res["loss"][i]})
+            if self.log is not None:
+                extra = {k: v for k, v in info.items() if k != "weights"}
+                self.log.write("merge", epoch=epoch, period=acct.period, lr=lr_t,
+                               algorithm=self.policy.name, devices=rows, **extra)
+            logger.debug("epoch %d period %d: updates %s weights %s", epoch, acct.period,
+                         acct.updates, info["weights"])
+            periods += 1
+            self.period_global += 1
+        if self.mode == "threads":
+            train_s = time.perf_counter() - t_epoch
+        samples = sum(tot["samples"])
+        bs = self.policy.batch_sizes()
+        return {
+            "epoch": epoch, "samples": samples, "updates": sum(tot["updates"]),
+            "periods": periods, "loss": loss_sum / max(samples, 1), "lr": lr_t,
+            "train_seconds": train_s, "merge_seconds": merge_s,
+            "devices": [{"device": i, "name": str(self.devices[i]),
+                         "samples": tot["samples"][i], "updates": tot["updates"][i],
+                         "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
+                         "batch_size": bs[i]} for i in range(n)],
+        }
+
+    def close(self) -> None:
+        """Stop the worker threads (idempotent). Threads stuck in a step are left as daemons."""
+        self._abort.set()
+        for inbox in getattr(self, "_inboxes", []):
+            inbox.put(None)
+        for t in self._threads:
+            t.join(timeout=1.0)
+        self._threads = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _trace(self, kind: str, device: int) -> None:
+        if self.trace:
+            with self._trace_lock:
+                self.events.append((kind, self.period_global, device))
+
+    def _step(self, i: int, rows, lr: float) -> tuple[float, float]:
+        """One step of device ``i``; returns ``(loss, wall seconds)``."""
+        rep = self.replicas[i]
+        t0 = time.perf_counter()
+        loss = rep.train_batch(rows, lr)
+        sync = getattr(rep.backend, "synchronize", None)
+        if sync is not None:
+            sync()
+        return float(loss), time.perf_counter() - t0
+
+    # simulated mode ---------------------------------------------------------------------------
+    def _period_simulated(self, lrs: Sequence[float]) -> dict[str, Any]:
+        n = self.n_devices
+        clock = [0.0] * n
+        busy = [0.0] * n
+        loss = [0.0] * n
+        active = list(range(n))
+        while active:
+            i = min(active, key=lambda j: (clock[j], j))
+            rows = self.queue.take(i)
+            if rows is None:
+                active.remove(i)
+                continue
+            self._trace("take", i)
+            try:
+                step_loss, wall = self._step(i, rows, lrs[i])
+            except Exception as e:
+                self._broken = e
+                raise DeviceFailure(f"device {i} ({self.devices[i]}) failed: {e!r}") from e
+            if self.cost is not None:
+                dt = float(self.cost(i, len(rows)))
+            elif hasattr(self.replicas[i], "simulated_seconds"):
+                dt = float(self.replicas[i].simulated_seconds(len(rows)))
+            else:
+                dt = wall
+            dt /= self.devices[i].speed
+            clock[i] += dt
+            busy[i] += dt
+            loss[i] += step_loss
+        end = max(clock)
+        self.virtual_time += end
+        return {"seconds": end, "busy_s": busy, "idle_s": [end - c for c in clock],
+                "loss": loss}
+
+    # threaded mode ----------------------------------------------------------------------------
+    def _start_workers(self) -> None:
+        n = self.n_devices
+        self._inboxes = [_queue.SimpleQueue() for _ in range(n)]
+        self._outbox: _queue.SimpleQueue = _queue.SimpleQueue()
+        for i in range(n):
+            t = threading.Thread(target=self._worker, args=(i,), daemon=True,
+                                 name=f"xmc-device-{i}-{self.devices[i]}")
+            t.start()
+            self._threads.append(t)
+
+    def _worker(self, i: int) -> None:
+        dev, rep = self.devices[i], self.replicas[i]
+        try:
+            budget = getattr(rep.backend, "thread_budget", None)
+            ctx = budget(dev.threads) if budget is not None else contextlib.nullcontext()
+            with ctx:
+                while True:
+                    job = self._inboxes[i].get()
+                    if job is None:
+                        return
+                    try:
+                        self._outbox.put((i, self._run_period(i, job), None))
+                    except _Abort:
+                        self._outbox.put((i, None, None))
+                    except BaseException as e:  # noqa: BLE001 - reported to the main thread
+                        self._outbox.put((i, None, e))
+        except BaseException as e:  # noqa: BLE001 - e.g. the thread budget failed
+            self._outbox.put((i, None, e))
+
+    def _run_period(self, i: int, lr: float) -> dict[str, Any]:
+        speed = self.devices[i].speed
+        busy = loss = 0.0
+        t_start = time.perf_counter()
+        while True:
+            if self._abort.is_set():
+                raise _Abort
+            rows = self.queue.take(i)
+            if rows is None:
+                break
+            self._trace("take", i)
+            step_loss, wall = self._step(i, rows, lr)
+            if speed < 1.0:
+                time.sleep(wall * (1.0 / speed - 1.0))
+                wall /= speed
+            busy += wall
+            loss += step_loss
+        return {"busy_s": busy, "loss": loss, "start": t_start}
+
+    def _period_threads(self, lrs: Sequence[float]) -> dict[str, Any]:
+        n = self.n_devices
+        t0 = time.perf_counter()
+        for i in range(n):
+            self._inboxes[i].put(lrs[i])
+        results: list[dict | None] = [None] * n
+        pending = set(range(n))
+        while pending:
+            try:
+                i, res, err = self._outbox.get(timeout=self.timeout)
+            except _queue.Empty:
+                names = ", ".join(f"{j} ({self.devices[j]})" for j in sorted(pending))
+                self._fail(TimeoutError(f"no report for {self.timeout:g} s"))
+                raise DeviceFailure(f"device(s) {names} did not finish the merge period "
+                                    f"within {self.timeout:g} s") from None
+            if err is not None:
+                self._fail(err)
+                raise DeviceFailure(f"device {i} ({self.devices[i]}) failed: {err!r}") from err
+            pending.discard(i)
+            results[i] = res
+        end = time.perf_counter()
+        busy = [r["busy_s"] for r in results]
+        return {"seconds": end - t0, "busy_s": busy, "loss": [r["loss"] for r in results],
+                "idle_s": [max(0.0, (end - t0) - b) for b in busy]}
+
+    def _fail(self, err: BaseException) -> None:
+        """Stop the other workers after a failure (they finish their current step)."""
+        self._broken = err
+        self._abort.set()
+        logger.error("device failure: %r; stopping all workers", err)
+        self.close()
