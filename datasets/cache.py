@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import zipfile
 from pathlib import Path
 
@@ -67,7 +68,12 @@ def cache_candidates(path: Path) -> list[Path]:
 
 
 def _writable(folder: Path) -> bool:
+    """Writable by us *and* meant to be written: a folder without any write bit (like the shared
+    read-only data folder) counts as read-only even for root, who may bypass the bits."""
     if folder.is_dir():
+        mode = folder.stat().st_mode
+        if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH):
+            return False
         return os.access(folder, os.W_OK | os.X_OK)
     try:
         folder.mkdir(parents=True, exist_ok=True)
