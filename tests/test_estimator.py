@@ -1,0 +1,169 @@
+"""XMCClassifier: validation, determinism, save/load, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from xmc_engine import XMCClassifier
+from xmc_engine.config import TrainConfig
+from xmc_engine.errors import CheckpointError, ConfigError
+
+
+def tiny_data(n=600, n_features=60, n_labels=25, seed=0):
+    """Learnable toy data: each label owns a few features."""
+    rng = np.random.default_rng(seed)
+    rows, cols, ycols, yrows = [], [], [], []
+    for i in range(n):
+        labs = rng.choice(n_labels, size=rng.integers(1, 4), replace=False)
+        feats = set()
+        for lab in labs:
+            feats.update((lab * 2 + rng.integers(0, 3, size=3)) % n_features)
+        feats.update(rng.integers(0, n_features, size=2))
+        for f in sorted(feats):
+            rows.append(i)
+            cols.append(f)
+        yrows += [i] * len(labs)
+        ycols += list(labs)
+    X = sp.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(n, n_features))
+    Y = sp.csr_matrix((np.ones(len(yrows), np.float32), (yrows, ycols)), shape=(n, n_labels))
+    return X, Y
+
+
+@pytest.fixture(scope="module")
+def toy():
+    X, Y = tiny_data()
+    return X[:500], Y[:500], X[500:], Y[500:]
+
+
+def test_fit_predict_beats_popular(toy):
+    Xtr, Ytr, Xte, Yte = toy
+    model = XMCClassifier(hidden=32, epochs=8, batch_size=32, lr=0.5, seed=0)
+    assert model.fit(Xtr, Ytr, eval_set=(Xte, Yte)) is model
+    labels, scores = model.predict_topk(Xte, k=5)
+    assert labels.shape == (100, 5) and scores.shape == (100, 5)
+    assert labels.dtype == np.int64 and scores.dtype == np.float32
+    assert np.all(np.diff(scores, axis=1) <= 1e-6)  # descending
+    p1 = model.metrics_["P@1"]
+    popular = int(np.asarray(Ytr.sum(0)).argmax())
+    p1_popular = float(Yte[:, popular].mean())
+    assert p1 > p1_popular + 0.2, (p1, p1_popular)
+    events = [r["event"] for r in model.history_]
+    assert events[0] == "start" and events[-1] == "final" and "eval" in events
+
+
+def test_seed_repeats_exactly(toy):
+    Xtr, Ytr, _, _ = toy
+    a = XMCClassifier(hidden=16, epochs=2, batch_size=50, lr=0.3, seed=3).fit(Xtr, Ytr)
+    b = XMCClassifier(hidden=16, epochs=2, batch_size=50, lr=0.3, seed=3).fit(Xtr, Ytr)
+    c = XMCClassifier(hidden=16, epochs=2, batch_size=50, lr=0.3, seed=4).fit(Xtr, Ytr)
+    for pa, pb in zip(a.params_, b.params_, strict=True):
+        np.testing.assert_array_equal(pa, pb)
+    assert not np.array_equal(a.params_[0], c.params_[0])
+
+
+def test_two_hidden_layers_and_label_chunk(toy):
+    Xtr, Ytr, Xte, Yte = toy
+    m = XMCClassifier(hidden=[32, 16], epochs=6, batch_size=32, lr=0.5, label_chunk=7)
+    m.fit(Xtr, Ytr, eval_set=(Xte, Yte))
+    assert [p.shape for p in m.params_] == [(60, 32), (32,), (32, 16), (16,), (16, 25), (25,)]
+    assert m.metrics_["P@1"] > 0.4
+
+
+def test_chunked_equals_plain(toy):
+    Xtr, Ytr, _, _ = toy
+    a = XMCClassifier(hidden=16, epochs=1, batch_size=64, lr=0.3).fit(Xtr, Ytr)
+    b = XMCClassifier(hidden=16, epochs=1, batch_size=64, lr=0.3, label_chunk=6).fit(Xtr, Ytr)
+    for pa, pb in zip(a.params_, b.params_, strict=True):
+        np.testing.assert_allclose(pa, pb, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (lambda X, Y: (X.toarray(), Y), "scipy.sparse"),
+    (lambda X, Y: (X, Y[:-1]), "rows"),
+    (lambda X, Y: (X, Y * 2), "binary"),
+    (lambda X, Y: (X.astype(np.complex64), Y), "dtype"),
+])
+def test_bad_input_is_value_error(toy, bad, msg):
+    Xtr, Ytr, _, _ = toy
+    X, Y = bad(Xtr, Ytr)
+    with pytest.raises(ValueError, match=msg):
+        XMCClassifier(epochs=1).fit(X, Y)
+
+
+def test_non_finite_feature_is_named(toy):
+    Xtr, Ytr, _, _ = toy
+    X = Xtr.copy()
+    X.data[X.indptr[7]] = np.nan
+    with pytest.raises(ValueError, match="row 7"):
+        XMCClassifier(epochs=1).fit(X, Ytr)
+
+
+def test_predict_checks_features(toy):
+    Xtr, Ytr, _, _ = toy
+    m = XMCClassifier(hidden=8, epochs=1).fit(Xtr, Ytr)
+    with pytest.raises(ValueError, match="features"):
+        m.predict_topk(Xtr[:, :10])
+    with pytest.raises(RuntimeError, match="not fitted"):
+        XMCClassifier().predict_topk(Xtr)
+
+
+def test_save_load_roundtrip(toy, tmp_path):
+    Xtr, Ytr, Xte, _ = toy
+    m = XMCClassifier(hidden=[16, 8], epochs=1, lr=0.3).fit(Xtr, Ytr)
+    m.save(tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["n_labels"] == 25
+    m2 = XMCClassifier.load(tmp_path / "m")
+    l1, s1 = m.predict_topk(Xte, 3)
+    l2, s2 = m2.predict_topk(Xte, 3)
+    np.testing.assert_array_equal(l1, l2)
+    np.testing.assert_array_equal(s1, s2)
+    assert m2.hidden == [16, 8]
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(CheckpointError):
+        XMCClassifier.load(tmp_path / "missing")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError):
+        XMCClassifier.load(tmp_path / "junk")
+
+
+def test_config_roundtrip_and_unknown_key():
+    cfg = TrainConfig(hidden=[64, 32], lr=0.2, algorithm="adaptive",
+                      algorithm_params={"merge_period": 4096})
+    assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    with pytest.raises(ConfigError, match="unknown key"):
+        TrainConfig.from_dict({"hiden": 3})
+    with pytest.raises(ConfigError, match="lr"):
+        TrainConfig(lr=-1)
+    with pytest.raises(ConfigError, match="algorithm"):
+        TrainConfig(algorithm="magic")
+
+
+def test_checkpoint_and_resume_match_uninterrupted(toy, tmp_path):
+    Xtr, Ytr, _, _ = toy
+    kw = dict(hidden=16, epochs=3, batch_size=50, lr=0.3, seed=1)
+    full = XMCClassifier(**kw).fit(Xtr, Ytr)
+    # A run that "stops" after one epoch and a half, then resumes from its checkpoint.
+    run = tmp_path / "run"
+    part = XMCClassifier(**{**kw, "epochs": 1.5}, log_dir=str(run), checkpoint_every=250)
+    part.fit(Xtr, Ytr)
+    resumed = XMCClassifier(**kw, log_dir=str(run), checkpoint_every=250)
+    resumed.fit(Xtr, Ytr, resume=True)
+    for pa, pb in zip(full.params_, resumed.params_, strict=True):
+        np.testing.assert_allclose(pa, pb, rtol=1e-5, atol=1e-6)
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert any(r["event"] == "checkpoint" for r in log)
+
+
+def test_checkpoint_needs_log_dir(toy):
+    Xtr, Ytr, _, _ = toy
+    with pytest.raises(ConfigError, match="log_dir"):
+        XMCClassifier(epochs=1, checkpoint_every=100).fit(Xtr, Ytr)
+    with pytest.raises(ConfigError, match="checkpoint_every"):
+        XMCClassifier(epochs=1, checkpoint_every="soon", log_dir="x").fit(Xtr, Ytr)

@@ -1,0 +1,191 @@
+"""The sparse-input MLP (DESIGN.md §2), written once against a backend.
+
+Parameters, in this order everywhere (replicas, merges, checkpoints)::
+
+    W1  (n_features, hidden[0])   float32   sparse input layer ("embedding bag")
+    b1  (hidden[0],)              float32
+    Wk  (hidden[k-1], hidden[k])  float32   extra dense hidden layers, k = 1 .. len(hidden)-1
+    bk  (hidden[k],)              float32
+    W2  (hidden[-1], n_labels)    float32   output layer
+    b2  (n_labels,)               float32
+
+Forward: ``H = relu(X @ W1 + b1)`` (then ``relu(H @ Wk + bk)`` per extra layer),
+``Z = H @ W2 + b2``; loss: softmax cross-entropy against the row-normalised label vector.
+A step is plain SGD, applied in place; the ``W1`` gradient is row-sparse and applied only to the
+rows of the features in the batch (never a dense ``n_features x hidden`` gradient).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of the network: ``n_features -> hidden[0] -> ... -> hidden[-1] -> n_labels``."""
+
+    n_features: int
+    n_labels: int
+    hidden: tuple[int, ...] = (128,)
+
+    @property
+    def param_names(self) -> list[str]:
+        names = ["W1", "b1"]
+        for k in range(1, len(self.hidden)):
+            names += [f"W1_{k}", f"b1_{k}"]
+        return names + ["W2", "b2"]
+
+    @property
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        shapes: list[tuple[int, ...]] = [(self.n_features, self.hidden[0]), (self.hidden[0],)]
+        for k in range(1, len(self.hidden)):
+            shapes += [(self.hidden[k - 1], self.hidden[k]), (self.hidden[k],)]
+        return shapes + [(self.hidden[-1], self.n_labels), (self.n_labels,)]
+
+    def n_params(self) -> int:
+        return int(sum(np.prod(s) for s in self.param_shapes))
+
+
+def init_params(shape: ModelShape, seed: int = 0, avg_nnz: float = 32.0,
+                avg_sq_value: float = 1.0) -> list[np.ndarray]:
+    """Seeded host initialisation (float32, C-contiguous).
+
+    ``W1`` is uniform with variance ``1 / (avg_nnz * avg_sq_value)`` so that a hidden
+    pre-activation has unit variance for a typical input row; dense layers use Glorot-uniform;
+    biases start at zero.
+    """
+    rng = np.random.default_rng(seed)
+    params: list[np.ndarray] = []
+    for name, s in zip(shape.param_names, shape.param_shapes, strict=True):
+        if len(s) == 1:
+            params.append(np.zeros(s, dtype=np.float32))
+            continue
+        if name == "W1":
+            bound = np.sqrt(3.0 / max(avg_nnz * avg_sq_value, 1e-6))
+        else:
+            bound = np.sqrt(6.0 / (s[0] + s[1]))
+        params.append(rng.uniform(-bound, bound, size=s).astype(np.float32))
+    return params
+
+
+class MLPReplica:
+    """One model copy on one device, trained on rows of a training set.
+
+    Implements the Replica protocol of :mod:`xmc_engine.scheduler`: ``train_batch(rows, lr)``,
+    ``params()``, ``set_params(params)``.
+
+    Parameters
+    ----------
+    backend : backend object (:mod:`xmc_engine.backends`)
+    X : scipy.sparse.csr_matrix, (n_samples, n_features) float32, host
+    Y : scipy.sparse.csr_matrix, (n_samples, n_labels), host (binary)
+    params : list of host float32 arrays (see module docstring); copied to the device
+    label_chunk : int or None; output-layer label chunk (None = plain path, logits in memory)
+    """
+
+    def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None):
+        self.backend = backend
+        self.X = X
+        self.Y = Y
+        self.label_chunk = label_chunk
+        self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
+        self.n_dense = (len(self._params) - 4) // 2
+
+    # -- Replica protocol ----------------------------------------------------------------------
+    def params(self) -> list:
+        return self._params
+
+    def set_params(self, params) -> None:
+        be = self.backend
+        for dst, src in zip(self._params, params, strict=True):
+            if hasattr(be, "copy_into"):
+                be.copy_into(dst, src)
+            else:
+                dst[...] = be.asarray(src)
+
+    def train_batch(self, rows: np.ndarray, lr: float) -> float:
+        """One SGD step on training rows ``rows`` (int64, host); returns the summed loss."""
+        return train_step(self.backend, self._params, self.X[rows], self.Y[rows], lr,
+                          label_chunk=self.label_chunk)
+
+
+def _hidden_forward(be, params, Xb):
+    """Hidden activations of a host CSR batch: list of (B, hidden[k]) arrays on the backend."""
+    xp = be.xp
+    indptr, indices, data = be.csr_parts(Xb)
+    W1, b1 = params[0], params[1]
+    H = xp.empty((Xb.shape[0], W1.shape[1]), dtype=xp.float32)
+    be.sparse_forward(indptr, indices, data, W1, b1, H)
+    acts = [H]
+    for k in range((len(params) - 4) // 2):
+        W, b = params[2 + 2 * k], params[3 + 2 * k]
+        Hk = acts[-1] @ W
+        Hk += b
+        xp.maximum(Hk, 0, out=Hk)
+        acts.append(Hk)
+    return (indptr, indices, data), acts
+
+
+def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None) -> float:
+    """Forward, loss, backward and in-place SGD update of ``params`` on one batch.
+
+    Parameters
+    ----------
+    be : backend
+    params : list of arrays on ``be`` (module docstring order), updated in place
+    Xb : scipy.sparse.csr_matrix (B, n_features) float32, host
+    Yb : scipy.sparse.csr_matrix (B, n_labels), host
+    lr : float, learning rate of this step
+
+    Returns
+    -------
+    float : loss summed over the batch rows (rows without labels contribute 0)
+    """
+    xp = be.xp
+    (indptr, indices, data), acts = _hidden_forward(be, params, Xb)
+    y_indptr, y_indices, _ = be.csr_parts(Yb)
+    W2, b2 = params[-2], params[-1]
+    dH = xp.empty_like(acts[-1])
+    loss = be.output_layer_step(acts[-1], W2, b2, y_indptr, y_indices, lr, dH,
+                                label_chunk=label_chunk)
+    # Extra dense hidden layers, last to first.
+    for k in reversed(range(len(acts) - 1)):
+        W, b = params[2 + 2 * k], params[3 + 2 * k]
+        be.relu_backward(dH, acts[k + 1])
+        d_prev = dH @ W.T
+        W -= lr * (acts[k].T @ dH)
+        b -= lr * dH.sum(axis=0)
+        dH = d_prev
+    be.relu_backward(dH, acts[0])
+    be.sparse_backward_update(indptr, indices, data, dH, params[0], params[1], lr)
+    return float(loss)
+
+
+def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = 4096,
+                 label_chunk: int | None = None):
+    """Top-``k`` labels and scores for every row of ``X``, computed in row chunks.
+
+    Returns host arrays ``labels`` (n_samples, k) int64 and ``scores`` (n_samples, k) float32,
+    sorted by descending score.
+    """
+    if not sp.issparse(X):
+        raise TypeError("X must be a scipy.sparse CSR matrix")
+    X = X.tocsr()
+    n = X.shape[0]
+    k_eff = min(k, params[-1].shape[0])
+    labels = np.empty((n, k_eff), dtype=np.int64)
+    scores = np.empty((n, k_eff), dtype=np.float32)
+    for start in range(0, n, row_chunk):
+        stop = min(n, start + row_chunk)
+        _, acts = _hidden_forward(be, params, X[start:stop])
+        idx, val = be.predict_scores_topk(acts[-1], params[-2], params[-1], k_eff,
+                                          label_chunk=label_chunk)
+        labels[start:stop] = be.to_host(idx)
+        scores[start:stop] = be.to_host(val)
+    return labels, scores

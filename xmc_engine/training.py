@@ -1,0 +1,273 @@
+"""The training driver behind ``XMCClassifier.fit`` and ``xmc-engine train``.
+
+It owns what every algorithm shares: initialisation, the learning-rate schedule, evaluation on a
+held-out set (its time excluded from ``train_time``, DESIGN.md §5), the run log, checkpoints and
+resume, and the progress bar. The one-device loop lives here; several devices go through
+:mod:`xmc_engine.scheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from xmc_engine import progress
+from xmc_engine.config import TrainConfig
+from xmc_engine.errors import ConfigError
+from xmc_engine.model import MLPReplica, ModelShape, init_params, predict_topk
+
+logger = logging.getLogger(__name__)
+
+
+def epoch_permutation(seed: int, epoch: int, n_samples: int) -> np.ndarray:
+    """The shuffled order of epoch ``epoch``: a pure function of (seed, epoch) so that a resumed
+    run sees the same batches as an uninterrupted one."""
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(n_samples)
+
+
+class Evaluator:
+    """Top-k metrics of the current parameters on a held-out set (DESIGN.md §5)."""
+
+    def __init__(self, cfg: TrainConfig, eval_set, label_counts, n_train: int, label_chunk):
+        from xmc_engine.metrics import jain_propensity
+
+        self.X, self.Y = eval_set
+        self.k = max(5, cfg.eval_k)
+        self.label_chunk = label_chunk
+        self.propensity = jain_propensity(label_counts, n_samples=n_train,
+                                          A=cfg.propensity_a, B=cfg.propensity_b)
+
+    def __call__(self, be, params) -> dict[str, float]:
+        from xmc_engine.metrics import TopKMetrics
+
+        m = TopKMetrics(ks=(1, 3, 5), propensity=self.propensity)
+        labels, _ = predict_topk(be, params, self.X, self.k, label_chunk=self.label_chunk)
+        m.update(labels, self.Y)
+        return {k: float(v) for k, v in m.result().items()}
+
+
+def _short(metrics: dict) -> str:
+    return " ".join(f"{k}={metrics[k]:.4f}" for k in ("P@1", "P@3", "P@5") if k in metrics)
+
+
+def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
+              resume: bool = False) -> dict:
+    """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
+    (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation)."""
+    from xmc_engine.checkpoint import CheckpointManager
+    from xmc_engine.devices import parse_devices
+    from xmc_engine.runlog import RunLog
+
+    devices = parse_devices(cfg.devices)
+    if cfg.algorithm == "single" and len(devices) != 1:
+        raise ConfigError(f"algorithm='single' trains on one device but devices={cfg.devices!r} "
+                          f"names {len(devices)}; use algorithm='adaptive' or one device")
+    if checkpoint_every is not None and log_dir is None:
+        raise ConfigError("checkpoint_every needs a log_dir (the run folder)")
+    n_samples = X.shape[0]
+    shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
+    avg_nnz = X.nnz / max(n_samples, 1)
+    avg_sq = float(np.mean(X.data.astype(np.float64) ** 2)) if X.nnz else 1.0
+    params = init_params(shape, cfg.seed, avg_nnz=max(avg_nnz, 1.0), avg_sq_value=avg_sq)
+    label_counts = np.asarray(Y.sum(axis=0)).ravel()
+
+    run_dir = Path(log_dir) if log_dir is not None else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = CheckpointManager(run_dir) if run_dir is not None else None
+    state = {"epoch": 0, "batch": 0, "samples": 0, "train_time": 0.0, "extra": {}}
+    if resume:
+        if ckpts is None:
+            raise ConfigError("resume needs the run folder (log_dir)")
+        found = ckpts.latest_valid()
+        if found is None:
+            raise ConfigError(f"{run_dir}: no valid checkpoint to resume from")
+        arrays, meta = found
+        params = [np.asarray(arrays[n], dtype=np.float32) for n in shape.param_names]
+        for key in ("epoch", "batch", "samples", "train_time"):
+            state[key] = meta[key]
+        state["extra"] = {k: v for k, v in arrays.items() if k not in shape.param_names}
+        logger.info("resuming from epoch %s batch %s (%s samples)", state["epoch"],
+                    state["batch"], state["samples"])
+
+    log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
+    evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
+                 if eval_set is not None else None)
+    log.write("start", config=cfg.to_dict(), n_samples=n_samples, n_features=shape.n_features,
+              n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
+              resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
+
+    if cfg.algorithm == "single":
+        from xmc_engine.backends import get_backend
+
+        dev = devices[0]
+        be = get_backend(dev.kind, dev.index, threads=cfg.threads or dev.threads)
+        replica = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk)
+        runner = _SingleRunner(cfg, replica, n_samples, state)
+    else:
+        from xmc_engine.parallel import ParallelRunner
+
+        runner = ParallelRunner(cfg, devices, X, Y, params, state, log)
+
+    driver = _Driver(cfg, runner, n_samples, state, log, evaluator, ckpts, checkpoint_every,
+                     shape)
+    try:
+        metrics = driver.run()
+    finally:
+        runner.close()
+        log.close()
+    return {"params": runner.host_params(), "history": list(log.records), "metrics": metrics}
+
+
+class _SingleRunner:
+    """One device: batches of ``batch_size`` in a per-epoch shuffled order."""
+
+    def __init__(self, cfg: TrainConfig, replica: MLPReplica, n_samples: int, state: dict):
+        self.cfg, self.replica, self.n_samples = cfg, replica, n_samples
+        self.batch = int(state["batch"])
+
+    def batches_per_epoch(self) -> int:
+        return -(-self.n_samples // self.cfg.batch_size)
+
+    def run_until(self, epoch: int, stop_samples: int, state: dict) -> None:
+        """Train epoch ``epoch`` from batch ``self.batch`` until ``state['samples']`` reaches
+        ``stop_samples`` or the epoch ends."""
+        cfg, B = self.cfg, self.cfg.batch_size
+        perm = epoch_permutation(cfg.seed, epoch, self.n_samples)
+        with self.replica.backend.thread_budget(cfg.threads):
+            while self.batch * B < self.n_samples and state["samples"] < stop_samples:
+                rows = perm[self.batch * B:(self.batch + 1) * B]
+                lr = _lr(cfg, epoch + self.batch * B / self.n_samples)
+                t0 = time.perf_counter()
+                loss = self.replica.train_batch(rows, lr)
+                self.replica.backend.synchronize()  # synchronize!
+                state["train_time"] += time.perf_counter() - t0
+                state["samples"] += len(rows)
+                state["loss_sum"] = state.get("loss_sum", 0.0) + loss
+                self.batch += 1
+        state["batch"] = self.batch
+
+    def end_epoch(self) -> None:
+        self.batch = 0
+
+    def epoch_done(self) -> bool:
+        return self.batch * self.cfg.batch_size >= self.n_samples
+
+    def eval_params(self):
+        return self.replica.backend, self.replica.params()
+
+    def host_params(self) -> list[np.ndarray]:
+        be = self.replica.backend
+        return [np.array(be.to_host(p), dtype=np.float32) for p in self.replica.params()]
+
+    def checkpoint_extra(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def _lr(cfg: TrainConfig, epoch: float) -> float:
+    from xmc_engine.estimator import lr_at
+
+    return lr_at(cfg, epoch)
+
+
+class _Driver:
+    """Epoch loop shared by all runners: evaluation cadence, checkpoints, progress, log."""
+
+    def __init__(self, cfg, runner, n_samples, state, log, evaluator, ckpts, checkpoint_every,
+                 shape):
+        self.cfg, self.runner, self.n = cfg, runner, n_samples
+        self.state, self.log, self.evaluator = state, log, evaluator
+        self.ckpts, self.every, self.shape = ckpts, checkpoint_every, shape
+        self.metrics: dict | None = None
+        eval_step = int(round(cfg.eval_every * n_samples)) if cfg.eval_every > 0 else 0
+        self.eval_step = eval_step
+        self.next_eval = (state["samples"] // eval_step + 1) * eval_step if eval_step else None
+        self._reset_ckpt_clock()
+
+    def _reset_ckpt_clock(self):
+        self.last_ckpt_samples = self.state["samples"]
+        self.last_ckpt_time = time.perf_counter()
+
+    def _next_stop(self) -> int:
+        stops = [10**18]
+        if self.next_eval is not None:
+            stops.append(self.next_eval)
+        if self.every is not None and self.every[0] == "samples":
+            stops.append(self.last_ckpt_samples + int(self.every[1]))
+        if self.every is not None and self.every[0] == "seconds":
+            # Check the clock every ~2% of an epoch.
+            stops.append(self.state["samples"] + max(self.n // 50, 1))
+        return min(stops)
+
+    def evaluate(self, epoch_float: float) -> None:
+        if self.evaluator is None:
+            return
+        be, params = self.runner.eval_params()
+        t0 = time.perf_counter()
+        self.metrics = self.evaluator(be, params)
+        self.log.write("eval", epoch=round(epoch_float, 4), samples=self.state["samples"],
+                       train_time=self.state["train_time"],
+                       eval_time=time.perf_counter() - t0, metrics=self.metrics)
+        logger.info("epoch %.2f  %s", epoch_float, _short(self.metrics))
+
+    def checkpoint(self, epoch: int) -> None:
+        if self.ckpts is None or self.every is None:
+            return
+        arrays = dict(zip(self.shape.param_names, self.runner.host_params(), strict=True))
+        arrays.update(self.runner.checkpoint_extra())
+        meta = {k: self.state[k] for k in ("epoch", "batch", "samples", "train_time")}
+        path = self.ckpts.save(meta, arrays)
+        self.log.write("checkpoint", path=str(path), **meta)
+        self._reset_ckpt_clock()
+
+    def _ckpt_due(self) -> bool:
+        if self.every is None:
+            return False
+        unit, value = self.every
+        if unit == "samples":
+            return self.state["samples"] - self.last_ckpt_samples >= value
+        return time.perf_counter() - self.last_ckpt_time >= value
+
+    def run(self) -> dict | None:
+        cfg, st = self.cfg, self.state
+        total = int(cfg.epochs * self.n)
+        bar = progress.bar(total=total, desc="train", unit="sample", initial=st["samples"])
+        try:
+            epoch = int(st["epoch"])
+            while st["samples"] < total:
+                st["epoch"] = epoch
+                while not self.runner.epoch_done() and st["samples"] < total:
+                    before, t0 = st["samples"], st["train_time"]
+                    self.runner.run_until(epoch, min(self._next_stop(), total), st)
+                    bar.update(st["samples"] - before)
+                    dt = st["train_time"] - t0
+                    postfix = {"samples/s": f"{(st['samples'] - before) / dt:.0f}"} if dt else {}
+                    if self.metrics:
+                        postfix["P@1"] = f"{self.metrics['P@1']:.4f}"
+                    bar.set_postfix(postfix, refresh=False)
+                    if self.next_eval is not None and st["samples"] >= self.next_eval:
+                        self.evaluate(st["samples"] / self.n)
+                        self.next_eval += self.eval_step
+                    if self._ckpt_due():
+                        self.checkpoint(epoch)
+                if self.runner.epoch_done():
+                    epoch += 1
+                    st["epoch"], st["batch"] = epoch, 0
+                    self.runner.end_epoch()
+            if self.evaluator is not None and (not self.log.records
+                                               or self.log.records[-1].get("event") != "eval"):
+                self.evaluate(st["samples"] / self.n)
+            if self.ckpts is not None and self.every is not None:
+                self.checkpoint(epoch)
+        finally:
+            bar.close()
+        self.log.write("final", epoch=round(st["samples"] / self.n, 4), samples=st["samples"],
+                       train_time=st["train_time"], metrics=self.metrics,
+                       mean_loss=st.get("loss_sum", 0.0) / max(st["samples"], 1))
+        return self.metrics
