@@ -25,9 +25,12 @@ the paper's method (its flag condition is unpublished; ours is defined in
 ``warmup_epochs = 1``: the paper warms up with equal batches for its first epochs; one epoch is
 enough for the ramp on the XC datasets (~60+ merges). ``lr_decay = 0.1``: halves ``lr`` after ten
 epochs past warm-up, in line with the 10–30 epochs XMC models train for. ``rule = "step"``: the
-paper's; ``"proportional"`` is the improvement to measure against it. ``deadband = 0.5``
-updates: stops the step rule oscillating by ``Δb`` around the steady state (0 = paper's strict
-rule).
+paper's; ``"proportional"`` is the improvement to measure against it. ``deadband = 0.05``:
+the step rule leaves a device alone when its update count is within 5 % of the mean, which
+stops it oscillating between the two ``Δb`` grid points around the steady state (0 = the paper's
+strict rule, still at least half an update). Periods shorter than ``S / 2`` (the remainder at the
+end of an epoch) merge normally but do not adapt the batch sizes: one or two updates per device
+are too few to measure anything.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ class AdaptiveConfig(ConfigMixin):
     rule : {'step', 'proportional', 'fixed'}
         Batch-size adaptation (:class:`~xmc_engine.scheduler.controller.BatchSizeController`).
     deadband : float
-        Step rule: leave a device alone when its update count is within this many updates of
-        the mean (0 = the paper's strict rule).
+        Step rule: leave a device alone when its update count is within this fraction of the
+        mean count (at least half an update; 0 = the paper's strict rule).
     momentum : float
         ``μ`` of the central momentum, in [0, 1).
     boost : bool
@@ -93,7 +96,7 @@ class AdaptiveConfig(ConfigMixin):
     b_max: int = 1024
     delta_b: int = 32
     rule: str = "step"
-    deadband: float = 0.5
+    deadband: float = 0.05
     momentum: float = 0.5
     boost: bool = True
     boost_factor: float = 0.1
@@ -186,4 +189,6 @@ class AdaptiveSGD(Policy):
                 "nonfinite": bad}
 
     def end_period(self, progress, updates, samples, busy_s) -> None:
-        self.controller.update(progress, updates, samples, busy_s)
+        """Adapt the batch sizes (§III-C), except after a short epoch-remainder period."""
+        if 2 * sum(samples) >= self.merge_period:
+            self.controller.update(progress, updates, samples, busy_s)

@@ -45,10 +45,12 @@ class BatchSizeController:
         Bounds and step of the adaptation (paper: 32, 1024, 32).
     rule : {'step', 'proportional', 'fixed'}
         ``step`` — the paper's rule (arXiv 2110.07029 §III-C): ``b_i -= Δb`` if ``p_i < 1/n``,
-        ``b_i += Δb`` if ``p_i > 1/n``, clipped to ``[b_min, b_max]``; a device whose update count
-        is within ``deadband`` updates of the mean is left alone (``p_i - 1/n = (c_i - c̄)/Σc``;
-        ``deadband = 0`` is the paper's strict rule, which keeps oscillating by ``Δb`` around the
-        steady state).
+        ``b_i += Δb`` if ``p_i > 1/n``, clipped to ``[b_min, b_max]``. Since
+        ``p_i - 1/n = (c_i - c̄)/Σc`` this compares ``c_i`` with the mean ``c̄``; a device with
+        ``|c_i - c̄| <= max(0.5, deadband * c̄)`` is left alone. ``deadband = 0`` is the paper's
+        strict rule, which keeps oscillating between the two ``Δb`` grid points around the
+        steady state (e.g. 18 % apart in update counts for ``B = 128, Δb = 16`` and a 2:1 speed
+        ratio); the default 5 % stops at the first grid point close enough to it.
         ``proportional`` — ``b_i = n B v_i / Σ_j v_j`` with ``v_i`` = samples per busy second
         measured in the period (busy time includes the emulated slow-down, excludes barrier
         waits): every device then needs the same time per update, which is the steady state
@@ -57,12 +59,12 @@ class BatchSizeController:
     warmup_epochs : float
         No adaptation while ``progress < warmup_epochs`` (equal batches ``B``).
     deadband : float
-        See ``step``.
+        Relative dead band of the step rule (fraction of the mean update count), see ``step``.
     """
 
     def __init__(self, n_devices: int, batch_size: int, *, b_min: int = 32, b_max: int = 1024,
                  delta_b: int = 32, rule: str = "step", warmup_epochs: float = 0.0,
-                 deadband: float = 0.5):
+                 deadband: float = 0.05):
         if rule not in RULES:
             raise ValueError(f"unknown batch-size rule {rule!r}; expected one of {RULES}")
         if not (1 <= b_min <= b_max):
@@ -97,11 +99,12 @@ class BatchSizeController:
             return self.batch_sizes
         if self.rule == "step":
             mean = c.mean()
+            band = max(0.5, self.deadband * mean)
             new = []
             for b, ci in zip(self.batch_sizes, c, strict=True):
-                if ci < mean - self.deadband:
+                if ci < mean - band:
                     b -= self.delta_b
-                elif ci > mean + self.deadband:
+                elif ci > mean + band:
                     b += self.delta_b
                 new.append(int(min(max(b, self.b_min), self.b_max)))
             self.batch_sizes = new

@@ -11,11 +11,12 @@ period's budget is ``T = R`` if ``R <= S + max_j b_j`` (the last period of the e
 whole remainder) and ``T = S`` otherwise. With ``P`` samples already taken in the period, device
 ``i`` may take its next ``b_i`` samples while ``P + max_j b_j <= T`` (the paper's condition
 ``processed + max_j b_j < S``, with ``<=`` so that periods of exactly ``S = k * b`` samples are
-possible). Hence every period takes at most ``T`` samples: a regular period takes between
-``S - max_j b_j`` and ``S`` samples and never overshoots; the leftover stays on the cursor for the
-next period. In the last period of the epoch, once that condition fails, devices keep taking
-``min(b_i, T - P)`` until the epoch is exhausted, so the last period overshoots ``S`` by less
-than one batch and no sample is left behind.
+possible); the first batch of a period is always granted, truncated to ``T`` (so a period makes
+progress even when ``S < max_j b_j``). Hence every period takes at most ``T`` samples: a
+regular period takes between ``S - max_j b_j`` and ``S`` samples and never overshoots; the
+leftover stays on the cursor for the next period. In the last period of the epoch, once that
+condition fails, devices keep taking ``min(b_i, T - P)`` until the epoch is exhausted, so the
+last period overshoots ``S`` by at most one batch and no sample is left behind.
 
 Static mode (the ``average``/``sync`` baselines)
 -------------------------------------------------
@@ -150,9 +151,7 @@ class BatchQueue:
                 return None
             if self.static:
                 n = min(bi, self._quota[device_id] - acct.samples[device_id])
-            elif self._taken + self._max_b <= acct.budget:
-                n = min(bi, left)
-            elif self._last:
+            elif self._taken + self._max_b <= acct.budget or self._taken == 0 or self._last:
                 n = min(bi, left)
             else:
                 return None
@@ -175,4 +174,4 @@ class BatchQueue:
             return all(s >= q for s, q in zip(acct.samples, self._quota, strict=True))
         if self._last:
             return self._taken >= acct.budget
-        return self._taken + self._max_b > acct.budget
+        return self._taken > 0 and self._taken + self._max_b > acct.budget

@@ -1,0 +1,149 @@
+"""Algorithm configs (JSON round trip, validation), the registry, and the policies' merges."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from xmc_engine.algorithms import (
+    AdaptiveConfig,
+    AdaptiveSGD,
+    AverageConfig,
+    ModelAveraging,
+    get_algorithm,
+)
+from xmc_engine.errors import ConfigError, DivergenceError
+from xmc_engine.scheduler.replica import FakeReplica
+
+
+@pytest.mark.parametrize("cls", [AdaptiveConfig, AverageConfig])
+def test_config_json_round_trip(cls):
+    c = cls()
+    assert cls.from_json(c.to_json()) == c
+    d = json.loads(c.to_json())
+    d["merge_period"] = 4096
+    assert cls.from_dict(d).merge_period == 4096
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="unknown key.*mergeperiod"):
+        AdaptiveConfig.from_dict({"mergeperiod": 5})
+    with pytest.raises(ConfigError, match="momentum"):
+        AdaptiveConfig.from_dict({"momentum": "high"})
+    with pytest.raises(ConfigError, match="momentum"):
+        AdaptiveConfig(momentum=1.0)
+    with pytest.raises(ConfigError, match="rule"):
+        AdaptiveConfig(rule="magic")
+    with pytest.raises(ConfigError, match="flag_rule"):
+        AdaptiveConfig(flag_rule="sometimes")
+    with pytest.raises(ConfigError, match="b_min"):
+        AdaptiveConfig(batch_size=16)
+    with pytest.raises(ConfigError, match="boost"):
+        AdaptiveConfig.from_dict({"boost": 1})
+    with pytest.raises(ConfigError, match="JSON"):
+        AdaptiveConfig.from_json("{not json")
+    assert AdaptiveConfig.from_dict({"warmup_epochs": 2}).warmup_epochs == 2.0
+
+
+def test_registry():
+    a = get_algorithm("adaptive", merge_period=1000)
+    assert isinstance(a, AdaptiveSGD) and a.merge_period == 1000 and not a.static
+    b = get_algorithm("average", {"batch_size": 32})
+    assert isinstance(b, ModelAveraging) and b.static and b.config.batch_size == 32
+    c = get_algorithm("adaptive", AdaptiveConfig(momentum=0.0), rule="proportional")
+    assert c.config.momentum == 0.0 and c.config.rule == "proportional"
+    with pytest.raises(ConfigError, match="unknown algorithm"):
+        get_algorithm("sgd")
+    with pytest.raises(ConfigError, match="unknown key"):
+        get_algorithm("average", momentum=0.9)
+    with pytest.raises(ConfigError):
+        get_algorithm("average", AdaptiveConfig())
+
+
+def fakes(n, n_samples=100):
+    reps = [FakeReplica(n_samples, sleep=False, seed=s) for s in range(n)]
+    return reps
+
+
+def set_all(reps, seed):
+    rng = np.random.default_rng(seed)
+    vals = []
+    for r in reps:
+        v = [rng.standard_normal(a.shape) for a in r.params()]
+        r.set_params(v)
+        vals.append(v)
+    return vals
+
+
+def test_adaptive_merge_weights_and_broadcast():
+    reps = fakes(3)
+    pol = get_algorithm("adaptive", momentum=0.0, boost=False)
+    pol.setup(reps, 100)
+    vals = set_all(reps, 1)
+    info = pol.merge(reps, [3, 2, 1])
+    p = np.array([3, 2, 1]) / 6
+    assert info["weights"] == pytest.approx(list(p))
+    for k, a in enumerate(pol.central_params()):
+        np.testing.assert_allclose(a, sum(p[i] * vals[i][k] for i in range(3)))
+        for r in reps:
+            np.testing.assert_array_equal(r.params()[k], a)
+
+
+def test_adaptive_merge_boost_always():
+    reps = fakes(3)
+    pol = get_algorithm("adaptive", momentum=0.0, flag_rule="always")
+    pol.setup(reps, 100)
+    set_all(reps, 1)
+    info = pol.merge(reps, [3, 2, 1])
+    q = np.array([3 * 1.1, 2, 0.9]) / 6
+    assert info["weights"] == pytest.approx(list(q / q.sum())) and info["flag"] == 1
+
+
+def test_adaptive_momentum_recursion():
+    mu = 0.5
+    reps = fakes(2)
+    pol = get_algorithm("adaptive", momentum=mu, boost=False)
+    z0 = [a.copy() for a in reps[0].params()]
+    pol.setup(reps, 100)
+    hist = [z0, z0]
+    for t in range(4):
+        vals = set_all(reps, 10 + t)
+        pol.merge(reps, [1, 3])
+        wbar = [0.25 * a + 0.75 * b for a, b in zip(vals[0], vals[1], strict=True)]
+        expect = [w + mu * (z1 - z2) for w, z1, z2 in zip(wbar, hist[-1], hist[-2], strict=True)]
+        for a, e in zip(pol.central_params(), expect, strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-12)
+        for r in reps:
+            for a, e in zip(r.params(), expect, strict=True):
+                np.testing.assert_allclose(a, e, rtol=1e-12)
+        hist.append([a.copy() for a in pol.central_params()])
+
+
+def test_nonfinite_replica_dropped_and_reset_all_nonfinite_raises():
+    reps = fakes(3)
+    pol = get_algorithm("adaptive", momentum=0.0, boost=False)
+    pol.setup(reps, 100)
+    vals = set_all(reps, 2)
+    reps[1].params()[0][0, 0] = np.nan
+    info = pol.merge(reps, [1, 5, 1])
+    assert info["nonfinite"] == [1] and info["weights"] == pytest.approx([0.5, 0.0, 0.5])
+    np.testing.assert_allclose(reps[1].params()[1], 0.5 * (vals[0][1] + vals[2][1]))
+    for r in reps:
+        r.params()[1][0] = np.inf
+    with pytest.raises(DivergenceError):
+        pol.merge(reps, [1, 1, 1])
+
+
+def test_average_merge_is_uniform():
+    reps = fakes(4)
+    pol = get_algorithm("average")
+    pol.setup(reps, 100)
+    vals = set_all(reps, 3)
+    info = pol.merge(reps, [9, 1, 1, 1])
+    assert info["weights"] == pytest.approx([0.25] * 4)
+    np.testing.assert_allclose(pol.central_params()[0], np.mean([v[0] for v in vals], axis=0))
+    assert pol.batch_sizes() == [128] * 4
+    lr, lrs = pol.learning_rates(0.1, 3.0)
+    assert lrs == [lr] * 4

@@ -1,0 +1,203 @@
+"""Merge math as pure functions: property tests (STYLE.md), formulas of arXiv 2110.07029 §III-B."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xmc_engine.errors import DivergenceError
+from xmc_engine.scheduler.merge import (
+    NormTrend,
+    adaptive_normalization,
+    central_momentum,
+    elastic_update,
+    find_nonfinite,
+    l2_norm,
+    merge_weights,
+    weighted_merge,
+)
+from xmc_engine.scheduler.replica import HostBackend
+
+SHAPES = [(5, 3), (3,)]
+FAST = settings(max_examples=40, deadline=None)
+
+
+class KernelBackend(HostBackend):
+    """A backend *with* merge launchers (counts calls), to test the kernel path."""
+
+    def __init__(self):
+        self.calls = {"weighted_sum": 0, "momentum": 0, "elastic": 0}
+
+    def weighted_sum(self, arrays, weights, out):
+        self.calls["weighted_sum"] += 1
+        out[...] = sum(w * a for w, a in zip(weights, arrays, strict=True))
+
+    def momentum(self, wbar, z1, z2, mu, out):
+        self.calls["momentum"] += 1
+        out[...] = wbar + mu * (z1 - z2)
+
+    def elastic(self, x, center, alpha, diff_out):
+        self.calls["elastic"] += 1
+        diff_out[...] = alpha * (x - center)
+        x -= diff_out
+
+
+def replicas(seed, n, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return [[rng.standard_normal(s).astype(dtype) for s in SHAPES] for _ in range(n)]
+
+
+def empty():
+    return [np.empty(s) for s in SHAPES]
+
+
+counts = st.lists(st.integers(0, 50), min_size=1, max_size=6)
+
+
+@FAST
+@given(counts)
+def test_merge_weights_are_update_shares(c):
+    p = merge_weights(c)
+    assert p.shape == (len(c),)
+    assert p.sum() == pytest.approx(1.0)
+    if sum(c):
+        np.testing.assert_allclose(p, np.asarray(c) / sum(c))
+    else:
+        np.testing.assert_allclose(p, 1 / len(c))
+
+
+def test_merge_weights_reject_negative():
+    with pytest.raises(ValueError):
+        merge_weights([1, -1])
+
+
+@FAST
+@given(st.lists(st.integers(1, 50), min_size=2, max_size=6), st.sampled_from([0, 1]))
+def test_adaptive_normalization(c, flag):
+    p = merge_weights(c)
+    q = adaptive_normalization(p, flag, 0.1)
+    assert q.sum() == pytest.approx(1.0)
+    if flag == 0 or p.max() == p.min():
+        np.testing.assert_array_equal(q, p)
+        return
+    hi, lo = int(np.argmax(p)), int(np.argmin(p))
+    expect = p.copy()
+    expect[hi] *= 1.1
+    expect[lo] *= 0.9
+    np.testing.assert_allclose(q, expect / expect.sum())
+    assert q[hi] > p[hi] and q[lo] < p[lo]
+
+
+def test_adaptive_normalization_example():
+    q = adaptive_normalization([0.5, 0.3, 0.2], 1)
+    np.testing.assert_allclose(q, np.array([0.55, 0.3, 0.18]) / 1.03)
+
+
+def test_norm_trend_rules():
+    t = NormTrend("norm_rise")
+    assert t.flag == 0
+    t.observe(1.0)
+    assert t.flag == 0
+    t.observe(2.0)
+    assert t.flag == 1
+    t.observe(1.5)
+    assert t.flag == 0
+    assert NormTrend("always").flag == 1
+    never = NormTrend("never")
+    never.observe(1.0)
+    never.observe(2.0)
+    assert never.flag == 0
+    with pytest.raises(ValueError):
+        NormTrend("sometimes")
+
+
+@pytest.mark.parametrize("backend", [None, HostBackend(), KernelBackend()])
+@FAST
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 5))
+def test_identical_replicas_merge_to_themselves(backend, seed, n):
+    base = replicas(seed, 1)[0]
+    reps = [[a.copy() for a in base] for _ in range(n)]
+    w = np.random.default_rng(seed).random(n) + 0.1
+    out = weighted_merge(reps, w / w.sum(), empty(), backend)
+    for a, b in zip(out, base, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", [None, KernelBackend()])
+@FAST
+@given(seed=st.integers(0, 2**31), n=st.integers(2, 5), data=st.data())
+def test_order_does_not_matter(backend, seed, n, data):
+    reps = replicas(seed, n)
+    w = np.random.default_rng(seed + 1).random(n)
+    perm = data.draw(st.permutations(range(n)))
+    a = weighted_merge(reps, w, empty(), backend)
+    b = weighted_merge([reps[i] for i in perm], w[list(perm)], empty(), backend)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+@FAST
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 5), k=st.integers(0, 4))
+def test_one_hot_weights_select_one_replica(seed, n, k):
+    k = k % n
+    reps = replicas(seed, n, np.float32)
+    w = np.zeros(n)
+    w[k] = 1.0
+    out = weighted_merge(reps, w, [np.empty(s, np.float32) for s in SHAPES])
+    for a, b in zip(out, reps[k], strict=True):
+        np.testing.assert_array_equal(a, b)  # exact
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf, -np.inf])
+def test_nonfinite_replica_is_caught(bad_value):
+    reps = replicas(0, 3)
+    reps[1][0][2, 1] = bad_value
+    assert find_nonfinite(reps) == [1]
+    with pytest.raises(DivergenceError, match=r"\[1\]"):
+        weighted_merge(reps, [0.2, 0.3, 0.5], empty())
+    # with weight 0 the bad replica is skipped and cannot poison the merge
+    out = weighted_merge(reps, [0.5, 0.0, 0.5], empty())
+    assert all(np.isfinite(a).all() for a in out)
+
+
+@pytest.mark.parametrize("backend", [None, KernelBackend()])
+@FAST
+@given(seed=st.integers(0, 2**31), mu=st.floats(0.0, 0.99))
+def test_momentum_matches_formula(backend, seed, mu):
+    wbar, z1, z2 = replicas(seed, 3)
+    out = central_momentum(wbar, z1, z2, mu, empty(), backend)
+    for o, w, a, b in zip(out, wbar, z1, z2, strict=True):
+        np.testing.assert_allclose(o, w + mu * (a - b), rtol=1e-12, atol=1e-12)
+
+
+def test_momentum_zero_is_exact_copy():
+    wbar, z1, z2 = replicas(3, 3)
+    z1[0][0, 0] = np.inf  # ignored entirely when mu == 0
+    out = central_momentum(wbar, z1, z2, 0.0, empty())
+    for o, w in zip(out, wbar, strict=True):
+        np.testing.assert_array_equal(o, w)
+
+
+@pytest.mark.parametrize("backend", [None, KernelBackend()])
+def test_elastic_update(backend):
+    x, c = replicas(5, 2)
+    x0 = [a.copy() for a in x]
+    d = elastic_update(x, c, 0.3, empty(), backend)
+    for xi, x0i, ci, di in zip(x, x0, c, d, strict=True):
+        np.testing.assert_allclose(di, 0.3 * (x0i - ci))
+        np.testing.assert_allclose(xi, x0i - 0.3 * (x0i - ci))
+
+
+def test_kernel_path_is_used():
+    be = KernelBackend()
+    reps = replicas(1, 2)
+    weighted_merge(reps, [0.5, 0.5], empty(), be)
+    central_momentum(reps[0], reps[1], reps[0], 0.5, empty(), be)
+    assert be.calls["weighted_sum"] == len(SHAPES) and be.calls["momentum"] == len(SHAPES)
+
+
+def test_l2_norm():
+    p = [np.full((2, 2), 1.0), np.full(3, 2.0)]
+    assert l2_norm(p) == pytest.approx(np.sqrt(4 + 12))

@@ -1,0 +1,229 @@
+"""ParallelTrainer: dynamic scheduling, adaptation, barrier, accounting, failures.
+
+Deterministic tests use the simulated mode (virtual clock, FakeReplica latencies); a few short
+threaded runs assert only robust properties (the machine is small and shared).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from xmc_engine.algorithms import get_algorithm
+from xmc_engine.devices import DeviceSpec, parse_devices
+from xmc_engine.errors import DeviceFailure, DivergenceError
+from xmc_engine.scheduler import FakeReplica, ParallelTrainer, epoch_permutation
+
+
+class ListLog:
+    def __init__(self):
+        self.events = []
+
+    def write(self, event, **fields):
+        self.events.append((event, fields))
+
+
+def make(spec, n_samples=4096, *, mode="simulated", sleep=None, per_sample=1e-5, per_step=0.0,
+         log=None, algorithm="adaptive", timeout=600.0, trace=False, replica_kw=None, **cfg):
+    devs = parse_devices(spec, cores=2)
+    sleep = (mode == "threads") if sleep is None else sleep
+    reps = [FakeReplica(n_samples, sleep=sleep, seed=0, latency_per_sample=per_sample,
+                        latency_per_step=per_step, **((replica_kw or {}).get(i, {})))
+            for i in range(len(devs))]
+    pol = get_algorithm(algorithm, **cfg)
+    return ParallelTrainer(reps, devs, pol, n_samples, seed=1, log=log, mode=mode,
+                           timeout=timeout, trace=trace), reps
+
+
+def rows_of_epoch(reps, start_steps):
+    return np.concatenate([r for rep, s in zip(reps, start_steps, strict=True)
+                           for r, _ in rep.history[s:]])
+
+
+def test_faster_devices_take_more_batches_simulated():
+    tr, _ = make("cpu,cpu@0.5,cpu@0.25", merge_period=1024, batch_size=32, b_min=32,
+                 warmup_epochs=5, momentum=0.0)
+    r = tr.run_epoch(0, 0.1)
+    u = [d["updates"] for d in r["devices"]]
+    assert u[0] > u[1] > u[2]
+    assert u[0] / u[2] == pytest.approx(4, rel=0.15)
+    assert r["samples"] == 4096
+
+
+@pytest.mark.parametrize("mode", ["simulated", "threads"])
+def test_every_sample_exactly_once_and_accounting(mode):
+    n = 3000
+    tr, reps = make("cpu,cpu@0.5", n, mode=mode, per_sample=2e-6, merge_period=700,
+                    batch_size=64, warmup_epochs=0, delta_b=32)
+    with tr:
+        for epoch in range(2):
+            start = [len(r.history) for r in reps]
+            res = tr.run_epoch(epoch, 0.05)
+            rows = rows_of_epoch(reps, start)
+            assert len(rows) == n == res["samples"]
+            np.testing.assert_array_equal(np.sort(rows), np.arange(n))
+            steps = [len(r.history) - s for r, s in zip(reps, start, strict=True)]
+            assert [d["updates"] for d in res["devices"]] == steps
+            assert [d["samples"] for d in res["devices"]] == [
+                sum(len(x) for x, _ in r.history[s:]) for r, s in zip(reps, start, strict=True)]
+
+
+@pytest.mark.parametrize("mode", ["simulated", "threads"])
+def test_one_device_equals_plain_loop(mode):
+    n, B, lr = 1000, 50, 0.05
+    tr, (rep,) = make("cpu", n, mode=mode, per_sample=1e-7, merge_period=300, batch_size=B,
+                      b_min=B, warmup_epochs=0, momentum=0.0, lr_decay=0.0)
+    plain = FakeReplica(n, sleep=False, seed=0)
+    with tr:
+        for epoch in range(2):
+            tr.run_epoch(epoch, lr)
+            perm = epoch_permutation(n, 1, epoch)
+            for k in range(0, n, B):
+                plain.train_batch(perm[k:k + B], lr)
+    for a, b in zip(rep.params(), plain.params(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(tr.central_params(), plain.params(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def period_updates(log, epoch):
+    return [[d["updates"] for d in f["devices"]] for e, f in log.events
+            if e == "merge" and f["epoch"] == epoch]
+
+
+def test_step_rule_converges_to_equal_updates():
+    log = ListLog()
+    tr, _ = make("cpu,cpu@0.5", 32768, log=log, per_step=1e-5, merge_period=8192,
+                 batch_size=128, b_min=16, b_max=1024, delta_b=16, rule="step",
+                 warmup_epochs=1, momentum=0.0)
+    for epoch in range(4):
+        tr.run_epoch(epoch, 0.01)
+    assert period_updates(log, 0)[0][0] >= 1.8 * period_updates(log, 0)[0][1]  # warm-up
+    for u in period_updates(log, 3)[:-1]:  # the last period is the epoch remainder
+        assert abs(u[0] - u[1]) <= 0.1 * max(u), u
+    bs = tr.policy.batch_sizes()
+    assert bs[0] > 1.6 * bs[1]
+
+
+def test_proportional_rule_converges_in_one_period():
+    log = ListLog()
+    tr, _ = make("cpu,cpu@0.5,cpu@0.8", 8192, log=log, per_step=2e-5, merge_period=2048,
+                 batch_size=64, b_min=8, b_max=1024, rule="proportional", warmup_epochs=1,
+                 momentum=0.0)
+    tr.run_epoch(0, 0.01)
+    tr.run_epoch(1, 0.01)
+    u0 = period_updates(log, 0)[0]
+    assert max(u0) >= 1.8 * min(u0)  # warm-up: equal batches, unequal updates
+    for u in period_updates(log, 1)[:-1]:  # adapted at the end of warm-up, first period equal
+        assert max(u) - min(u) <= 0.1 * max(u), u
+
+
+def test_log_records_per_device_period_stats_and_weights():
+    log = ListLog()
+    tr, _ = make("cpu,cpu@0.5", 2048, log=log, merge_period=512, batch_size=32,
+                 warmup_epochs=0, momentum=0.0, boost=False)
+    res = tr.run_epoch(0, 0.1)
+    merges = [f for e, f in log.events if e == "merge"]
+    assert len(merges) == res["periods"] >= 4
+    for f in merges:
+        devs = f["devices"]
+        assert {"batch_size", "updates", "samples", "weight", "busy_s", "idle_s"} <= set(devs[0])
+        c = np.array([d["updates"] for d in devs], float)
+        np.testing.assert_allclose([d["weight"] for d in devs], c / c.sum())
+        # the virtual period length is the same for every device: busy + idle
+        assert devs[0]["busy_s"] + devs[0]["idle_s"] == pytest.approx(
+            devs[1]["busy_s"] + devs[1]["idle_s"])
+    assert sum(f["devices"][0]["samples"] + f["devices"][1]["samples"] for f in merges) == 2048
+
+
+def test_average_baseline_static_partition():
+    tr, _ = make("cpu,cpu@0.25", 4000, algorithm="average", merge_period=1000, batch_size=100,
+                 warmup_epochs=0)
+    res = tr.run_epoch(0, 0.1)
+    assert [d["samples"] for d in res["devices"]] == [2000, 2000]
+    assert [d["updates"] for d in res["devices"]] == [20, 20]
+    assert res["devices"][0]["idle_s"] > res["devices"][1]["idle_s"]  # fast one waits
+
+
+def test_barrier_holds_threads():
+    tr, _ = make("cpu,cpu@0.5,cpu", 3000, mode="threads", trace=True, per_sample=2e-6,
+                 merge_period=600, batch_size=50, warmup_epochs=0)
+    with tr:
+        tr.run_epoch(0, 0.1)
+        tr.run_epoch(1, 0.1)
+    ev = tr.events
+    periods = sorted({p for _, p, _ in ev})
+    assert len(periods) >= 8
+    for p in periods:
+        takes = [k for k, (kind, q, _) in enumerate(ev) if kind == "take" and q == p]
+        start = ev.index(("merge_start", p, -1))
+        end = ev.index(("merge_end", p, -1))
+        assert takes and max(takes) < start < end
+        later = [k for k, (kind, q, _) in enumerate(ev) if kind == "take" and q > p]
+        assert not later or min(later) > end
+
+
+def test_threads_faster_device_takes_more_batches():
+    tr, _ = make("cpu,cpu@0.25", 4000, mode="threads", per_sample=2e-5, per_step=5e-4,
+                 merge_period=2000, batch_size=50, warmup_epochs=5)
+    with tr:
+        res = tr.run_epoch(0, 0.1)
+    u = [d["updates"] for d in res["devices"]]
+    assert u[0] > 1.5 * u[1], u
+    assert res["samples"] == 4000
+
+
+@pytest.mark.parametrize("mode", ["simulated", "threads"])
+def test_worker_exception_becomes_device_failure(mode):
+    tr, _ = make("cpu,cpu@0.5", 2000, mode=mode, per_sample=1e-6, merge_period=500,
+                 batch_size=50, timeout=20, replica_kw={1: {"fail_at_step": 3}})
+    t0 = time.perf_counter()
+    with tr, pytest.raises(DeviceFailure, match=r"device 1 \(cpu@0.5\).*injected failure"):
+        tr.run_epoch(0, 0.1)
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(DeviceFailure, match="earlier failure"):
+        tr.run_epoch(1, 0.1)
+
+
+def test_stalled_worker_times_out():
+    tr, _ = make("cpu,cpu", 2000, mode="threads", per_sample=1e-6, merge_period=500,
+                 batch_size=50, timeout=0.5,
+                 replica_kw={0: {"hang_at_step": 1, "hang_seconds": 3.0}})
+    t0 = time.perf_counter()
+    with tr, pytest.raises(DeviceFailure, match=r"device\(s\) 0 \(cpu\) did not finish"):
+        tr.run_epoch(0, 0.1)
+    assert time.perf_counter() - t0 < 2.9
+
+
+def test_nan_replica_recovers_and_all_nan_diverges():
+    tr, reps = make("cpu,cpu", 2000, merge_period=500, batch_size=50, momentum=0.0,
+                    replica_kw={1: {"nan_at_step": 2}})
+    res = tr.run_epoch(0, 0.1)
+    assert res["samples"] == 2000
+    assert all(np.isfinite(a).all() for r in reps for a in r.params())
+    tr2, _ = make("cpu", 2000, merge_period=500, batch_size=50,
+                  replica_kw={0: {"nan_at_step": 2}})
+    with pytest.raises(DivergenceError):
+        tr2.run_epoch(0, 0.1)
+
+
+def test_thread_budget_is_entered_in_worker_threads():
+    import contextlib
+    import threading
+
+    seen = []
+
+    class Budget(FakeReplica):
+        pass
+
+    devs = [DeviceSpec("cpu", threads=3), DeviceSpec("cpu", threads=3)]
+    reps = [Budget(500, sleep=False) for _ in devs]
+    for r in reps:
+        r.backend.thread_budget = lambda n: (seen.append((n, threading.current_thread().name)),
+                                             contextlib.nullcontext())[1]
+    with ParallelTrainer(reps, devs, get_algorithm("average", merge_period=100), 500) as tr:
+        tr.run_epoch(0, 0.1)
+    assert sorted(n for n, _ in seen) == [3, 3]
+    assert all(name.startswith("xmc-device-") for _, name in seen)
