@@ -1,0 +1,132 @@
+"""Model-merge arithmetic on flat parameter arrays (DESIGN.md §4: normalized merging, momentum,
+EASGD / CROSSBOW elastic steps).
+
+Arrays
+------
+arrays : list of n arrays, same shape, float32, C-contiguous    the replicas ``w_i``
+weights : (n,) float64 host array (or sequence)                  ``p_i``
+out : same shape, float32                                        the result (may alias an input
+                                                                 of ``momentum``, not of
+                                                                 ``weighted_sum``)
+wbar, z_prev, z_prev2 : same shape, float32                      merged model, last two centers
+x, center, diff_out : same shape, float32                        replica, center, alpha (x - c)
+
+Versions
+--------
+``*_cpu``      @njit, flattened prange loops (every array is viewed 1-D).
+``*_kernel``   @cuda.jit grid-stride loops over the flattened arrays.
+``weighted_sum`` over n replicas is applied pairwise on both sides (out = p0 w0, then
+out += p_i w_i): n passes, no Python-level temporaries. Launchers never synchronise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+from xmc_engine.kernels._cuda import TPB, blocks_for, cuda, cuda_kernel, launch
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def axpby_cpu(out, x, a, b):
+    """out = b * out + a * x (flattened); b == 0 ignores the old ``out``."""
+    o = out.reshape(-1)
+    v = x.reshape(-1)
+    a32 = np.float32(a)
+    b32 = np.float32(b)
+    if b == 0.0:
+        for t in prange(o.shape[0]):
+            o[t] = a32 * v[t]
+    else:
+        for t in prange(o.shape[0]):
+            o[t] = b32 * o[t] + a32 * v[t]
+
+
+def weighted_sum_cpu(arrays, weights, out):
+    """out = sum_i weights[i] * arrays[i] (``out`` must not alias an input)."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if len(arrays) != len(weights) or len(arrays) == 0:
+        raise ValueError(f"weighted_sum: {len(arrays)} arrays but {len(weights)} weights")
+    for i, (a, w) in enumerate(zip(arrays, weights, strict=True)):
+        axpby_cpu(out, a, float(w), 0.0 if i == 0 else 1.0)
+    return out
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def momentum_cpu(wbar, z_prev, z_prev2, mu, out):
+    """out = wbar + mu * (z_prev - z_prev2)."""
+    o = out.reshape(-1)
+    w = wbar.reshape(-1)
+    z1 = z_prev.reshape(-1)
+    z2 = z_prev2.reshape(-1)
+    m = np.float32(mu)
+    for t in prange(o.shape[0]):
+        o[t] = w[t] + m * (z1[t] - z2[t])
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def elastic_cpu(x, center, alpha, diff_out):
+    """diff_out = alpha * (x - center); x -= diff_out."""
+    xv = x.reshape(-1)
+    c = center.reshape(-1)
+    d = diff_out.reshape(-1)
+    a = np.float32(alpha)
+    for t in prange(xv.shape[0]):
+        dt = a * (xv[t] - c[t])
+        d[t] = dt
+        xv[t] -= dt
+
+
+@cuda_kernel
+def axpby_kernel(out, x, a, b):
+    for t in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        if b == 0:
+            out[t] = a * x[t]
+        else:
+            out[t] = b * out[t] + a * x[t]
+
+
+@cuda_kernel
+def momentum_kernel(wbar, z_prev, z_prev2, mu, out):
+    for t in range(cuda.grid(1), out.shape[0], cuda.gridsize(1)):
+        out[t] = wbar[t] + mu * (z_prev[t] - z_prev2[t])
+
+
+@cuda_kernel
+def elastic_kernel(x, center, alpha, diff_out):
+    for t in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        d = alpha * (x[t] - center[t])
+        diff_out[t] = d
+        x[t] -= d
+
+
+def _flat(a):
+    return a.reshape(-1)
+
+
+def weighted_sum_launch(arrays, weights, out, stream=0):
+    """Queue out = sum_i weights[i] * arrays[i]; never synchronises."""
+    weights = [float(w) for w in weights]
+    if len(arrays) != len(weights) or len(arrays) == 0:
+        raise ValueError(f"weighted_sum: {len(arrays)} arrays but {len(weights)} weights")
+    o = _flat(out)
+    if o.shape[0] == 0:
+        return
+    for i, (a, w) in enumerate(zip(arrays, weights, strict=True)):
+        launch(axpby_kernel, blocks_for(o.shape[0]), TPB, stream, o, _flat(a), np.float32(w),
+               np.float32(0.0 if i == 0 else 1.0))
+
+
+def momentum_launch(wbar, z_prev, z_prev2, mu, out, stream=0):
+    """Queue out = wbar + mu * (z_prev - z_prev2); never synchronises."""
+    o = _flat(out)
+    if o.shape[0]:
+        launch(momentum_kernel, blocks_for(o.shape[0]), TPB, stream, _flat(wbar),
+               _flat(z_prev), _flat(z_prev2), np.float32(mu), o)
+
+
+def elastic_launch(x, center, alpha, diff_out, stream=0):
+    """Queue diff_out = alpha (x - center); x -= diff_out; never synchronises."""
+    xv = _flat(x)
+    if xv.shape[0]:
+        launch(elastic_kernel, blocks_for(xv.shape[0]), TPB, stream, xv, _flat(center),
+               np.float32(alpha), _flat(diff_out))

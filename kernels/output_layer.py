@@ -1,0 +1,523 @@
+"""Output layer: softmax cross-entropy vs ``y/|y|``, fused SGD step, top-k scores (DESIGN.md §2).
+
+Arrays
+------
+Z : (B, L) float32                        logits, C-contiguous; turned into dZ in place
+H : (B, n_hidden) float32                 hidden activations, C-contiguous
+W2 : (n_hidden, L) float32                C-contiguous, updated in place by the step
+b2 : (L,) float32                         updated in place by the step
+y_indptr : (B + 1,) int32/int64           CSR row pointers of the batch's labels (no data)
+y_indices : (n_pos,) int32/int64          label ids, unique within a row
+dH_out : (B, n_hidden) float32            gradient w.r.t. H (computed with W2 BEFORE the update)
+loss_rows : (B,) float64                  per-row loss (0 for rows without labels)
+m, s, ysum : (B,) float32                 running row max, sum of exp(z - m), sum of true logits
+lse : (B,) float32                        log-sum-exp of each row
+
+Loss of row i with labels y_i: ``-(1/|y_i|) sum_{l in y_i} log softmax(z_i)_l``, and 0 (with a zero
+gradient) when ``y_i`` is empty; ``dZ = scale * (softmax(Z) - y/|y|)``. The step functions use
+``scale = 1/B`` (mean over all B rows of the batch), and return the summed, unscaled loss.
+
+Versions
+--------
+``softmax_xent_cpu``     @njit, rows split into one contiguous block per thread; max-subtracted
+                         log-sum-exp with a vectorisable exp (``_exp_row``: 2^t by a degree-7
+                         polynomial and an exponent bit-shift, rel. error < 1e-6 - numba has no
+                         SVML here, and libm's scalar expf would cost more than a GEMM);
+                         optional fused bias add and per-thread column sums (for db2).
+``softmax_xent_kernel``  @cuda.jit, one block per row, shared-memory tree reductions (no warp
+                         intrinsics, so it runs in the simulator).
+``softmax_chunk_stats_*`` / ``softmax_chunk_grad_*``  the two passes of the label-chunked path.
+Host level (written once against an array module ``xp`` through a small ops adapter):
+``output_layer_step``, ``output_layer_grad``, ``predict_scores_topk``. The GEMMs go to BLAS/cuBLAS
+(``xp.matmul(..., out=)``; the W2 update is one GEMM with ``beta = 1`` where the layout allows).
+Launchers take a numba stream and never synchronise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import float32 as nb_float32
+from numba import njit, prange
+from xmc_engine.kernels._cuda import TPB, cuda, cuda_kernel, launch, rows_grid
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2 = 0.6931471805599453
+# Taylor coefficients of 2^f = exp(f ln 2), f in [-0.5, 0.5]
+_C1, _C2, _C3 = np.float32(_LN2), np.float32(_LN2**2 / 2), np.float32(_LN2**3 / 6)
+_C4, _C5 = np.float32(_LN2**4 / 24), np.float32(_LN2**5 / 120)
+_C6, _C7 = np.float32(_LN2**6 / 720), np.float32(_LN2**7 / 5040)
+_TMIN = np.float32(-125.0)
+_ONE = np.float32(1.0)
+_HALF = np.float32(0.5)
+_F0 = np.float32(0.0)
+_SH = 256  # shared-memory reduction buffer (>= any block size used)
+
+
+# ----------------------------------------------------------------------------------------- CPU
+@njit(nogil=True, cache=True, fastmath=True)
+def _exp_row(z, m, ibuf):
+    """z[j] = exp(z[j] - m) for z <= m (in place); returns the sum. ``ibuf`` (>= len z) int32."""
+    n = z.shape[0]
+    for j in range(n):
+        t = (z[j] - m) * _LOG2E
+        t = max(t, _TMIN)
+        r = math.floor(t + _HALF)
+        f = t - r
+        p = _C7
+        p = p * f + _C6
+        p = p * f + _C5
+        p = p * f + _C4
+        p = p * f + _C3
+        p = p * f + _C2
+        p = p * f + _C1
+        z[j] = p * f + _ONE
+        ibuf[j] = (np.int32(r) + np.int32(127)) << np.int32(23)
+    scale = ibuf[:n].view(np.float32)
+    s = np.float32(0.0)
+    for j in range(n):
+        e = z[j] * scale[j]
+        z[j] = e
+        s += e
+    return s
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _row_max_bias(z, bias, use_bias):
+    m = -np.inf
+    if use_bias:
+        for j in range(z.shape[0]):
+            v = z[j] + bias[j]
+            z[j] = v
+            m = max(m, v)
+    else:
+        for j in range(z.shape[0]):
+            m = max(m, z[j])
+    return np.float32(m)
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def softmax_xent_fused_cpu(Z, bias, use_bias, y_indptr, y_indices, scale, loss_rows, colsum_parts):
+    """Z (+ bias) -> dZ in place; loss_rows[i] = loss of row i.
+
+    ``colsum_parts`` (n_parts, L) or (n_parts, 0): when it has columns, part t receives the
+    column sums of dZ over the t-th block of rows (sum the parts for db2).
+    """
+    B, L = Z.shape
+    n_parts = colsum_parts.shape[0]
+    want_colsum = colsum_parts.shape[1] > 0
+    scale32 = np.float32(scale)
+    for t in prange(n_parts):
+        ibuf = np.empty(L, np.int32)
+        part = colsum_parts[t]
+        if want_colsum:
+            part[:] = _F0
+        for i in range(t * B // n_parts, (t + 1) * B // n_parts):
+            z = Z[i]
+            m = _row_max_bias(z, bias, use_bias)
+            p0, p1 = y_indptr[i], y_indptr[i + 1]
+            ny = p1 - p0
+            if ny == 0:
+                z[:] = _F0
+                loss_rows[i] = 0.0
+                continue
+            ysum = 0.0
+            for p in range(p0, p1):
+                ysum += z[y_indices[p]]
+            s = _exp_row(z, m, ibuf)
+            loss_rows[i] = m + math.log(s) - ysum / ny
+            c = scale32 / s
+            for j in range(L):
+                z[j] *= c
+            g = scale32 / np.float32(ny)
+            for p in range(p0, p1):
+                z[y_indices[p]] -= g
+            if want_colsum:
+                for j in range(L):
+                    part[j] += z[j]
+
+
+@njit(nogil=True, cache=True)
+def softmax_xent_cpu(Z, y_indptr, y_indices, scale):
+    """Z -> scale * (softmax(Z) - y/|y|) in place; returns the summed (unscaled) loss."""
+    loss_rows = np.empty(Z.shape[0], np.float64)
+    parts = np.empty((max(1, Z.shape[0]), 0), np.float32)  # one row per part, no column sums
+    softmax_xent_fused_cpu(Z, np.empty(0, np.float32), False, y_indptr, y_indices, scale,
+                           loss_rows, parts)
+    return loss_rows.sum()
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def softmax_chunk_stats_cpu(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum):
+    """Pass 1 of the chunked path on the logits ``Zc`` (B, C) of labels [c0, c0 + C).
+
+    Adds the bias, gathers the true logits of the chunk into ``ysum``, folds the chunk into the
+    running max ``m`` and sum ``s`` (online softmax). ``Zc`` is clobbered.
+    """
+    B, C = Zc.shape
+    for i in prange(B):
+        z = Zc[i]
+        mc = _row_max_bias(z, bias_c, True)
+        for p in range(y_indptr[i], y_indptr[i + 1]):
+            lab = y_indices[p] - c0
+            if lab >= 0 and lab < C:
+                ysum[i] += z[lab]
+        ibuf = np.empty(C, np.int32)
+        if mc > m[i]:
+            sc = _exp_row(z, mc, ibuf)
+            s[i] = s[i] * np.float32(math.exp(m[i] - mc)) + sc
+            m[i] = mc
+        else:
+            s[i] += _exp_row(z, m[i], ibuf)
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def softmax_chunk_grad_cpu(Zc, bias_c, c0, y_indptr, y_indices, lse, scale, colsum_parts):
+    """Pass 2: recomputed logits ``Zc`` -> dZ chunk in place; per-part column sums for db2."""
+    B, C = Zc.shape
+    n_parts = colsum_parts.shape[0]
+    scale32 = np.float32(scale)
+    for t in prange(n_parts):
+        ibuf = np.empty(C, np.int32)
+        part = colsum_parts[t]
+        part[:] = _F0
+        for i in range(t * B // n_parts, (t + 1) * B // n_parts):
+            z = Zc[i]
+            p0, p1 = y_indptr[i], y_indptr[i + 1]
+            if p1 == p0:
+                z[:] = _F0
+                continue
+            for j in range(C):
+                z[j] += bias_c[j]
+            _exp_row(z, lse[i], ibuf)
+            for j in range(C):
+                z[j] *= scale32
+            g = scale32 / np.float32(p1 - p0)
+            for p in range(p0, p1):
+                lab = y_indices[p] - c0
+                if lab >= 0 and lab < C:
+                    z[lab] -= g
+            for j in range(C):
+                part[j] += z[j]
+
+
+@njit(nogil=True, cache=True)
+def chunk_loss_cpu(m, s, ysum, y_indptr, lse):
+    """lse = m + log s; returns sum over labelled rows of lse - ysum / |y|."""
+    total = 0.0
+    for i in range(m.shape[0]):
+        lse[i] = m[i] + np.float32(math.log(s[i]))
+        ny = y_indptr[i + 1] - y_indptr[i]
+        if ny > 0:
+            total += lse[i] - ysum[i] / ny
+    return total
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _sum_parts(parts, out, alpha, beta):
+    """out = beta * out + alpha * parts.sum(0)."""
+    for j in prange(out.shape[0]):
+        acc = np.float32(0.0)
+        for t in range(parts.shape[0]):
+            acc += parts[t, j]
+        out[j] = beta * out[j] + alpha * acc
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+def _axpy_2d(Y, X, alpha):
+    """Y += alpha * X (Y may be a strided view)."""
+    a32 = np.float32(alpha)
+    for i in prange(Y.shape[0]):
+        for j in range(Y.shape[1]):
+            Y[i, j] += a32 * X[i, j]
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def _add_bias(Z, b):
+    for i in prange(Z.shape[0]):
+        for j in range(Z.shape[1]):
+            Z[i, j] += b[j]
+
+
+# ----------------------------------------------------------------------------------------- GPU
+@cuda_kernel
+def softmax_xent_kernel(Z, bias, use_bias, y_indptr, y_indices, scale, loss_rows):
+    """One block per row (grid-stride); block size a power of two <= _SH."""
+    sh = cuda.shared.array(_SH, nb_float32)
+    B, L = Z.shape
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+        p0 = y_indptr[i]
+        p1 = y_indptr[i + 1]
+        lm = -math.inf
+        for j in range(t, L, nt):
+            v = Z[i, j]
+            if use_bias:
+                v += bias[j]
+                Z[i, j] = v
+            lm = max(lm, v)
+        sh[t] = lm
+        cuda.syncthreads()
+        st = nt // 2
+        while st > 0:
+            if t < st:
+                sh[t] = max(sh[t], sh[t + st])
+            cuda.syncthreads()
+            st //= 2
+        m = sh[0]
+        cuda.syncthreads()
+        ls = nb_float32(0.0)
+        for j in range(t, L, nt):
+            ls += math.exp(Z[i, j] - m)
+        sh[t] = ls
+        cuda.syncthreads()
+        st = nt // 2
+        while st > 0:
+            if t < st:
+                sh[t] += sh[t + st]
+            cuda.syncthreads()
+            st //= 2
+        s = sh[0]
+        cuda.syncthreads()
+        if t == 0:
+            ysum = 0.0
+            for p in range(p0, p1):
+                ysum += Z[i, y_indices[p]]
+            loss_rows[i] = m + math.log(s) - ysum / (p1 - p0) if p1 > p0 else 0.0
+        cuda.syncthreads()  # the true logits are read before the row is overwritten
+        c = scale / s if p1 > p0 else nb_float32(0.0)
+        for j in range(t, L, nt):
+            Z[i, j] = c * math.exp(Z[i, j] - m)
+        cuda.syncthreads()
+        if p1 > p0:
+            g = scale / (p1 - p0)
+            for p in range(p0 + t, p1, nt):
+                Z[i, y_indices[p]] -= g
+        cuda.syncthreads()
+
+
+@cuda_kernel
+def softmax_chunk_stats_kernel(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum):
+    sh = cuda.shared.array(_SH, nb_float32)
+    B, C = Zc.shape
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+        lm = -math.inf
+        for j in range(t, C, nt):
+            v = Zc[i, j] + bias_c[j]
+            Zc[i, j] = v
+            lm = max(lm, v)
+        sh[t] = lm
+        cuda.syncthreads()
+        st = nt // 2
+        while st > 0:
+            if t < st:
+                sh[t] = max(sh[t], sh[t + st])
+            cuda.syncthreads()
+            st //= 2
+        mc = max(sh[0], m[i])
+        cuda.syncthreads()
+        ls = nb_float32(0.0)
+        for j in range(t, C, nt):
+            ls += math.exp(Zc[i, j] - mc)
+        sh[t] = ls
+        cuda.syncthreads()
+        st = nt // 2
+        while st > 0:
+            if t < st:
+                sh[t] += sh[t + st]
+            cuda.syncthreads()
+            st //= 2
+        if t == 0:
+            acc = nb_float32(0.0)
+            for p in range(y_indptr[i], y_indptr[i + 1]):
+                lab = y_indices[p] - c0
+                if lab >= 0 and lab < C:
+                    acc += Zc[i, lab]
+            ysum[i] += acc
+            s[i] = s[i] * math.exp(m[i] - mc) + sh[0]
+            m[i] = mc
+        cuda.syncthreads()
+
+
+@cuda_kernel
+def softmax_chunk_grad_kernel(Zc, bias_c, c0, y_indptr, y_indices, lse, scale):
+    B, C = Zc.shape
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, B, cuda.gridDim.x):
+        p0 = y_indptr[i]
+        p1 = y_indptr[i + 1]
+        c = scale if p1 > p0 else nb_float32(0.0)
+        for j in range(t, C, nt):
+            Zc[i, j] = c * math.exp(Zc[i, j] + bias_c[j] - lse[i])
+        cuda.syncthreads()
+        if p1 > p0:
+            g = scale / (p1 - p0)
+            for p in range(p0 + t, p1, nt):
+                lab = y_indices[p] - c0
+                if lab >= 0 and lab < C:
+                    Zc[i, lab] -= g
+        cuda.syncthreads()
+
+
+def _row_block():
+    return TPB if TPB <= 256 else 256
+
+
+def softmax_xent_launch(Z, y_indptr, y_indices, scale, loss_rows, stream=0, bias=None):
+    """Queue ``softmax_xent_kernel`` (optionally adding ``bias`` first); per-row losses go to
+    ``loss_rows`` (B,) float32/float64 on the device. Never synchronises."""
+    if Z.shape[0] == 0:
+        return
+    use_bias = bias is not None
+    if bias is None:
+        bias = Z[0, :1]  # unused placeholder of the right dtype
+    launch(softmax_xent_kernel, rows_grid(Z.shape[0]), _row_block(), stream, Z, bias, use_bias,
+           y_indptr, y_indices, np.float32(scale), loss_rows)
+
+
+def softmax_chunk_stats_launch(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum, stream=0):
+    """Queue pass 1 of the chunked path (``m`` starts at -inf, ``s`` and ``ysum`` at 0)."""
+    if Zc.shape[0] > 0:
+        launch(softmax_chunk_stats_kernel, rows_grid(Zc.shape[0]), _row_block(), stream,
+               Zc, bias_c, np.int64(c0), y_indptr, y_indices, m, s, ysum)
+
+
+def softmax_chunk_grad_launch(Zc, bias_c, c0, y_indptr, y_indices, lse, scale, stream=0):
+    """Queue pass 2 of the chunked path: recomputed logits -> dZ chunk in place."""
+    if Zc.shape[0] > 0:
+        launch(softmax_chunk_grad_kernel, rows_grid(Zc.shape[0]), _row_block(), stream,
+               Zc, bias_c, np.int64(c0), y_indptr, y_indices, lse, np.float32(scale))
+
+
+# ---------------------------------------------------------------------------------- host level
+def _chunks(L, label_chunk):
+    C = L if not label_chunk or label_chunk >= L else int(label_chunk)
+    return C, [(c0, min(L, c0 + C)) for c0 in range(0, L, C)]
+
+
+def output_layer_step(H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None, backend):
+    """One SGD step of the output layer; returns the summed loss of the batch.
+
+    ``Z = H @ W2 + b2``; ``dZ = (softmax(Z) - y/|y|) / B``; ``dH_out[:] = dZ @ W2.T`` (old W2);
+    ``W2 -= lr * H.T @ dZ``; ``b2 -= lr * dZ.sum(0)``. With ``label_chunk=C`` the logits are
+    produced C labels at a time and the full (B, L) matrix is never held (two passes: row
+    statistics, then recompute -> gradient -> dH accumulation -> immediate W2/b2 chunk update).
+    The loss is a Python float on the CPU and a 0-d device array on CUDA (``float()`` syncs).
+    """
+    return _output_layer(H, W2, b2, y_indptr, y_indices, lr, dH_out, None, None,
+                         label_chunk, backend)
+
+
+def output_layer_grad(H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
+                      db2_out=None, label_chunk=None, backend):
+    """Gradients of the mean loss without updating: returns ``(loss_sum, dW2, db2, dH)``.
+
+    Same semantics as :func:`output_layer_step` (``dW2 = H.T @ dZ``, ``db2 = dZ.sum(0)``,
+    ``dH = dZ @ W2.T``); outputs are written into the ``*_out`` arrays when given.
+    """
+    xp = backend.xp
+    B, nh = H.shape
+    L = W2.shape[1]
+    dH_out = xp.empty((B, nh), np.float32) if dH_out is None else dH_out
+    dW2_out = xp.empty((nh, L), np.float32) if dW2_out is None else dW2_out
+    db2_out = xp.empty((L,), np.float32) if db2_out is None else db2_out
+    loss = _output_layer(H, W2, b2, y_indptr, y_indices, 0.0, dH_out, dW2_out, db2_out,
+                         label_chunk, backend)
+    return loss, dW2_out, db2_out, dH_out
+
+
+def _output_layer(H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_out, label_chunk,
+                  backend):
+    ops = backend._output_ops
+    B = H.shape[0]
+    L = W2.shape[1]
+    update = dW2_out is None
+    scale = 1.0 / max(B, 1)
+    C, chunks = _chunks(L, label_chunk)
+    if B == 0:
+        dH_out[...] = 0
+        if not update:
+            dW2_out[...] = 0
+            db2_out[...] = 0
+        return ops.loss_value(0.0)
+    if len(chunks) == 1:  # plain path: three GEMMs, logits in memory
+        Z = ops.workspace("Z", (B, L))
+        ops.matmul(H, W2, Z)                                   # GEMM 1: logits
+        db2 = db2_out if not update else ops.workspace("db2", (L,))
+        loss = ops.softmax_bias(Z, b2, y_indptr, y_indices, scale, db2)   # fused bias+xent+sum
+        ops.matmul(Z, W2.T, dH_out)                            # GEMM 2: dH with the old W2
+        if update:
+            ops.gemm_update(W2, H, Z, -lr)                     # GEMM 3: W2 -= lr H^T dZ
+            ops.axpy(b2, db2, -lr)
+        else:
+            ops.matmul(H.T, Z, dW2_out)                        # GEMM 3: dW2
+        return loss
+    # label-chunked path (DESIGN.md §2): pass 1 statistics, pass 2 recompute + update
+    m, s, ysum = ops.row_stats(B)
+    for c0, c1 in chunks:
+        Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
+        ops.matmul(H, W2[:, c0:c1], Zc)
+        ops.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
+    loss, lse = ops.chunk_loss(m, s, ysum, y_indptr)
+    dH_out[...] = 0
+    dHc = ops.workspace("dHc", dH_out.shape)
+    for c0, c1 in chunks:
+        Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
+        W2c = W2[:, c0:c1]
+        ops.matmul(H, W2c, Zc)                                 # recompute the chunk's logits
+        db2c = db2_out[c0:c1] if not update else ops.workspace("db2", (L,))[: c1 - c0]
+        ops.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, db2c)
+        ops.matmul(Zc, W2c.T, dHc)                             # dH += dZc W2c^T (old W2c)
+        ops.axpy(dH_out, dHc, 1.0)
+        if update:
+            dW2c = ops.workspace_2d("dW2c", H.shape[1], c1 - c0, C)
+            ops.matmul(H.T, Zc, dW2c)
+            ops.axpy(W2c, dW2c, -lr)
+            ops.axpy(b2[c0:c1], db2c, -lr)
+        else:
+            ops.matmul(H.T, Zc, dW2_out[:, c0:c1])
+    return loss
+
+
+def predict_scores_topk(H, W2, b2, k, *, label_chunk=None, backend):
+    """Top-k labels of ``H @ W2 + b2``: ``(idx int64 (B, k), val float32 (B, k))``, descending.
+
+    ``k`` is clipped to ``L``. With ``label_chunk`` the scores are produced chunk by chunk and the
+    running top-k is merged with each chunk's top-k (:mod:`xmc_engine.kernels.topk`).
+    """
+    ops = backend._output_ops
+    xp = backend.xp
+    B = H.shape[0]
+    L = W2.shape[1]
+    k = int(min(k, L))
+    C, chunks = _chunks(L, label_chunk)
+    idx = xp.empty((B, k), np.int64)
+    val = xp.empty((B, k), np.float32)
+    if B == 0 or k == 0:
+        return idx, val
+    for c0, c1 in chunks:
+        Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
+        ops.matmul(H, W2[:, c0:c1], Zc)
+        ops.add_bias(Zc, b2[c0:c1])
+        if len(chunks) == 1:
+            ops.topk(Zc, k, idx, val)
+            break
+        kc = min(k, c1 - c0)
+        ic = xp.empty((B, kc), np.int64)
+        vc = xp.empty((B, kc), np.float32)
+        ops.topk(Zc, kc, ic, vc)
+        ic += c0
+        if c0 == 0:
+            idx, val = ic, vc
+        else:
+            kk = min(k, idx.shape[1] + kc)
+            i2 = xp.empty((B, kk), np.int64)
+            v2 = xp.empty((B, kk), np.float32)
+            ops.topk_merge(idx, val, ic, vc, i2, v2)
+            idx, val = i2, v2
+    return idx, val

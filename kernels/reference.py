@@ -1,0 +1,131 @@
+"""Slow, obvious NumPy versions of every kernel: the specification the fast kernels are tested on.
+
+Arrays are host NumPy arrays. CSR parts follow the project vocabulary: ``indptr`` (n_rows + 1,)
+int32/int64, ``indices`` (nnz,) int32/int64, ``data`` (nnz,) float32. Label sets are CSR without
+data: ``y_indptr`` (B + 1,), ``y_indices`` (n_labels_in_batch,). Every function computes in the
+dtype of its inputs unless ``dtype`` says otherwise (tests pass float64 for finite differences).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def dense_from_csr(indptr, indices, data, n_cols, dtype=np.float64):
+    """CSR parts -> dense (n_rows, n_cols) array (duplicates are summed)."""
+    n_rows = len(indptr) - 1
+    out = np.zeros((n_rows, n_cols), dtype=dtype)
+    for i in range(n_rows):
+        for p in range(indptr[i], indptr[i + 1]):
+            out[i, indices[p]] += data[p]
+    return out
+
+
+def label_targets(y_indptr, y_indices, n_labels, dtype=np.float64):
+    """Row-normalised label matrix ``y / |y|`` (B, n_labels); rows without labels stay zero."""
+    B = len(y_indptr) - 1
+    T = np.zeros((B, n_labels), dtype=dtype)
+    for i in range(B):
+        labs = y_indices[y_indptr[i] : y_indptr[i + 1]]
+        if len(labs):
+            T[i, labs] += 1.0 / len(labs)
+    return T
+
+
+def sparse_forward(indptr, indices, data, W1, b1):
+    """relu(X @ W1 + b1), (B, n_hidden)."""
+    X = dense_from_csr(indptr, indices, data, W1.shape[0], dtype=W1.dtype)
+    return np.maximum(X @ W1 + b1, 0)
+
+
+def sparse_grad(indptr, indices, data, dZ1, n_features=None):
+    """Row-sparse gradient of W1: (rows sorted unique int64, grad_rows, grad_b1)."""
+    if n_features is None:
+        n_features = int(indices.max()) + 1 if len(indices) else 0
+    X = dense_from_csr(indptr, indices, data, n_features, dtype=dZ1.dtype)
+    G = X.T @ dZ1
+    rows = np.unique(np.asarray(indices, dtype=np.int64))
+    return rows, G[rows], dZ1.sum(axis=0)
+
+
+def sparse_backward_update(indptr, indices, data, dZ1, W1, b1, lr):
+    """Return updated copies ``(W1 - lr X^T dZ1, b1 - lr sum_i dZ1[i])``."""
+    X = dense_from_csr(indptr, indices, data, W1.shape[0], dtype=W1.dtype)
+    return W1 - lr * (X.T @ dZ1), b1 - lr * dZ1.sum(axis=0)
+
+
+def sparse_rows_update(W1, rows, grad_rows, lr):
+    """Return a copy of W1 with ``W1[rows] -= lr * grad_rows``."""
+    W = W1.copy()
+    W[rows] -= lr * grad_rows
+    return W
+
+
+def relu_backward(dH, H):
+    """dH with dH[H <= 0] = 0 (a copy)."""
+    return np.where(H > 0, dH, 0).astype(dH.dtype)
+
+
+def softmax_xent_loss_rows(Z, y_indptr, y_indices):
+    """Per-row loss ``-sum_l y_l/|y| log softmax(Z)_l``; 0 for rows without labels."""
+    T = label_targets(y_indptr, y_indices, Z.shape[1], dtype=Z.dtype)
+    m = Z.max(axis=1, keepdims=True)
+    logp = Z - m - np.log(np.exp(Z - m).sum(axis=1, keepdims=True))
+    return -(T * logp).sum(axis=1)
+
+
+def softmax_xent(Z, y_indptr, y_indices, scale):
+    """(dZ, loss_sum): dZ = scale * (softmax(Z) - y/|y|), zero on rows without labels."""
+    T = label_targets(y_indptr, y_indices, Z.shape[1], dtype=Z.dtype)
+    m = Z.max(axis=1, keepdims=True)
+    P = np.exp(Z - m)
+    P /= P.sum(axis=1, keepdims=True)
+    has = np.diff(y_indptr) > 0
+    dZ = scale * (P - T) * has[:, None]
+    return dZ.astype(Z.dtype), float(softmax_xent_loss_rows(Z, y_indptr, y_indices).sum())
+
+
+def output_layer_loss(H, W2, b2, y_indptr, y_indices):
+    """Summed loss of the output layer (for finite differences: pass float64)."""
+    return float(softmax_xent_loss_rows(H @ W2 + b2, y_indptr, y_indices).sum())
+
+
+def output_layer_grad(H, W2, b2, y_indptr, y_indices):
+    """(loss_sum, dW2, db2, dH) of the MEAN loss (scale 1/B, B = number of rows)."""
+    B = H.shape[0]
+    dZ, loss = softmax_xent(H @ W2 + b2, y_indptr, y_indices, 1.0 / max(B, 1))
+    return loss, H.T @ dZ, dZ.sum(axis=0), dZ @ W2.T
+
+
+def output_layer_step(H, W2, b2, y_indptr, y_indices, lr):
+    """(loss_sum, W2_new, b2_new, dH): one SGD step of the output layer, dH with the old W2."""
+    loss, dW2, db2, dH = output_layer_grad(H, W2, b2, y_indptr, y_indices)
+    return loss, W2 - lr * dW2, b2 - lr * db2, dH
+
+
+def topk(scores, k):
+    """(idx int64 (B, k), val (B, k)) sorted by descending score (ties: lower index first)."""
+    k = min(k, scores.shape[1])
+    idx = np.argsort(-scores, axis=1, kind="stable")[:, :k].astype(np.int64)
+    return idx, np.take_along_axis(scores, idx, axis=1)
+
+
+def predict_scores_topk(H, W2, b2, k):
+    """Top-k of ``H @ W2 + b2``."""
+    return topk(H @ W2 + b2, k)
+
+
+def weighted_sum(arrays, weights):
+    """sum_i weights[i] * arrays[i]."""
+    return sum(w * a for w, a in zip(weights, arrays, strict=True))
+
+
+def momentum(wbar, z_prev, z_prev2, mu):
+    """wbar + mu * (z_prev - z_prev2)."""
+    return wbar + mu * (z_prev - z_prev2)
+
+
+def elastic(x, center, alpha):
+    """(x_new, diff) with diff = alpha * (x - center), x_new = x - diff."""
+    diff = alpha * (x - center)
+    return x - diff, diff
