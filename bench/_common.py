@@ -1,0 +1,227 @@
+"""Shared helpers for the benchmark scripts: machine record, peak RSS, data paths, JSON results.
+
+Nothing here imports the engine's heavy parts or any optional library at module import time, so
+every ``bench/*.py`` script can import it (``sys.path`` includes ``bench/`` when a script runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import importlib
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+#: Libraries whose versions are recorded when importable (never imported just to record them
+#: unless already installed; an import failure is recorded as ``None``).
+DEFAULT_LIBRARIES = ("numpy", "scipy", "numba", "threadpoolctl", "psutil", "xmc_engine",
+                     "torch", "napkinxc", "libpecos")
+
+
+class SkipBenchmark(Exception):
+    """A benchmark cannot run here (missing data or library); the message says why and how."""
+
+
+# -- machine --------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    """CPU model name from ``/proc/cpuinfo`` (Linux), else :func:`platform.processor`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity mask), falling back to ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def library_versions(names=DEFAULT_LIBRARIES) -> dict[str, str | None]:
+    """``{name: version}`` for each importable library, ``None`` for one that is not installed.
+
+    ``libpecos`` is looked up by distribution metadata only (it may live in another venv).
+    """
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+            continue
+        except metadata.PackageNotFoundError:
+            pass
+        if name == "libpecos":
+            out[name] = None
+            continue
+        try:
+            mod = importlib.import_module(name)
+            out[name] = str(getattr(mod, "__version__", "unknown"))
+        except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+            out[name] = None
+    return out
+
+
+def blas_info() -> list[dict]:
+    """The BLAS / OpenMP pools loaded in this process, via threadpoolctl (empty if missing)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    keep = ("user_api", "internal_api", "version", "num_threads", "threading_layer",
+            "architecture", "prefix")
+    return [{k: d.get(k) for k in keep} for d in threadpool_info()]
+
+
+def machine_info(libraries=DEFAULT_LIBRARIES, extra: dict | None = None) -> dict:
+    """A JSON-able record of the machine and software a result was measured on."""
+    info = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable_cores(),
+        "mem_total_gib": _mem_total_gib(),
+        "gpu": None,
+        "loadavg_1_5_15": _loadavg(),
+        "libraries": library_versions(libraries),
+        "blas": blas_info(),
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("XMC_", "OMP_", "MKL_", "OPENBLAS_", "NUMBA_NUM_THREADS"))},
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if extra:
+        info.update(extra)
+    return info
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: a shared machine's contention, recorded with each result."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) / 2**20, 2)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_rss_mib(children: bool = False) -> float:
+    """Peak resident set size of this process (or of its waited-for children) in MiB.
+
+    ``ru_maxrss`` is in KiB on Linux and in bytes on macOS.
+    """
+    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
+    rss = resource.getrusage(who).ru_maxrss
+    scale = 1.0 / 2**20 if sys.platform == "darwin" else 1.0 / 1024
+    return round(rss * scale, 1)
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+def data_dir() -> Path:
+    """The folder of real datasets: ``$XMC_DATA_DIR``, else ``../shared/data`` next to the repo."""
+    env = os.environ.get("XMC_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    for cand in (REPO_DIR.parent / "shared" / "data", REPO_DIR / "shared" / "data"):
+        if cand.is_dir():
+            return cand
+    return REPO_DIR.parent / "shared" / "data"
+
+
+def dataset_paths(name: str) -> tuple[Path, Path]:
+    """``(train, test)`` XC files of dataset ``name``; raises :class:`SkipBenchmark` if absent."""
+    root = data_dir()
+    folder = root / name
+    for suffix in (".txt.xz", ".txt", ".txt.gz", ".txt.bz2"):
+        train, test = folder / f"train{suffix}", folder / f"test{suffix}"
+        if train.is_file() and test.is_file():
+            return train, test
+    raise SkipBenchmark(
+        f"dataset {name!r} not found: expected {folder}/train.txt.xz and test.txt.xz "
+        f"(data dir {root}; set XMC_DATA_DIR to the folder that holds the datasets)")
+
+
+def load_dataset(name: str):
+    """``(X_train, Y_train, X_test, Y_test)`` as CSR float32, read with the engine's loader.
+
+    Reads text (or the loader's ``.npz`` cache, loaded with ``allow_pickle=False``); never pickle.
+    """
+    train, test = dataset_paths(name)
+    from xmc_engine.datasets import load_xc
+
+    X_train, Y_train = load_xc(train)
+    X_test, Y_test = load_xc(test)
+    return X_train, Y_train, X_test, Y_test
+
+
+# -- results --------------------------------------------------------------------------------------
+
+def _jsonable(obj):
+    """Convert NumPy scalars/arrays and non-finite floats (to ``None``) for strict JSON."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "tolist") and not isinstance(obj, (str, bytes)):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def write_json(path, payload: dict) -> Path:
+    """Write ``payload`` as indented JSON to ``path`` atomically (temp file + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_jsonable(payload), indent=2, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def read_json(path) -> dict | None:
+    """The JSON object at ``path``, or ``None`` if the file is missing or unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
