@@ -12,16 +12,39 @@ Model, scheduler and algorithms are written once against this interface. A backe
 ``synchronize()``   wait for all work queued by this backend's stream
 ``thread_budget``   context manager that limits numba/BLAS threads in the calling thread
 
-and one launcher per kernel of :mod:`xmc_engine.kernels` (see each module's docstring):
+and one launcher per kernel of :mod:`xmc_engine.kernels` (see each module's docstring). Arrays
+are float32 (parameters, activations) and int32/int64 (CSR indices) on the backend's device;
+launchers queue work on the backend's stream and return without waiting unless noted:
 
-``sparse_forward(indptr, indices, data, W1, b1, out)``
-``sparse_backward_update(indptr, indices, data, dZ1, W1, b1, lr)``
+``sparse_forward(indptr, indices, data, W1, b1, out) -> out``      out = relu(X @ W1 + b1)
+``sparse_backward_update(indptr, indices, data, dZ1, W1, b1, lr)``  in place on touched W1 rows
 ``sparse_grad(indptr, indices, data, dZ1) -> (rows, grad_rows, grad_b1)``
-``relu_backward(dH, H)``
+                    rows int64 sorted unique (CUDA: ``cupy.unique`` synchronises)
+``sparse_rows_update(W1, rows, grad_rows, lr)``                      W1[rows] -= lr * grad_rows
+``relu_backward(dH, H) -> dH``                                       dH[H <= 0] = 0 in place
 ``softmax_xent(Z, y_indptr, y_indices, scale) -> loss_sum``
-``topk(scores, k) -> (idx, val)``
-``weighted_sum(arrays, weights, out)``, ``momentum(wbar, z1, z2, mu, out)``,
-``elastic(x, center, alpha, diff_out)``
+                    Z -> scale * (softmax(Z) - y/|y|) in place; summed unscaled loss
+``output_layer_step(H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None)
+  -> loss_sum``     one SGD step of the output layer (mean loss over the B rows), dH_out with
+                    the old W2; ``label_chunk=C`` never holds the (B, n_labels) logits
+``output_layer_grad(H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
+  db2_out=None, label_chunk=None) -> (loss_sum, dW2, db2, dH)``   same, without updating
+``predict_scores_topk(H, W2, b2, k, *, label_chunk=None) -> (idx int64 (B, k), val (B, k))``
+``topk(scores, k) -> (idx, val)``                                    descending, ties: lower index
+``weighted_sum(arrays, weights, out) -> out``                        sum_i weights[i] * arrays[i]
+``momentum(wbar, z1, z2, mu, out) -> out``                           wbar + mu * (z1 - z2)
+``elastic(x, center, alpha, diff_out) -> diff_out``                  diff = alpha (x - c); x -= diff
+
+``loss_sum`` is a Python float on the CPU and a 0-d device array on CUDA (``float()`` waits).
+
+Extra helpers: ``empty(shape, dtype=float32)``, ``zeros(shape, dtype=float32)``,
+``copy_into(dst, src)`` (host -> device, device -> device, or a peer copy between GPUs, queued
+on the destination backend's stream). CUDA backends also expose ``stream`` (the
+``cupy.cuda.Stream(non_blocking=True)``) and ``nb_stream`` (the same stream for numba).
+
+A backend object (its reusable workspaces) belongs to one host thread at a time: give each
+device worker its own (``get_backend`` returns a new object per call). CPU workers should run
+inside ``with backend.thread_budget(n):`` (numba's limit is per thread; BLAS's is process-wide).
 
 ``import xmc_engine`` never imports CuPy; :func:`get_backend` imports ``backends.cuda`` lazily.
 """
