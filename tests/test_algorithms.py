@@ -147,3 +147,17 @@ def test_average_merge_is_uniform():
     assert pol.batch_sizes() == [128] * 4
     lr, lrs = pol.learning_rates(0.1, 3.0)
     assert lrs == [lr] * 4
+
+
+def test_adaptive_state_dict_round_trip():
+    reps = fakes(2)
+    pol = get_algorithm("adaptive", warmup_epochs=0)
+    pol.setup(reps, 100)
+    pol.controller.batch_sizes = [160, 96]
+    pol.trend.observe(1.0)
+    pol.trend.observe(2.0)
+    state = json.loads(json.dumps(pol.state_dict()))
+    other = get_algorithm("adaptive", warmup_epochs=0)
+    other.setup(fakes(2), 100)
+    other.load_state_dict(state)
+    assert other.batch_sizes() == [160, 96] and other.trend.flag == 1

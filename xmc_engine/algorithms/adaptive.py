@@ -188,6 +188,18 @@ class AdaptiveSGD(Policy):
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
                 "nonfinite": bad}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Batch sizes and the norm history of the trend flag (momentum buffers restart at the
+        central model on resume)."""
+        return {"name": self.name, "batch_sizes": self.batch_sizes(),
+                "norms": list(self.trend.norms)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        b = [int(x) for x in state.get("batch_sizes", self.batch_sizes())]
+        if len(b) == self.n_devices:
+            self.controller.batch_sizes = b
+        self.trend.norms = [float(x) for x in state.get("norms", [])][-2:]
+
     def end_period(self, progress, updates, samples, busy_s) -> None:
         """Adapt the batch sizes (§III-C), except after a short epoch-remainder period."""
         if 2 * sum(samples) >= self.merge_period:

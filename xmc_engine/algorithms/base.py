@@ -6,6 +6,18 @@ and what the merge does (weighted average + broadcast for Adaptive SGD and model
 elastic moves toward a centre for EASGD / CROSSBOW; one step per period with a global batch for
 synchronous SGD). The scheduler (:class:`xmc_engine.scheduler.ParallelTrainer`) runs the devices
 and calls the policy between periods, on the main thread.
+
+How the baselines of DESIGN.md §4 map onto this interface:
+
+``average``   static quotas ``S / n``, equal ``B``, uniform average + broadcast.
+``sync``      static, ``S = n B`` (one batch per device per period), uniform average +
+              broadcast: from a common start, averaging the models after one plain SGD step
+              equals one step with the averaged gradient.
+``easgd``     static, ``S = n τ b``; merge = :func:`~xmc_engine.scheduler.merge.elastic_update`
+              of each replica toward the centre, centre += Σ of the elastic differences; no
+              broadcast.
+``crossbow``  static, ``S = n b`` (every step); merge = elastic updates + centre momentum
+              ``z <- z + Σ α (w_j - z) + μ (z - z_prev)``.
 """
 
 from __future__ import annotations
@@ -123,6 +135,13 @@ class Policy:
     def central_params(self) -> list:
         """The central (merged) model: list of arrays on the first device's backend."""
         return self.central
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able scheduling state for checkpoints (not the model arrays)."""
+        return {"name": self.name, "batch_sizes": self.batch_sizes()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output after :meth:`setup` (for resuming)."""
 
     # -- helpers -------------------------------------------------------------------------------
     def _finite_updates(self, params: Sequence[Sequence], updates: Sequence[int]):

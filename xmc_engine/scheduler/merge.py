@@ -165,8 +165,8 @@ def weighted_merge(replica_params: Sequence[Sequence], p: Sequence[float], out: 
         Merge weights (summing to 1 for a convex combination). Replicas with weight 0 are
         skipped entirely, so a non-finite replica with weight 0 cannot poison the merge.
     out : list of arrays
-        Destination, same shapes; may be one of the replicas' lists only if that replica's
-        weight is the first non-zero one.
+        Destination, same shapes, on the merging device; must not alias any replica's arrays.
+        (Replicas on other GPUs must be peer-accessible from it, or copied there first.)
     backend : optional
         Uses ``backend.weighted_sum(arrays, weights, out)`` when present.
     check : bool

@@ -132,6 +132,15 @@ class ParallelTrainer:
         """The central model after the last merge (valid until the next merge)."""
         return self.policy.central_params()
 
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able scheduling state for checkpoints (policy state, period counter)."""
+        return {"policy": self.policy.state_dict(), "period_global": self.period_global}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output when resuming (the model is restored separately)."""
+        self.policy.load_state_dict(state.get("policy", {}))
+        self.period_global = int(state.get("period_global", 0))
+
     def run_epoch(self, epoch: int, lr: float) -> dict[str, Any]:
         """Train one epoch (every sample exactly once), merging every ``S`` samples.
 
