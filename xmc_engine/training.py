@@ -185,6 +185,7 @@ class _Driver:
         self.state, self.log, self.evaluator = state, log, evaluator
         self.ckpts, self.every, self.shape = ckpts, checkpoint_every, shape
         self.metrics: dict | None = None
+        self.last_eval_samples = -1
         eval_step = int(round(cfg.eval_every * n_samples)) if cfg.eval_every > 0 else 0
         self.eval_step = eval_step
         self.next_eval = (state["samples"] // eval_step + 1) * eval_step if eval_step else None
@@ -211,6 +212,7 @@ class _Driver:
         be, params = self.runner.eval_params()
         t0 = time.perf_counter()
         self.metrics = self.evaluator(be, params)
+        self.last_eval_samples = self.state["samples"]
         self.log.write("eval", epoch=round(epoch_float, 4), samples=self.state["samples"],
                        train_time=self.state["train_time"],
                        eval_time=time.perf_counter() - t0, metrics=self.metrics)
@@ -242,26 +244,25 @@ class _Driver:
             epoch = int(st["epoch"])
             while st["samples"] < total:
                 st["epoch"] = epoch
-                while not self.runner.epoch_done() and st["samples"] < total:
-                    before, t0 = st["samples"], st["train_time"]
-                    self.runner.run_until(epoch, min(self._next_stop(), total), st)
-                    bar.update(st["samples"] - before)
-                    dt = st["train_time"] - t0
-                    postfix = {"samples/s": f"{(st['samples'] - before) / dt:.0f}"} if dt else {}
-                    if self.metrics:
-                        postfix["P@1"] = f"{self.metrics['P@1']:.4f}"
-                    bar.set_postfix(postfix, refresh=False)
-                    if self.next_eval is not None and st["samples"] >= self.next_eval:
-                        self.evaluate(st["samples"] / self.n)
-                        self.next_eval += self.eval_step
-                    if self._ckpt_due():
-                        self.checkpoint(epoch)
-                if self.runner.epoch_done():
+                before, t0 = st["samples"], st["train_time"]
+                self.runner.run_until(epoch, min(self._next_stop(), total), st)
+                if self.runner.epoch_done():  # advance first, so that a checkpoint says so
                     epoch += 1
                     st["epoch"], st["batch"] = epoch, 0
                     self.runner.end_epoch()
-            if self.evaluator is not None and (not self.log.records
-                                               or self.log.records[-1].get("event") != "eval"):
+                bar.update(st["samples"] - before)
+                dt = st["train_time"] - t0
+                postfix = {"samples/s": f"{(st['samples'] - before) / dt:.0f}"} if dt else {}
+                if self.metrics:
+                    postfix["P@1"] = f"{self.metrics['P@1']:.4f}"
+                bar.set_postfix(postfix, refresh=False)
+                if self.next_eval is not None and st["samples"] >= self.next_eval:
+                    self.evaluate(st["samples"] / self.n)
+                    while self.next_eval <= st["samples"]:
+                        self.next_eval += self.eval_step
+                if self._ckpt_due():
+                    self.checkpoint(epoch)
+            if self.evaluator is not None and self.last_eval_samples != st["samples"]:
                 self.evaluate(st["samples"] / self.n)
             if self.ckpts is not None and self.every is not None:
                 self.checkpoint(epoch)

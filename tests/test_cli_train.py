@@ -1,0 +1,91 @@
+"""``xmc-engine train | evaluate | predict | plot`` through a subprocess, on tiny data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xmc_engine.datasets import save_xc
+from tests.test_estimator import tiny_data
+
+
+def run_cli(*args, cwd=None, check=True):
+    env = {**os.environ, "XMC_PROGRESS": "0"}
+    proc = subprocess.run([sys.executable, "-m", "xmc_engine", *map(str, args)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\n"
+                             f"stderr:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    X, Y = tiny_data(n=400)
+    save_xc(d / "train.txt", X[:300], Y[:300])
+    save_xc(d / "test.txt", X[300:], Y[300:])
+    return d
+
+
+def test_print_config_and_config_file(tmp_path):
+    out = run_cli("train", "--print-config", "--hidden", "64,32", "--lr", "0.25").stdout
+    cfg = json.loads(out)
+    assert cfg["hidden"] == [64, 32] and cfg["lr"] == 0.25
+    cfg["epochs"] = 3
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    again = json.loads(run_cli("train", "--config", tmp_path / "c.json", "--print-config").stdout)
+    assert again == cfg
+    (tmp_path / "bad.json").write_text(json.dumps({**cfg, "hidden_size": 3}))
+    bad = run_cli("train", "--config", tmp_path / "bad.json", "--print-config", check=False)
+    assert bad.returncode == 2 and "unknown key" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_train_evaluate_predict_plot(files, tmp_path):
+    run = tmp_path / "run"
+    out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 4, "--batch-size", 32,
+                  "--lr", 0.5, "--out", run, "--checkpoint-every", 300).stdout
+    assert "P@1" in out and "model:" in out and "log:" in out
+    assert (run / "model" / "config.json").exists() and (run / "log.jsonl").exists()
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ev = run_cli("evaluate", run / "model", "--data", files).stdout
+    assert "P@1" in ev and "nDCG@5" in ev
+    pred = tmp_path / "pred.txt"
+    run_cli("predict", run / "model", "--data", files, "--top-k", 3, "--out", pred)
+    lines = pred.read_text().splitlines()
+    assert len(lines) == 100 and all(len(line.split()) == 3 for line in lines)
+    png = tmp_path / "p.png"
+    run_cli("plot", run, run, "--out", png)
+    assert png.exists()
+
+
+def test_resume_continues_the_run(files, tmp_path):
+    run = tmp_path / "run"
+    run_cli("train", "--data", files, "--hidden", 16, "--epochs", 2, "--batch-size", 32,
+            "--out", run, "--checkpoint-every", 100)
+    # Pretend the run was meant to be longer: resume continues from its last checkpoint.
+    run_json = json.loads((run / "run.json").read_text())
+    run_json["config"]["epochs"] = 3
+    (run / "run.json").write_text(json.dumps(run_json))
+    out = run_cli("train", "--resume", run).stdout
+    assert "P@1" in out
+    log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    starts = [r for r in log if r["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["samples"] == 600
+    assert log[-1]["event"] == "final" and log[-1]["samples"] == 900
+
+
+def test_bad_arguments_are_clear(files, tmp_path):
+    p = run_cli("train", "--data", files, "--devices", "gpu:0", "--out", tmp_path / "r",
+                check=False)
+    assert p.returncode == 2 and "gpu:0" in p.stderr and "Traceback" not in p.stderr
+    p = run_cli("train", "--data", tmp_path / "nope.txt", "--out", tmp_path / "r2", check=False)
+    assert p.returncode == 2 and "nope.txt" in p.stderr
+    p = run_cli("train", "--resume", tmp_path, check=False)
+    assert p.returncode == 2 and "run folder" in p.stderr
+    p = run_cli("evaluate", tmp_path / "missing-model", "--data", files, check=False)
+    assert p.returncode == 2 and "missing-model" in p.stderr

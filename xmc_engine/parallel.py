@@ -1,0 +1,85 @@
+"""Glue between the training driver and the multi-device scheduler (DESIGN.md §3-4).
+
+Builds one :class:`~xmc_engine.model.MLPReplica` per device of the spec, wraps them in a
+:class:`~xmc_engine.scheduler.ParallelTrainer` with the chosen algorithm, and exposes the small
+runner interface the driver in :mod:`xmc_engine.training` uses (whole epochs at a time; the
+central model is what is evaluated, checkpointed and returned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from xmc_engine.backends import get_backend
+from xmc_engine.config import TrainConfig
+from xmc_engine.model import MLPReplica
+
+_STATE_KEY = "scheduler_state"
+
+
+def algorithm_options(cfg: TrainConfig) -> dict:
+    """The algorithm's options: ``cfg.algorithm_params`` plus the shared fields (``batch_size``,
+    ``lr_decay``) where the algorithm has them and the params do not set them."""
+    from xmc_engine.algorithms import ALGORITHMS
+
+    _, cfg_cls = ALGORITHMS[cfg.algorithm]
+    fields = {f.name for f in dataclasses.fields(cfg_cls)}
+    opts = dict(cfg.algorithm_params)
+    for name, value in (("batch_size", cfg.batch_size), ("lr_decay", cfg.lr_decay)):
+        if name in fields:
+            opts.setdefault(name, value)
+    return opts
+
+
+class ParallelRunner:
+    """Runs ``cfg.algorithm`` over the devices of ``devices`` (a list of DeviceSpec)."""
+
+    def __init__(self, cfg: TrainConfig, devices, X, Y, params, state, log):
+        from xmc_engine.algorithms import get_algorithm
+        from xmc_engine.scheduler import ParallelTrainer
+
+        self.cfg = cfg
+        policy = get_algorithm(cfg.algorithm, algorithm_options(cfg))
+        replicas = []
+        for d in devices:
+            be = get_backend(d.kind, d.index, threads=d.threads)
+            replicas.append(MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk))
+        self.replicas = replicas
+        self.trainer = ParallelTrainer(replicas, devices, policy, X.shape[0], seed=cfg.seed,
+                                       log=log)
+        saved = state.get("extra", {}).get(_STATE_KEY)
+        if saved is not None:  # resuming: batch sizes, trend flag, period counter
+            self.trainer.load_state_dict(json.loads(bytes(np.asarray(saved, np.uint8))))
+        self._done = False
+
+    def run_until(self, epoch: int, stop_samples: int, state: dict) -> None:
+        """One whole epoch (merges happen inside; evaluation and checkpoints between epochs)."""
+        res = self.trainer.run_epoch(epoch, self.cfg.lr)
+        state["train_time"] += res["train_seconds"]
+        state["samples"] += res["samples"]
+        state["loss_sum"] = state.get("loss_sum", 0.0) + res["loss"] * res["samples"]
+        self._done = True
+
+    def epoch_done(self) -> bool:
+        return self._done
+
+    def end_epoch(self) -> None:
+        self._done = False
+
+    def eval_params(self):
+        return self.replicas[0].backend, self.trainer.central_params()
+
+    def host_params(self) -> list[np.ndarray]:
+        be = self.replicas[0].backend
+        return [np.array(be.to_host(p), dtype=np.float32) for p in self.trainer.central_params()]
+
+    def checkpoint_extra(self) -> dict:
+        """The scheduler's JSON state, as a uint8 array beside the parameters."""
+        text = json.dumps(self.trainer.state_dict()).encode()
+        return {_STATE_KEY: np.frombuffer(text, dtype=np.uint8).copy()}
+
+    def close(self) -> None:
+        self.trainer.close()
