@@ -19,15 +19,11 @@ import zipfile
 from pathlib import Path
 
 from xmc_engine import _env, progress
-from xmc_engine.errors import XMCError
+from xmc_engine.errors import FetchError
 
 logger = logging.getLogger(__name__)
 
 XC_REPOSITORY = "http://manikvarma.org/downloads/XC/XMLRepository.html"
-
-
-class FetchError(XMCError, OSError):
-    """A download failed: unreachable server, HTTP error, checksum mismatch or bad archive."""
 
 
 def fetch(name: str, *, url: str | None = None, dest=None, sha256: str | None = None,

@@ -9,6 +9,10 @@ class DatasetFormatError(XMCError, ValueError):
     """A data file is malformed: the message names the file, the line and the offending token."""
 
 
+class FetchError(XMCError, OSError):
+    """A download failed: unreachable server, HTTP error, checksum mismatch or bad archive."""
+
+
 class ConfigError(XMCError, ValueError):
     """A configuration (file, dict or CLI argument) is invalid: unknown key, bad value or type."""
 
@@ -26,7 +30,7 @@ class CheckpointError(XMCError, ValueError):
 
 
 class MemoryPlanError(XMCError, RuntimeError):
-    """The memory plan says a run does not fit on its devices; the message gives a setting that fits."""
+    """A run does not fit on its devices; the message gives a setting that fits."""
 
 
 class DivergenceError(XMCError, RuntimeError):
