@@ -63,7 +63,7 @@ def _exp_row(z, m, ibuf):
     for j in range(n):
         t = (z[j] - m) * _LOG2E
         t = max(t, _TMIN)
-        r = math.floor(t + _HALF)
+        r = np.floor(t + _HALF)
         f = t - r
         p = _C7
         p = p * f + _C6
@@ -214,10 +214,10 @@ def chunk_loss_cpu(m, s, ysum, y_indptr, lse):
     return total
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _sum_parts(parts, out, alpha, beta):
-    """out = beta * out + alpha * parts.sum(0)."""
-    for j in prange(out.shape[0]):
+    """out = beta * out + alpha * parts.sum(0) (serial: a few parts of one row each)."""
+    for j in range(out.shape[0]):
         acc = np.float32(0.0)
         for t in range(parts.shape[0]):
             acc += parts[t, j]
@@ -231,6 +231,19 @@ def _axpy_2d(Y, X, alpha):
     for i in prange(Y.shape[0]):
         for j in range(Y.shape[1]):
             Y[i, j] += a32 * X[i, j]
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _axpy_serial(Y, X, alpha):
+    """Y += alpha * X, 1-D or 2-D, serial (small arrays: a parallel region costs more)."""
+    a32 = np.float32(alpha)
+    for i in np.ndindex(Y.shape):
+        Y[i] += a32 * X[i]
+
+
+#: below this many elements, CPU helpers run serially (one parallel region costs ~10-50 us,
+#: and a full OS time slice when the cores are oversubscribed)
+SERIAL_BELOW = 1 << 16
 
 
 @njit(nogil=True, cache=True, parallel=True)

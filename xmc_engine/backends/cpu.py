@@ -63,7 +63,9 @@ class _CPUOutputOps:
     @staticmethod
     def axpy(y, x, alpha):
         if y.ndim == 1:
-            merge.axpby_cpu(y, x, alpha, 1.0)
+            output_layer._axpy_serial(y, x, alpha)
+        elif y.size < output_layer.SERIAL_BELOW:
+            output_layer._axpy_serial(y, x, alpha)
         else:
             output_layer._axpy_2d(y, x, alpha)
 
