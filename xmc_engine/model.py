@@ -114,6 +114,29 @@ class MLPReplica:
         return train_step(self.backend, self._params, self.X[rows], self.Y[rows], lr,
                           label_chunk=self.label_chunk)
 
+    # -- gradient interface (synchronous data-parallel SGD, DESIGN.md §4 "sync") -------------
+    def grad_batch(self, rows: np.ndarray) -> tuple[float, list]:
+        """Gradients of the mean loss over training rows ``rows`` (int64, host); no update.
+
+        Returns ``(loss_sum, grads)``: ``grads`` follows the order of :meth:`params`;
+        ``grads[0]`` (``W1``) is row-sparse, a pair ``(rows int64 (n_rows,) sorted unique
+        features of the batch, grad_rows float32 (n_rows, hidden[0]))``; every other entry is a
+        dense float32 array of its parameter's shape. All live on this replica's device and
+        are already scaled as the mean over the batch (``apply_grads(grads, lr)`` is the step
+        ``train_batch(rows, lr)`` makes). ``loss_sum`` is summed over the rows.
+        """
+        return grad_step(self.backend, self._params, self.X[rows], self.Y[rows],
+                         label_chunk=self.label_chunk)
+
+    def apply_grads(self, grads: list, lr: float) -> None:
+        """SGD ``p -= lr * g`` with gradients in the :meth:`grad_batch` layout.
+
+        The arrays may live on the host or on this device (copied here when needed); only the
+        listed rows of ``W1`` are touched. ``grads`` is not modified, so one averaged gradient
+        can be applied to every replica.
+        """
+        apply_grads(self.backend, self._params, grads, lr)
+
 
 def _hidden_forward(be, params, Xb):
     """Hidden activations of a host CSR batch: list of (B, hidden[k]) arrays on the backend."""
@@ -165,6 +188,49 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
     be.relu_backward(dH, acts[0])
     be.sparse_backward_update(indptr, indices, data, dH, params[0], params[1], lr)
     return float(loss)
+
+
+def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[float, list]:
+    """Forward, loss and backward of one batch without updating: ``(loss_sum, grads)``.
+
+    Same arithmetic as :func:`train_step` (gradients of the mean loss; the ``dH`` of a layer is
+    taken with its weights before the step), built on the backend's ``output_layer_grad`` and
+    ``sparse_grad``. ``grads`` layout: :meth:`MLPReplica.grad_batch`.
+    """
+    (indptr, indices, data), acts = _hidden_forward(be, params, Xb)
+    y_indptr, y_indices, _ = be.csr_parts(Yb)
+    W2, b2 = params[-2], params[-1]
+    loss, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
+                                              label_chunk=label_chunk)
+    dense: list = []
+    for k in reversed(range(len(acts) - 1)):
+        W = params[2 + 2 * k]
+        be.relu_backward(dH, acts[k + 1])
+        dense = [acts[k].T @ dH, dH.sum(axis=0)] + dense
+        dH = dH @ W.T
+    be.relu_backward(dH, acts[0])
+    rows, grad_rows, grad_b1 = be.sparse_grad(indptr, indices, data, dH)
+    return float(loss), [(rows, grad_rows), grad_b1, *dense, dW2, db2]
+
+
+def apply_grads(be, params, grads, lr: float) -> None:
+    """In-place SGD ``p -= lr * g`` for ``grads`` in the :meth:`MLPReplica.grad_batch` layout.
+
+    ``W1`` through ``sparse_rows_update`` (touched rows only); dense arrays through the
+    backend's fused ``axpy`` when it has one (no temporary the size of ``W2``). ``grads`` may be
+    host arrays: they are copied to the device of ``be`` first (no copy on the CPU backend).
+    """
+    rows, grad_rows = grads[0]
+    if len(rows):
+        be.sparse_rows_update(params[0], be.asarray(rows, dtype=np.int64),
+                              be.asarray(grad_rows, dtype=np.float32), lr)
+    ops = getattr(be, "_output_ops", None)
+    for p, g in zip(params[1:], grads[1:], strict=True):
+        g = be.asarray(g, dtype=np.float32)
+        if ops is not None:
+            ops.axpy(p, g, -float(lr))
+        else:
+            p -= np.float32(lr) * g
 
 
 def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = 4096,
