@@ -177,8 +177,10 @@ def test_threads_faster_device_takes_more_batches():
 
 @pytest.mark.parametrize("mode", ["simulated", "threads"])
 def test_worker_exception_becomes_device_failure(mode):
+    # One failing device is dropped (elastic, tests/test_reliability.py); all failing stops.
     tr, _ = make("cpu,cpu@0.5", 2000, mode=mode, per_sample=1e-6, merge_period=500,
-                 batch_size=50, timeout=20, replica_kw={1: {"fail_at_step": 3}})
+                 batch_size=50, timeout=20,
+                 replica_kw={0: {"fail_at_step": 3}, 1: {"fail_at_step": 3}})
     t0 = time.perf_counter()
     with tr, pytest.raises(DeviceFailure, match=r"device 1 \(cpu@0.5\).*injected failure"):
         tr.run_epoch(0, 0.1)

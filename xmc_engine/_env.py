@@ -47,3 +47,15 @@ def progress_enabled() -> bool | None:
     if env is None or env == "":
         return None
     return env not in ("0", "false", "no")
+
+
+def fault_spec() -> str | None:
+    """Fault-injection spec for reliability tests (``XMC_FAULT``, grammar in
+    :mod:`xmc_engine.faults`), e.g. ``device:1:step:40``; ``None`` when unset."""
+    return os.environ.get("XMC_FAULT") or None
+
+
+def memory_budget() -> str | None:
+    """Bytes the memory planner may assume per device (``XMC_MEMORY_BUDGET``, e.g. ``8GiB``),
+    overriding what the machine reports; ``None`` when unset."""
+    return os.environ.get("XMC_MEMORY_BUDGET") or None

@@ -39,3 +39,7 @@ class DivergenceError(XMCError, RuntimeError):
 
 class DeviceFailure(XMCError, RuntimeError):
     """A device worker failed (raised, or was made to fail by fault injection)."""
+
+
+class InjectedFault(XMCError, RuntimeError):
+    """Raised in a device worker by fault injection (``XMC_FAULT``, :mod:`xmc_engine.faults`)."""

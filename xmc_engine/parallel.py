@@ -18,6 +18,9 @@ from xmc_engine.config import TrainConfig
 from xmc_engine.model import MLPReplica
 
 _STATE_KEY = "scheduler_state"
+#: ``algorithm_params`` keys that configure the trainer (elastic device set, fault injection;
+#: see :class:`~xmc_engine.scheduler.ParallelTrainer`), not the algorithm.
+TRAINER_KEYS = ("rejoin_after", "fault")
 
 
 def algorithm_options(cfg: TrainConfig) -> dict:
@@ -27,7 +30,7 @@ def algorithm_options(cfg: TrainConfig) -> dict:
 
     _, cfg_cls = ALGORITHMS[cfg.algorithm]
     fields = {f.name for f in dataclasses.fields(cfg_cls)}
-    opts = dict(cfg.algorithm_params)
+    opts = {k: v for k, v in cfg.algorithm_params.items() if k not in TRAINER_KEYS}
     for name, value in (("batch_size", cfg.batch_size), ("lr_decay", cfg.lr_decay)):
         if name in fields:
             opts.setdefault(name, value)
@@ -48,8 +51,10 @@ class ParallelRunner:
             be = get_backend(d.kind, d.index, threads=d.threads)
             replicas.append(MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk))
         self.replicas = replicas
+        extra = {k: cfg.algorithm_params[k] for k in TRAINER_KEYS if k in cfg.algorithm_params}
         self.trainer = ParallelTrainer(replicas, devices, policy, X.shape[0], seed=cfg.seed,
-                                       log=log)
+                                       log=log, rejoin_after=extra.get("rejoin_after"),
+                                       faults=extra.get("fault"))
         saved = state.get("extra", {}).get(_STATE_KEY)
         if saved is not None:  # resuming: batch sizes, trend flag, period counter
             self.trainer.load_state_dict(json.loads(bytes(np.asarray(saved, np.uint8))))

@@ -147,19 +147,30 @@ class Policy:
     def _finite_updates(self, params: Sequence[Sequence], updates: Sequence[int]):
         """Update counts with non-finite replicas zeroed; raises if no finite replica is left.
 
-        Returns ``(counts, bad)``; when every finite replica has a zero count, the finite ones
-        get count 1 (uniform over the finite replicas).
+        Replicas in ``self.excluded`` (set by the trainer: failed devices, replicas whose loss
+        went non-finite) are zeroed too, without being checked. Returns ``(counts, bad)`` with
+        ``bad`` the non-finite ones found here (plus the excluded ones in ``self.nonfinite``);
+        when every remaining replica has a zero count, they get count 1 (uniform).
         """
-        bad = find_nonfinite(params, self.backend)
-        if len(bad) == len(params):
-            raise DivergenceError(f"every replica ({len(bad)}) has non-finite parameters")
+        excluded = set(getattr(self, "excluded", ()))
+        flagged = set(getattr(self, "nonfinite", ()))
+        check = [i for i in range(len(params)) if i not in excluded]
+        bad = sorted({check[j] for j in find_nonfinite([params[i] for i in check], self.backend)}
+                     | (flagged & set(check)))
+        skip = sorted(excluded | set(bad))
+        if len(skip) == len(params):
+            raise DivergenceError(
+                f"every remaining replica ({len(bad)}: devices {bad}) has non-finite parameters "
+                f"or loss; lower the learning rate and resume from the last checkpoint")
         c = np.asarray(updates, dtype=np.float64).copy()
-        if bad:
-            logger.warning("replicas %s are non-finite: dropped from the merge and reset", bad)
-            c[bad] = 0.0
+        if skip:
+            if bad:
+                logger.warning("replicas %s are non-finite: dropped from the merge and reset",
+                               bad)
+            c[skip] = 0.0
             if c.sum() == 0:
                 c[:] = 1.0
-                c[bad] = 0.0
+                c[skip] = 0.0
         return c, bad
 
     def _broadcast(self, replicas: Sequence, params: Sequence) -> None:

@@ -25,6 +25,14 @@ devices); device ``i`` takes ``min(b_i, quota_i - taken_i)`` until its quota is 
 
 In both modes each sample of the epoch permutation is handed out exactly once per epoch: takes
 advance a single cursor under a lock.
+
+Failed devices (elastic training)
+---------------------------------
+When a device fails, :meth:`BatchQueue.give_back` returns every row it took in the current period
+(its in-flight batch and the batches whose updates die with its replica): they are handed out
+again, before the cursor moves on, to the devices still running (in this period or the next), so
+no sample of the epoch is lost. :meth:`BatchQueue.set_active` tells the static mode which devices
+share the quotas.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ class PeriodAccount:
     batch_sizes: list[int]
     samples: list[int] = field(default_factory=list)
     updates: list[int] = field(default_factory=list)
+    rows: list[list] = field(default_factory=list, repr=False)
 
     @property
     def total(self) -> int:
@@ -94,24 +103,53 @@ class BatchQueue:
         self.period = -1
         self.account: PeriodAccount | None = None
         self.history: list[PeriodAccount] = []
+        self._returned: list[np.ndarray] = []  # rows given back by failed devices
+        self.active = [True] * self.n_devices
 
     # -- epoch / period boundaries (main thread, between periods) -------------------------------
     def start_epoch(self, epoch: int) -> None:
         """Shuffle the rows for ``epoch`` and reset the cursor."""
         self._perm = epoch_permutation(self.n_samples, self.seed, epoch)
         self._cursor = 0
+        self._returned = []
         self.epoch = int(epoch)
         self.period = -1
         self.history = []
 
     @property
     def remaining(self) -> int:
-        """Samples of the epoch not yet handed out."""
-        return self.n_samples - self._cursor
+        """Samples of the epoch not yet handed out (given-back rows included)."""
+        return self.n_samples - self._cursor + sum(len(r) for r in self._returned)
 
     @property
     def epoch_done(self) -> bool:
-        return self._cursor >= self.n_samples
+        return self._cursor >= self.n_samples and not self._returned
+
+    def set_active(self, active) -> None:
+        """Which devices take part from the next period on (static quotas skip the others)."""
+        a = [bool(x) for x in active]
+        if len(a) != self.n_devices or not any(a):
+            raise ValueError(f"need {self.n_devices} flags with at least one True, got {a}")
+        self.active = a
+
+    def give_back(self, device_id: int) -> int:
+        """Return every row ``device_id`` took in the current period to the queue (the device
+        failed); its samples and updates are removed from the period's account. Thread-safe.
+
+        Returns the number of samples given back.
+        """
+        acct = self.account
+        if acct is None:
+            return 0
+        with self._lock:
+            rows = acct.rows[device_id]
+            n = int(sum(len(r) for r in rows))
+            self._returned.extend(rows)
+            acct.rows[device_id] = []
+            acct.samples[device_id] -= n
+            acct.updates[device_id] -= len(rows)
+            self._taken -= n
+        return n
 
     def start_period(self, batch_sizes) -> PeriodAccount:
         """Open the next merge period with per-device batch sizes ``b_i``; returns its account."""
@@ -127,10 +165,13 @@ class BatchQueue:
         self._taken = 0
         self.period += 1
         if self.static:
-            q, r = divmod(budget, self.n_devices)
-            self._quota = [q + (1 if i < r else 0) for i in range(self.n_devices)]
+            ids = [i for i in range(self.n_devices) if self.active[i]]
+            q, r = divmod(budget, len(ids))
+            self._quota = [0] * self.n_devices
+            for k, i in enumerate(ids):
+                self._quota[i] = q + (1 if k < r else 0)
         self.account = PeriodAccount(self.period, budget, b, [0] * self.n_devices,
-                                     [0] * self.n_devices)
+                                     [0] * self.n_devices, [[] for _ in range(self.n_devices)])
         self.history.append(self.account)
         return self.account
 
@@ -157,11 +198,20 @@ class BatchQueue:
                 return None
             if n <= 0:
                 return None
-            rows = self._perm[self._cursor:self._cursor + n]
-            self._cursor += n
+            if self._returned:  # rows of a failed device first
+                rows = self._returned[0][:n]
+                n = len(rows)
+                if n == len(self._returned[0]):
+                    self._returned.pop(0)
+                else:
+                    self._returned[0] = self._returned[0][n:]
+            else:
+                rows = self._perm[self._cursor:self._cursor + n]
+                self._cursor += n
             self._taken += n
             acct.samples[device_id] += n
             acct.updates[device_id] += 1
+            acct.rows[device_id].append(rows)
         return rows
 
     @property

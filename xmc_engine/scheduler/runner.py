@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue as _queue
 import threading
 import time
@@ -72,6 +73,22 @@ class ParallelTrainer:
     trace : bool
         Record ``self.events``: ``(kind, period, device)`` tuples in the order they happened,
         kinds ``"take"``, ``"merge_start"``, ``"merge_end"`` (for barrier tests).
+    elastic : bool
+        A device whose worker raises is dropped instead of failing the run: every row it took in
+        the period goes back to the queue (:meth:`BatchQueue.give_back`), it gets merge weight 0
+        (the weights renormalise over the others) and a ``device_dropped`` event is logged. Only
+        when every device has failed does the run stop with ``DeviceFailure``. ``False``: the
+        first failure stops the run.
+    rejoin_after : int or None
+        A dropped device rejoins, from the merged model, after this many further merge periods
+        (``0``: at the next period; logged ``device_rejoined``); ``None``: never.
+    faults : str, list of Fault or None
+        Fault injection (:mod:`xmc_engine.faults`); ``None`` reads ``XMC_FAULT``.
+
+    A replica whose parameters or period loss become non-finite is left out of the merge, reset
+    to the merged model by the broadcast, and its learning rate is halved from then on (logged
+    ``nonfinite``); when every remaining replica is non-finite the run stops with
+    ``DivergenceError``.
 
     Notes
     -----
@@ -81,7 +98,8 @@ class ParallelTrainer:
     def __init__(self, replicas: Sequence, devices: Sequence | None, policy, n_samples: int, *,
                  seed: int = 0, log=None, mode: str = "threads",
                  cost: Callable[[int, int], float] | None = None, timeout: float = 600.0,
-                 trace: bool = False):
+                 trace: bool = False, elastic: bool = True, rejoin_after: int | None = None,
+                 faults=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.replicas = list(replicas)
@@ -117,6 +135,16 @@ class ParallelTrainer:
         policy.setup(self.replicas, self.n_samples)
         self.period_global = 0
         self.virtual_time = 0.0
+        self.elastic = bool(elastic)
+        if rejoin_after is not None and int(rejoin_after) < 0:
+            raise ValueError(f"rejoin_after must be >= 0 or None, got {rejoin_after!r}")
+        self.rejoin_after = None if rejoin_after is None else int(rejoin_after)
+        from xmc_engine.faults import FaultInjector
+
+        self.faults = FaultInjector.from_spec(faults)
+        self.alive = [True] * n
+        self.dropped_at: list[int | None] = [None] * n  # period_global of the drop
+        self.lr_scale = [1.0] * n  # halved at each non-finite period of the device
         self._broken: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._abort = threading.Event()
@@ -134,12 +162,16 @@ class ParallelTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able scheduling state for checkpoints (policy state, period counter)."""
-        return {"policy": self.policy.state_dict(), "period_global": self.period_global}
+        return {"policy": self.policy.state_dict(), "period_global": self.period_global,
+                "lr_scale": list(self.lr_scale)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output when resuming (the model is restored separately)."""
         self.policy.load_state_dict(state.get("policy", {}))
         self.period_global = int(state.get("period_global", 0))
+        scale = [float(x) for x in state.get("lr_scale", self.lr_scale)]
+        if len(scale) == self.n_devices:
+            self.lr_scale = scale
 
     def run_epoch(self, epoch: int, lr: float) -> dict[str, Any]:
         """Train one epoch (every sample exactly once), merging every ``S`` samples.
@@ -163,9 +195,10 @@ class ParallelTrainer:
         Raises
         ------
         DeviceFailure
-            A worker raised or stayed silent for ``timeout`` seconds; names the device.
+            Every device failed (or, with ``elastic=False``, one did), or a worker stayed
+            silent for ``timeout`` seconds; names the devices.
         DivergenceError
-            Every replica became non-finite.
+            Every remaining replica became non-finite.
         """
         if self._broken is not None:
             raise DeviceFailure(f"trainer is unusable after an earlier failure: {self._broken}")
@@ -177,18 +210,37 @@ class ParallelTrainer:
         t_epoch = time.perf_counter()
         while not q.epoch_done:
             done_before = self.n_samples - q.remaining
+            self._rejoin(epoch)
+            q.set_active(self.alive)
             acct = q.start_period(self.policy.batch_sizes())
             progress = epoch + (done_before + acct.budget) / self.n_samples
             lr_t, lrs = self.policy.learning_rates(lr, progress)
+            lrs = [x * s for x, s in zip(lrs, self.lr_scale, strict=True)]
             if self.mode == "threads":
                 res = self._period_threads(lrs)
             else:
                 res = self._period_simulated(lrs)
+            for i, err in res.get("failed", []):
+                self._drop(i, err, epoch, acct.period)
             train_s += res["seconds"]
             t0 = time.perf_counter()
             self._trace("merge_start", -1)
-            info = self.policy.merge(self.replicas, acct.updates)
+            self.policy.excluded = {i for i in range(n) if not self.alive[i]}
+            self.policy.nonfinite = {i for i in range(n)
+                                     if self.alive[i] and not math.isfinite(res["loss"][i])}
+            try:
+                info = self.policy.merge(self.replicas, acct.updates)
+            finally:
+                self.policy.excluded, self.policy.nonfinite = set(), set()
             self._trace("merge_end", -1)
+            for i in info.get("nonfinite") or []:
+                self.lr_scale[i] *= 0.5
+                logger.warning("device %d (%s) went non-finite: left out of the merge, reset "
+                               "to the merged model, learning rate x%g", i, self.devices[i],
+                               self.lr_scale[i])
+                if self.log is not None:
+                    self.log.write("nonfinite", epoch=epoch, period=acct.period, device=i,
+                                   name=str(self.devices[i]), lr_scale=self.lr_scale[i])
             merge_s += time.perf_counter() - t0
             self.policy.end_period(progress, acct.updates, acct.samples, res["busy_s"])
             loss_sum += sum(res["loss"])
@@ -250,10 +302,14 @@ class ParallelTrainer:
         """One step of device ``i``; returns ``(loss, wall seconds)``."""
         rep = self.replicas[i]
         t0 = time.perf_counter()
+        if self.faults is not None:
+            self.faults.before_step(i)
         loss = rep.train_batch(rows, lr)
         sync = getattr(rep.backend, "synchronize", None)
         if sync is not None:
             sync()
+        if self.faults is not None:
+            self.faults.after_step(i, rep)
         return float(loss), time.perf_counter() - t0
 
     # simulated mode ---------------------------------------------------------------------------
@@ -262,7 +318,8 @@ class ParallelTrainer:
         clock = [0.0] * n
         busy = [0.0] * n
         loss = [0.0] * n
-        active = list(range(n))
+        failed: list[tuple[int, BaseException]] = []
+        active = [i for i in range(n) if self.alive[i]]
         while active:
             i = min(active, key=lambda j: (clock[j], j))
             rows = self.queue.take(i)
@@ -273,8 +330,16 @@ class ParallelTrainer:
             try:
                 step_loss, wall = self._step(i, rows, lrs[i])
             except Exception as e:
-                self._broken = e
-                raise DeviceFailure(f"device {i} ({self.devices[i]}) failed: {e!r}") from e
+                if not self.elastic:
+                    self._broken = e
+                    raise DeviceFailure(f"device {i} ({self.devices[i]}) failed: {e!r}") from e
+                self.queue.give_back(i)
+                failed.append((i, e))
+                active.remove(i)
+                busy[i] = loss[i] = 0.0
+                if len(failed) + sum(not a for a in self.alive) == n:
+                    self._all_failed(failed)
+                continue
             if self.cost is not None:
                 dt = float(self.cost(i, len(rows)))
             elif hasattr(self.replicas[i], "simulated_seconds"):
@@ -288,7 +353,7 @@ class ParallelTrainer:
         end = max(clock)
         self.virtual_time += end
         return {"seconds": end, "busy_s": busy, "idle_s": [end - c for c in clock],
-                "loss": loss}
+                "loss": loss, "failed": failed}
 
     # threaded mode ----------------------------------------------------------------------------
     def _start_workers(self) -> None:
@@ -331,7 +396,12 @@ class ParallelTrainer:
             if rows is None:
                 break
             self._trace("take", i)
-            step_loss, wall = self._step(i, rows, lr)
+            try:
+                step_loss, wall = self._step(i, rows, lr)
+            except BaseException:
+                if self.elastic:  # the main thread must see the rows back before the report
+                    self.queue.give_back(i)
+                raise
             if speed < 1.0:
                 time.sleep(wall * (1.0 / speed - 1.0))
                 wall /= speed
@@ -342,10 +412,12 @@ class ParallelTrainer:
     def _period_threads(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
         t0 = time.perf_counter()
-        for i in range(n):
+        pending = {i for i in range(n) if self.alive[i]}
+        for i in pending:
             self._inboxes[i].put(lrs[i])
-        results: list[dict | None] = [None] * n
-        pending = set(range(n))
+        idle = {"busy_s": 0.0, "loss": 0.0}
+        results: list[dict] = [idle] * n
+        failed: list[tuple[int, BaseException]] = []
         while pending:
             try:
                 i, res, err = self._outbox.get(timeout=self.timeout)
@@ -354,15 +426,55 @@ class ParallelTrainer:
                 self._fail(TimeoutError(f"no report for {self.timeout:g} s"))
                 raise DeviceFailure(f"device(s) {names} did not finish the merge period "
                                     f"within {self.timeout:g} s") from None
-            if err is not None:
+            if err is not None and not self.elastic:
                 self._fail(err)
                 raise DeviceFailure(f"device {i} ({self.devices[i]}) failed: {err!r}") from err
             pending.discard(i)
+            if err is not None:
+                failed.append((i, err))
+                if len(failed) + sum(not a for a in self.alive) == n:
+                    self._fail(err)
+                    self._all_failed(failed)
+                continue
             results[i] = res
         end = time.perf_counter()
         busy = [r["busy_s"] for r in results]
         return {"seconds": end - t0, "busy_s": busy, "loss": [r["loss"] for r in results],
-                "idle_s": [max(0.0, (end - t0) - b) for b in busy]}
+                "idle_s": [max(0.0, (end - t0) - b) for b in busy], "failed": failed}
+
+    # elastic device set -----------------------------------------------------------------------
+    def _all_failed(self, failed) -> None:
+        errs = "; ".join(f"device {i} ({self.devices[i]}): {e!r}" for i, e in failed)
+        self._broken = failed[-1][1]
+        raise DeviceFailure(f"every device has failed; last failures: {errs}") from failed[-1][1]
+
+    def _drop(self, i: int, err: BaseException, epoch: int, period: int) -> None:
+        """Take device ``i`` out of the run after its worker raised (rows already given back)."""
+        self.alive[i] = False
+        self.dropped_at[i] = self.period_global
+        left = [j for j in range(self.n_devices) if self.alive[j]]
+        logger.warning("device %d (%s) failed and is dropped: %r; continuing on %s", i,
+                       self.devices[i], err, ", ".join(str(self.devices[j]) for j in left))
+        if self.log is not None:
+            self.log.write("device_dropped", epoch=epoch, period=period, device=i,
+                           name=str(self.devices[i]), error=repr(err), remaining=left,
+                           rejoin_after=self.rejoin_after)
+
+    def _rejoin(self, epoch: int) -> None:
+        """Bring back dropped devices whose ``rejoin_after`` periods are over."""
+        if self.rejoin_after is None:
+            return
+        for i in range(self.n_devices):
+            if self.alive[i] or self.period_global - self.dropped_at[i] <= self.rejoin_after:
+                continue
+            if self.mode == "threads" and not self._threads[i].is_alive():
+                continue  # the worker thread itself died: it cannot come back
+            self.replicas[i].set_params(self.central_params())
+            self.alive[i] = True
+            logger.warning("device %d (%s) rejoins from the merged model", i, self.devices[i])
+            if self.log is not None:
+                self.log.write("device_rejoined", epoch=epoch, period=self.period_global,
+                               device=i, name=str(self.devices[i]))
 
     def _fail(self, err: BaseException) -> None:
         """Stop the other workers after a failure (they finish their current step)."""
