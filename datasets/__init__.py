@@ -15,6 +15,7 @@ from .registry import (
     load_file,
     resolve,
 )
+from .shard import load_xc_rows, load_xc_shard, shard_range
 from .stats import describe
 from .synthetic import PRESETS, make_synthetic
 
@@ -32,8 +33,11 @@ __all__ = [
     "load_npz",
     "load_split",
     "load_xc",
+    "load_xc_rows",
+    "load_xc_shard",
     "make_synthetic",
     "resolve",
     "save_npz",
     "save_xc",
+    "shard_range",
 ]
