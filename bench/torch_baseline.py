@@ -14,11 +14,19 @@ The network, loss, optimiser, batching and initialisation mirror the engine:
 * init: ``W1`` uniform with variance ``1 / (avg_nnz * mean(x^2))`` (train-set statistics),
   ``W2`` Glorot-uniform, zero biases; drawn with the engine's NumPy generator and seed, so both
   start from the same weights.
+* checked: the CLI first runs a few steps of this baseline and of the engine's CPU
+  ``train_step`` from the same init on the same batches and prints the max parameter difference
+  (float32 rounding, ~1e-8, when the two agree).
 * batches: the engine's per-epoch permutation ``default_rng([seed, epoch]).permutation(n)``,
   consecutive slices of ``batch_size``; the last batch of an epoch may be smaller.
 
 Training time counts the CSR-to-tensor conversion of each batch (the engine also slices its CSR
 inside a step) and excludes evaluation, which is timed separately.
+
+Threads: on a machine shared with other jobs, PyTorch's OpenMP pool with 2 threads on 2 busy
+cores can run 10x slower than 1 thread (spinning workers wait for a descheduled peer); the results
+record the load average and CPU time next to wall time, and the step throughput at 1 thread and at
+``--threads``.
 
 Data-parallel variant (``train_torch_ddp``): ``world_size`` processes started with
 ``torch.multiprocessing.spawn``, ``torch.distributed`` with the gloo backend over
@@ -317,6 +325,43 @@ def step_throughput(X, Y, *, hidden: int = 128, batch_size: int = 256, threads: 
     return sum(b.n_rows for b in batches[warmup:]) / dt
 
 
+def check_against_engine(X, Y, *, hidden: int = 128, batch_size: int = 256, lr: float = 1.0,
+                         n_steps: int = 3, seed: int = 0) -> dict | None:
+    """Run ``n_steps`` SGD steps of this baseline and of the engine's CPU ``train_step`` from the
+    same init on the same batches; return the max abs parameter difference per tensor and the
+    last mean losses (``None`` when the engine's CPU backend is not importable)."""
+    _require_torch()
+    try:
+        from xmc_engine.backends import get_backend
+        from xmc_engine.model import train_step
+    except ImportError:
+        return None
+    init = engine_init(X.shape[1], Y.shape[1], hidden, X, seed)
+    be = get_backend("cpu", threads=1)
+    params = [be.asarray(p.copy()) for p in init]
+    model = SparseMLP(X.shape[1], Y.shape[1], hidden, init=init)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    perm = epoch_permutation(seed, 0, X.shape[0])
+    loss_e = loss_t = float("nan")
+    for s in range(n_steps):
+        rows = perm[s * batch_size:(s + 1) * batch_size]
+        if len(rows) == 0:
+            break
+        loss_e = train_step(be, params, X[rows], Y[rows], lr) / len(rows)
+        b = csr_to_batch(X[rows], Y[rows])
+        opt.zero_grad(set_to_none=True)
+        loss = batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
+                          1.0 / b.n_rows)
+        loss.backward()
+        opt.step()
+        loss_t = float(loss.detach())
+    mine = [model.emb.weight, model.b1, model.out.weight.T, model.out.bias]
+    diff = {name: float(np.max(np.abs(np.asarray(be.to_host(a)) - t.detach().numpy())))
+            for name, a, t in zip(("W1", "b1", "W2", "b2"), params, mine, strict=True)}
+    return {"n_steps": n_steps, "lr": lr, "max_abs_diff": diff, "loss_engine": loss_e,
+            "loss_torch": loss_t}
+
+
 # -- DDP ------------------------------------------------------------------------------------------
 
 def _free_port() -> int:
@@ -463,7 +508,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the DDP-style variant with this many processes")
     p.add_argument("--no-single", action="store_true", help="skip the single-process run")
     p.add_argument("--throughput-steps", type=int, default=100,
-                   help="steps for the pure step-throughput measurement (0 = skip)")
+                   help="steps for the pure step-throughput measurement, run with 1 thread and "
+                        "with --threads (0 = skip)")
     p.add_argument("--out", default=None,
                    help="result file (default bench/results/torch_<dataset>.json)")
     return p.parse_args(argv)
@@ -476,6 +522,19 @@ def run_dataset(name: str, args) -> dict | None:
     except _common.SkipBenchmark as e:
         print(f"SKIP {name}: {e}")
         return None
+    load0 = [round(x, 2) for x in os.getloadavg()]
+    check = check_against_engine(X, Y, hidden=args.hidden, batch_size=args.batch_size,
+                                 lr=args.lr[0], seed=args.seed)
+    if check is None:
+        print(f"{name}: engine CPU backend not importable; no step-by-step check")
+    else:
+        worst = max(check["max_abs_diff"].values())
+        print(f"{name}: check vs engine train_step, {check['n_steps']} steps lr={check['lr']}: "
+              f"max |param diff| {worst:.2e}, loss {check['loss_torch']:.6f} (torch) vs "
+              f"{check['loss_engine']:.6f} (engine)", flush=True)
+        if not worst < 1e-4:
+            print(f"{name}: WARNING: the PyTorch step and the engine's train_step differ "
+                  f"(non-finite engine loss = an engine bug, not the baseline's)")
     runs = []
     common = dict(hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs,
                   threads=args.threads, seed=args.seed, eval_every=args.eval_every, verbose=True)
@@ -492,20 +551,22 @@ def run_dataset(name: str, args) -> dict | None:
                   f"(train {b['train_time']:.2f}s); {res['samples_per_s']:.0f} samples/s; "
                   f"peak RSS {res['peak_rss_mib']:.0f} MiB", flush=True)
             runs.append(res)
-    tput = None
-    if args.throughput_steps > 0:
-        tput = step_throughput(X, Y, hidden=args.hidden, batch_size=args.batch_size,
-                               threads=args.threads, n_steps=args.throughput_steps)
-        print(f"{name} torch step throughput: {tput:.0f} samples/s "
+    tput = {}
+    for t in sorted({1, args.threads}) if args.throughput_steps > 0 else []:
+        tput[str(t)] = step_throughput(X, Y, hidden=args.hidden, batch_size=args.batch_size,
+                                       threads=t, n_steps=args.throughput_steps)
+        print(f"{name} torch step throughput, {t} thread(s): {tput[str(t)]:.0f} samples/s "
               f"({args.throughput_steps} steps of {args.batch_size}, warm-up excluded)")
     best = max(runs, key=lambda r: r["best"]["P@1"]) if runs else None
     payload = {
         "benchmark": "torch_baseline", "dataset": name,
         "shape": {"n_train": X.shape[0], "n_test": X_test.shape[0], "n_features": X.shape[1],
                   "n_labels": Y.shape[1]},
-        "machine": _common.machine_info(extra={"torch_threads": args.threads}),
+        "machine": _common.machine_info(extra={"torch_threads": args.threads,
+                                                "loadavg_at_start": load0}),
         "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
-        "runs": runs, "step_throughput_samples_per_s": tput,
+        "check_vs_engine": check, "runs": runs,
+        "step_throughput_samples_per_s_by_threads": tput,
         "best": None if best is None else {"variant": best["variant"],
                                            "lr": best["config"]["lr"], **best["best"],
                                            "samples_per_s": best["samples_per_s"]},
