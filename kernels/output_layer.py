@@ -216,12 +216,17 @@ def chunk_loss_cpu(m, s, ysum, y_indptr, lse):
 
 @njit(nogil=True, cache=True, fastmath=True)
 def _sum_parts(parts, out, alpha, beta):
-    """out = beta * out + alpha * parts.sum(0) (serial: a few parts of one row each)."""
+    """out = beta * out + alpha * parts.sum(0) (serial: a few parts of one row each).
+
+    ``beta == 0`` never reads ``out`` (it may be uninitialised: 0 * NaN is NaN)."""
     for j in range(out.shape[0]):
         acc = np.float32(0.0)
         for t in range(parts.shape[0]):
             acc += parts[t, j]
-        out[j] = beta * out[j] + alpha * acc
+        if beta == 0.0:
+            out[j] = alpha * acc
+        else:
+            out[j] = beta * out[j] + alpha * acc
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
