@@ -1,0 +1,126 @@
+"""Time-to-accuracy helpers shared by bench_heterogeneous.py and bench_time_to_accuracy.py.
+
+A *method* is an algorithm name plus options (e.g. ``adaptive`` with ``rule=proportional``);
+each run trains an :class:`xmc_engine.XMCClassifier` with evaluation after every epoch and
+returns its curve ``[(train_time, epoch, P@1, P@3, P@5), ...]`` (training time only: evaluation
+excluded, DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Method:
+    label: str
+    algorithm: str
+    devices: str
+    params: dict = field(default_factory=dict)
+    lr: float | None = None  # None: the script's --lr
+    threads: int | None = None
+
+
+def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed):
+    """Train once; returns a dict with the curve and totals."""
+    from xmc_engine import XMCClassifier
+
+    Xtr, Ytr, Xte, Yte = data
+    clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size,
+                        lr=m.lr if m.lr is not None else lr, devices=m.devices,
+                        algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
+                        threads=m.threads, eval_every=1.0)
+    t0 = time.perf_counter()
+    clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
+    wall = time.perf_counter() - t0
+    curve = [(r["train_time"], r["epoch"], r["metrics"]["P@1"], r["metrics"]["P@3"],
+              r["metrics"]["P@5"]) for r in clf.history_ if r.get("event") == "eval"]
+    merges = [r for r in clf.history_ if r.get("event") == "merge"]
+    last = merges[-1]["devices"] if merges else []
+    return {"method": m.label, "algorithm": m.algorithm, "devices": m.devices,
+            "params": m.params, "lr": m.lr if m.lr is not None else lr, "seed": seed,
+            "curve": curve, "wall_s": wall,
+            "final": {"P@1": curve[-1][2], "P@3": curve[-1][3], "P@5": curve[-1][4]},
+            "best_P@1": max(c[2] for c in curve),
+            "last_period": [{k: d.get(k) for k in ("name", "batch_size", "updates", "weight")}
+                            for d in last]}
+
+
+def time_to_target(curve, target: float) -> float:
+    """Training seconds at which P@1 first reaches ``target``: linear interpolation between the
+    two evaluations around the crossing; ``inf`` when never reached."""
+    prev_t, prev_p = 0.0, 0.0
+    for t, _, p1, *_ in curve:
+        if p1 >= target:
+            if p1 == prev_p:
+                return t
+            return prev_t + (target - prev_p) / (p1 - prev_p) * (t - prev_t)
+        prev_t, prev_p = t, p1
+    return math.inf
+
+
+def summarise(runs, target_frac: float = 0.97, reference: str = "adaptive"):
+    """Per method: median time to target over seeds, final/best P@1, ratio against reference.
+
+    The target is ``target_frac`` x the best P@1 any method reached within the budget.
+    """
+    best = max(r["best_P@1"] for r in runs)
+    target = target_frac * best
+    by_method: dict[str, list] = {}
+    for r in runs:
+        by_method.setdefault(r["method"], []).append(r)
+    rows = []
+    for name, rs in by_method.items():
+        times = [time_to_target(r["curve"], target) for r in rs]
+        rows.append({"method": name, "seeds": len(rs),
+                     "time_to_target_s": float(np.median(times)),
+                     "times": times,
+                     "final_P@1": float(np.mean([r["final"]["P@1"] for r in rs])),
+                     "final_P@5": float(np.mean([r["final"]["P@5"] for r in rs])),
+                     "train_s": float(np.mean([r["curve"][-1][0] for r in rs]))})
+    ref = next((row for row in rows if row["method"] == reference), None)
+    for row in rows:
+        if ref is not None and math.isfinite(ref["time_to_target_s"]):
+            row["ratio_vs_" + reference] = row["time_to_target_s"] / ref["time_to_target_s"]
+    return {"target_P@1": target, "best_P@1": best, "rows": rows}
+
+
+def print_table(summary, reference: str = "adaptive", title: str = "") -> None:
+    print(f"\n{title}  target P@1 = {summary['target_P@1']:.4f} "
+          f"(97% of best {summary['best_P@1']:.4f})")
+    print(f"{'method':34s} {'seeds':>5s} {'t->target s':>12s} {'x ' + reference:>12s} "
+          f"{'final P@1':>9s} {'final P@5':>9s} {'train s':>8s}")
+    for row in summary["rows"]:
+        ratio = row.get("ratio_vs_" + reference, math.nan)
+        print(f"{row['method']:34s} {row['seeds']:5d} {row['time_to_target_s']:12.1f} "
+              f"{ratio:12.2f} {row['final_P@1']:9.4f} {row['final_P@5']:9.4f} "
+              f"{row['train_s']:8.1f}")
+
+
+def plot_curves(runs, out_png, title: str = "") -> None:
+    """P@1 against training time, one line per run (seeds share a colour)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours: dict[str, str] = {}
+    for r in runs:
+        c = colours.setdefault(r["method"], f"C{len(colours)}")
+        t = [0.0] + [p[0] for p in r["curve"]]
+        p = [0.0] + [p[2] for p in r["curve"]]
+        ax.plot(t, p, color=c, marker="o", ms=3, alpha=0.8,
+                label=r["method"] if r["seed"] == runs[0]["seed"] else None)
+    ax.set_xlabel("training time (s, evaluation excluded)")
+    ax.set_ylabel("P@1 (test)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,94 @@
+"""Adaptive SGD on heterogeneous devices: time to a target P@1 against model averaging and one
+device (issue "Adaptive SGD across heterogeneous devices"; DESIGN.md §3-4).
+
+Heterogeneity is emulated: a device ``cpu@0.5`` idles for as long as it computed after each
+step (DESIGN.md §3). Each CPU device gets one thread, so the run fits on two cores.
+
+    python bench/bench_heterogeneous.py --data delicious --epochs 8 --seeds 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from _tta import Method, plot_curves, print_table, run_method, summarise  # noqa: E402
+
+SETUPS = {
+    "2dev": "cpu,cpu@0.5",
+    "3dev": "cpu,cpu@0.5,cpu@0.25",
+}
+
+
+def methods_for(devices: str, boost_ablation: bool) -> list[Method]:
+    ms = [
+        Method("adaptive (step rule)", "adaptive", devices, {"rule": "step"}),
+        Method("adaptive (proportional rule)", "adaptive", devices, {"rule": "proportional"}),
+        Method("average", "average", devices),
+        Method("single (fastest device)", "single", "cpu", threads=1),
+    ]
+    if boost_ablation:
+        ms.insert(2, Method("adaptive (step, no boost)", "adaptive", devices,
+                            {"rule": "step", "boost": False}))
+    return ms
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", action="append", help="dataset name or path (repeatable; "
+                    "default delicious)")
+    ap.add_argument("--setup", action="append", choices=sorted(SETUPS),
+                    help="device setups (default both)")
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--lr", type=float, default=1.0)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--merge-period", type=int, default=None)
+    ap.add_argument("--boost-ablation", action="store_true",
+                    help="also run adaptive without adaptive normalization")
+    ap.add_argument("--out", default=str(RESULTS_DIR / "heterogeneous"))
+    args = ap.parse_args(argv)
+
+    from xmc_engine.datasets import load_dataset
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"machine": machine_info(), "args": vars(args), "datasets": {}}
+    for name in args.data or ["delicious"]:
+        data = load_dataset(name)
+        if data[2] is None:
+            raise SystemExit(f"{name}: needs a test split")
+        tag = Path(name).name
+        results["datasets"][tag] = {}
+        for setup in args.setup or sorted(SETUPS):
+            runs = []
+            for m in methods_for(SETUPS[setup], args.boost_ablation):
+                if args.merge_period and m.algorithm != "single":
+                    m.params = {**m.params, "merge_period": args.merge_period}
+                for seed in args.seeds:
+                    r = run_method(m, data, epochs=args.epochs, lr=args.lr,
+                                   batch_size=args.batch_size, hidden=args.hidden, seed=seed)
+                    print(f"{tag} {setup} {m.label:30s} seed {seed}: final P@1 "
+                          f"{r['final']['P@1']:.4f} train {r['curve'][-1][0]:.1f} s "
+                          f"batches {[d['batch_size'] for d in r['last_period']]}", flush=True)
+                    runs.append(r)
+            summary = summarise(runs, reference="adaptive (step rule)")
+            print_table(summary, reference="adaptive (step rule)",
+                        title=f"{tag} {setup} ({SETUPS[setup]})")
+            png = out / f"{tag}_{setup}.png"
+            plot_curves(runs, png, title=f"{tag}: {SETUPS[setup]}")
+            results["datasets"][tag][setup] = {"devices": SETUPS[setup], "summary": summary,
+                                               "runs": runs, "plot": png.name}
+            write_json(out / "heterogeneous.json", results)
+    print(f"\nwrote {out / 'heterogeneous.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
