@@ -43,3 +43,17 @@ class DeviceFailure(XMCError, RuntimeError):
 
 class InjectedFault(XMCError, RuntimeError):
     """Raised in a device worker by fault injection (``XMC_FAULT``, :mod:`xmc_engine.faults`)."""
+
+
+class TrainingInterrupted(XMCError):
+    """Training stopped on SIGINT / SIGTERM after writing a checkpoint; ``signum`` is the signal
+    and ``returncode`` the conventional exit status (``128 + signum``: 130, 143)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = int(signum)
+        self.returncode = 128 + int(signum)
+
+
+class DistributedError(XMCError, RuntimeError):
+    """A multi-node run cannot go on: MPI missing, a node failed, or a collective timed out."""

@@ -9,6 +9,9 @@ resume, and the progress bar. The one-device loop lives here; several devices go
 from __future__ import annotations
 
 import logging
+import math
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import numpy as np
 
 from xmc_engine import progress
 from xmc_engine.config import TrainConfig
-from xmc_engine.errors import ConfigError
+from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import MLPReplica, ModelShape, init_params, predict_topk
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                           f"names {len(devices)}; use algorithm='adaptive' or one device")
     if checkpoint_every is not None and log_dir is None:
         raise ConfigError("checkpoint_every needs a log_dir (the run folder)")
+    from xmc_engine.memory import check_memory
+
+    check_memory(cfg, X, Y, eval_set)  # MemoryPlanError now rather than out of memory later
     n_samples = X.shape[0]
     shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
     avg_nnz = X.nnz / max(n_samples, 1)
@@ -79,13 +85,23 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         run_dir.mkdir(parents=True, exist_ok=True)
     ckpts = CheckpointManager(run_dir) if run_dir is not None else None
     state = {"epoch": 0, "batch": 0, "samples": 0, "train_time": 0.0, "extra": {}}
+    found = None
     if resume:
         if ckpts is None:
             raise ConfigError("resume needs the run folder (log_dir)")
         found = ckpts.latest_valid()
-        if found is None:
-            raise ConfigError(f"{run_dir}: no valid checkpoint to resume from")
+        if found is None and ckpts.paths():
+            from xmc_engine.errors import CheckpointError
+
+            raise CheckpointError(f"{run_dir}: no valid checkpoint to resume from (every "
+                                  f"ckpt-*.npz there is truncated or corrupted)")
+        if found is None:  # killed before its first checkpoint: start over
+            logger.warning("%s holds no checkpoint yet: training from the start", run_dir)
+    if found is not None:
         arrays, meta = found
+        if meta["path"] != str(ckpts.paths()[0]):
+            logger.warning("newest checkpoint %s is unreadable: resuming from %s instead",
+                           ckpts.paths()[0], meta["path"])
         params = [np.asarray(arrays[n], dtype=np.float32) for n in shape.param_names]
         for key in ("epoch", "batch", "samples", "train_time"):
             state[key] = meta[key]
@@ -114,6 +130,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
 
     driver = _Driver(cfg, runner, n_samples, state, log, evaluator, ckpts, checkpoint_every,
                      shape)
+    runner.should_stop = driver.stop_requested
     try:
         metrics = driver.run()
     finally:
@@ -126,8 +143,12 @@ class _SingleRunner:
     """One device: batches of ``batch_size`` in a per-epoch shuffled order."""
 
     def __init__(self, cfg: TrainConfig, replica: MLPReplica, n_samples: int, state: dict):
+        from xmc_engine.faults import FaultInjector
+
         self.cfg, self.replica, self.n_samples = cfg, replica, n_samples
         self.batch = int(state["batch"])
+        self.faults = FaultInjector.from_spec(cfg.algorithm_params.get("fault"))
+        self.should_stop = lambda: False  # set by the driver (SIGINT / SIGTERM)
 
     def batches_per_epoch(self) -> int:
         return -(-self.n_samples // self.cfg.batch_size)
@@ -138,12 +159,22 @@ class _SingleRunner:
         cfg, B = self.cfg, self.cfg.batch_size
         perm = epoch_permutation(cfg.seed, epoch, self.n_samples)
         with self.replica.backend.thread_budget(cfg.threads):
-            while self.batch * B < self.n_samples and state["samples"] < stop_samples:
+            while (self.batch * B < self.n_samples and state["samples"] < stop_samples
+                   and not self.should_stop()):
                 rows = perm[self.batch * B:(self.batch + 1) * B]
                 lr = _lr(cfg, epoch + self.batch * B / self.n_samples)
                 t0 = time.perf_counter()
+                if self.faults is not None:
+                    self.faults.before_step(0)
                 loss = self.replica.train_batch(rows, lr)
                 self.replica.backend.synchronize()  # synchronize!
+                if self.faults is not None:
+                    self.faults.after_step(0, self.replica)  # NaN shows in the next loss
+                if not math.isfinite(loss):
+                    state["batch"] = self.batch
+                    raise DivergenceError(f"the loss became non-finite ({loss}) at epoch {epoch} "
+                                          f"batch {self.batch} (lr {lr:g}); lower the learning "
+                                          "rate")
                 state["train_time"] += time.perf_counter() - t0
                 state["samples"] += len(rows)
                 state["loss_sum"] = state.get("loss_sum", 0.0) + loss
@@ -190,6 +221,30 @@ class _Driver:
         self.eval_step = eval_step
         self.next_eval = (state["samples"] // eval_step + 1) * eval_step if eval_step else None
         self._reset_ckpt_clock()
+        self._signal: int | None = None
+
+    # -- SIGINT / SIGTERM: stop between steps, checkpoint, raise TrainingInterrupted ----------
+    def stop_requested(self) -> bool:
+        return self._signal is not None
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._signal is not None:  # a second signal: stop at once
+            raise KeyboardInterrupt
+        self._signal = signum
+        logger.warning("%s received: stopping after the current step (again to stop at once)",
+                       signal.Signals(signum).name)
+
+    def _install_signals(self) -> dict:
+        """Handlers for SIGINT/SIGTERM, main thread only; returns the previous ones."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):  # not allowed here (embedded interpreter)
+                pass
+        return previous
 
     def _reset_ckpt_clock(self):
         self.last_ckpt_samples = self.state["samples"]
@@ -218,8 +273,8 @@ class _Driver:
                        eval_time=time.perf_counter() - t0, metrics=self.metrics)
         logger.info("epoch %.2f  %s", epoch_float, _short(self.metrics))
 
-    def checkpoint(self, epoch: int) -> None:
-        if self.ckpts is None or self.every is None:
+    def checkpoint(self, epoch: int, *, force: bool = False) -> None:
+        if self.ckpts is None or (self.every is None and not force):
             return
         arrays = dict(zip(self.shape.param_names, self.runner.host_params(), strict=True))
         arrays.update(self.runner.checkpoint_extra())
@@ -236,16 +291,44 @@ class _Driver:
             return self.state["samples"] - self.last_ckpt_samples >= value
         return time.perf_counter() - self.last_ckpt_time >= value
 
+    def _last_checkpoint(self) -> str | None:
+        paths = self.ckpts.paths() if self.ckpts is not None else []
+        return str(paths[0]) if paths else None
+
+    def _diverged(self, exc: DivergenceError):
+        last = self._last_checkpoint()
+        self.log.write("diverged", samples=self.state["samples"], error=str(exc),
+                       last_checkpoint=last)
+        where = (f"the last good checkpoint is {last} (resume from it with a lower lr)"
+                 if last else "no checkpoint was written (set checkpoint_every)")
+        raise DivergenceError(f"training diverged: {exc}; {where}") from exc
+
+    def _interrupted(self, epoch: int):
+        """After SIGINT/SIGTERM: checkpoint (when there is a run folder), log, raise."""
+        name = signal.Signals(self._signal).name
+        self.checkpoint(epoch, force=True)
+        last = self._last_checkpoint()
+        self.log.write("interrupted", signal=name, epoch=epoch, samples=self.state["samples"],
+                       train_time=self.state["train_time"], checkpoint=last)
+        where = (f"checkpoint {last}; continue with --resume {self.ckpts.run_dir}"
+                 if last else "no run folder, nothing saved")
+        raise TrainingInterrupted(f"interrupted by {name} at {self.state['samples']} samples; "
+                                  f"{where}", self._signal)
+
     def run(self) -> dict | None:
         cfg, st = self.cfg, self.state
         total = int(cfg.epochs * self.n)
         bar = progress.bar(total=total, desc="train", unit="sample", initial=st["samples"])
+        previous = self._install_signals()
         try:
             epoch = int(st["epoch"])
-            while st["samples"] < total:
+            while st["samples"] < total and self._signal is None:
                 st["epoch"] = epoch
                 before, t0 = st["samples"], st["train_time"]
-                self.runner.run_until(epoch, min(self._next_stop(), total), st)
+                try:
+                    self.runner.run_until(epoch, min(self._next_stop(), total), st)
+                except DivergenceError as exc:
+                    self._diverged(exc)
                 if self.runner.epoch_done():  # advance first, so that a checkpoint says so
                     epoch += 1
                     st["epoch"], st["batch"] = epoch, 0
@@ -262,11 +345,15 @@ class _Driver:
                         self.next_eval += self.eval_step
                 if self._ckpt_due():
                     self.checkpoint(epoch)
+            if self._signal is not None:
+                self._interrupted(epoch)
             if self.evaluator is not None and self.last_eval_samples != st["samples"]:
                 self.evaluate(st["samples"] / self.n)
             if self.ckpts is not None and self.every is not None:
                 self.checkpoint(epoch)
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             bar.close()
         self.log.write("final", epoch=round(st["samples"] / self.n, 4), samples=st["samples"],
                        train_time=st["train_time"], metrics=self.metrics,

@@ -10,11 +10,12 @@ import argparse
 import logging
 import sys
 
-from xmc_engine.errors import XMCError
+from xmc_engine.errors import TrainingInterrupted, XMCError
 
 
 def build_parser() -> argparse.ArgumentParser:
     from xmc_engine.cli import datasets as _datasets
+    from xmc_engine.cli import plan as _plan
     from xmc_engine.cli import train as _train
 
     parser = argparse.ArgumentParser(
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _train.register(sub)
     _datasets.register(sub)
+    _plan.register(sub)
     return parser
 
 
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.parse_args([args.command, "--help"])
     try:
         return int(args.func(args) or 0)
+    except TrainingInterrupted as exc:
+        print(f"xmc-engine: {exc}", file=sys.stderr)
+        return exc.returncode
     except XMCError as exc:
         print(f"xmc-engine: error: {exc}", file=sys.stderr)
         return 2
