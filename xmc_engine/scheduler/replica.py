@@ -31,6 +31,13 @@ class Replica(Protocol):
         The device backend (:mod:`xmc_engine.backends`): at least ``xp``; the scheduler also uses
         ``synchronize()``, ``thread_budget(n)`` and the merge launchers ``weighted_sum``,
         ``momentum``, ``elastic`` when present.
+
+    Notes
+    -----
+    The ``sync`` baseline (:mod:`xmc_engine.scheduler.sync`) also needs the optional gradient
+    pair ``grad_batch(rows) -> (loss_sum, grads)`` and ``apply_grads(grads, lr)``; ``grads``
+    follows :meth:`params`, its first entry row-sparse ``(rows int64 sorted, grad_rows)``
+    (:meth:`xmc_engine.model.MLPReplica.grad_batch`).
     """
 
     backend: Any
@@ -126,7 +133,8 @@ class FakeReplica:
         """Latency of one step on ``n_rows`` rows (used by the simulated scheduler's clock)."""
         return self.latency_per_step + n_rows * self.latency_per_sample
 
-    def train_batch(self, rows: np.ndarray, lr: float) -> float:
+    def _begin_step(self, rows, lr: float) -> tuple[int, np.ndarray]:
+        """Step counter, injected failures/hangs, latency and history shared by both steps."""
         step = self.steps
         self.steps += 1
         if self.fail_at_step is not None and step == self.fail_at_step:
@@ -138,6 +146,38 @@ class FakeReplica:
         rows = np.asarray(rows, dtype=np.int64)
         if self.record:
             self.history.append((rows.copy(), float(lr)))
+        return step, rows
+
+    def grad_batch(self, rows: np.ndarray) -> tuple[float, list]:
+        """``(loss_sum, grads)`` with ``grads[k] = w_k - mean_{j in rows} t_j`` (no update).
+
+        Same layout as :meth:`xmc_engine.model.MLPReplica.grad_batch`: ``grads[0]`` is
+        row-sparse, ``(arange(shape[0]) int64, dense gradient)`` (every row touched); the step
+        counts as a step for ``fail_at_step`` / ``nan_at_step`` (NaN gradients) and is recorded
+        in ``history`` with ``lr = nan``.
+        """
+        step, rows = self._begin_step(rows, float("nan"))
+        loss = 0.0
+        grads: list = []
+        for w, t in zip(self._params, self._targets, strict=True):
+            tb = t[rows]
+            loss += 0.5 * float(((w[None] - tb) ** 2).sum())
+            g = w - tb.mean(axis=0)
+            if self.nan_at_step is not None and step == self.nan_at_step:
+                g[...] = np.nan
+            grads.append(g)
+        grads[0] = (np.arange(grads[0].shape[0], dtype=np.int64), grads[0])
+        return loss, grads
+
+    def apply_grads(self, grads: list, lr: float) -> None:
+        """``w -= lr * g``; ``grads[0]`` row-sparse ``(rows, grad_rows)`` (:meth:`grad_batch`)."""
+        rows, g0 = grads[0]
+        self._params[0][np.asarray(rows, dtype=np.int64)] -= lr * np.asarray(g0)
+        for w, g in zip(self._params[1:], grads[1:], strict=True):
+            w -= lr * np.asarray(g)
+
+    def train_batch(self, rows: np.ndarray, lr: float) -> float:
+        step, rows = self._begin_step(rows, lr)
         loss = 0.0
         for w, t in zip(self._params, self._targets, strict=True):
             tb = t[rows]

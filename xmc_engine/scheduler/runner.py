@@ -133,6 +133,7 @@ class ParallelTrainer:
         for r in self.replicas[1:]:
             r.set_params(init)
         policy.setup(self.replicas, self.n_samples)
+        self.queue.merge_period = int(policy.merge_period)  # setup may size it by the devices
         self.period_global = 0
         self.virtual_time = 0.0
         self.elastic = bool(elastic)
@@ -148,7 +149,12 @@ class ParallelTrainer:
         self._broken: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._abort = threading.Event()
-        if mode == "threads":
+        self._sync = None
+        if getattr(policy, "synchronous", False):  # per-step gradient all-reduce (sync.py)
+            from xmc_engine.scheduler.sync import SyncLoop
+
+            self._sync = SyncLoop(self)
+        if mode == "threads" and self._sync is None:
             self._start_workers()
 
     # -- public --------------------------------------------------------------------------------
@@ -202,6 +208,8 @@ class ParallelTrainer:
         """
         if self._broken is not None:
             raise DeviceFailure(f"trainer is unusable after an earlier failure: {self._broken}")
+        if self._sync is not None:
+            return self._sync.run_epoch(epoch, lr)
         n = self.n_devices
         q = self.queue
         q.start_epoch(epoch)
@@ -280,6 +288,8 @@ class ParallelTrainer:
     def close(self) -> None:
         """Stop the worker threads (idempotent). Threads stuck in a step are left as daemons."""
         self._abort.set()
+        if getattr(self, "_sync", None) is not None:
+            self._sync.close()
         for inbox in getattr(self, "_inboxes", []):
             inbox.put(None)
         for t in self._threads:
