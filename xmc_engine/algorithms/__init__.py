@@ -1,8 +1,10 @@
 """Training algorithms as policy objects over the shared scheduler, and their registry.
 
 ``get_algorithm(name, **config)`` builds one: ``"adaptive"`` (Adaptive SGD, arXiv 2110.07029 §III)
-or ``"average"`` (static-partition model averaging, the paper's "GD" baseline). Later baselines
-(``sync``, ``easgd``, ``crossbow``) register here with the same :class:`Policy` interface.
+or ``"average"`` (static-partition model averaging, the paper's "GD" baseline), and the baselines
+of DESIGN.md §4 over the same devices and kernels: ``"sync"`` (synchronous data-parallel SGD,
+per-step gradient all-reduce), ``"easgd"`` (Elastic Averaging SGD, Zhang et al. 2015) and
+``"crossbow"`` (CROSSBOW synchronous model averaging, Koliousis et al. 2019).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 from xmc_engine.algorithms.adaptive import AdaptiveConfig, AdaptiveSGD
 from xmc_engine.algorithms.average import AverageConfig, ModelAveraging
 from xmc_engine.algorithms.base import ConfigMixin, Policy
+from xmc_engine.algorithms.crossbow import Crossbow, CrossbowConfig
+from xmc_engine.algorithms.easgd import EASGD, EASGDConfig
+from xmc_engine.algorithms.sync import SyncConfig, SyncSGD
 from xmc_engine.errors import ConfigError
 
 __all__ = [
@@ -18,8 +23,14 @@ __all__ = [
     "AdaptiveSGD",
     "AverageConfig",
     "ConfigMixin",
+    "Crossbow",
+    "CrossbowConfig",
+    "EASGD",
+    "EASGDConfig",
     "ModelAveraging",
     "Policy",
+    "SyncConfig",
+    "SyncSGD",
     "get_algorithm",
 ]
 
@@ -27,6 +38,9 @@ __all__ = [
 ALGORITHMS: dict[str, tuple[type[Policy], type]] = {
     "adaptive": (AdaptiveSGD, AdaptiveConfig),
     "average": (ModelAveraging, AverageConfig),
+    "sync": (SyncSGD, SyncConfig),
+    "easgd": (EASGD, EASGDConfig),
+    "crossbow": (Crossbow, CrossbowConfig),
 }
 
 
@@ -35,9 +49,10 @@ def get_algorithm(name: str, config=None, **options) -> Policy:
 
     Parameters
     ----------
-    name : {'adaptive', 'average'}
+    name : {'adaptive', 'average', 'sync', 'easgd', 'crossbow'}
     config : dataclass or dict, optional
-        The algorithm's config (``AdaptiveConfig`` / ``AverageConfig``) or a dict of its fields.
+        The algorithm's config (``AdaptiveConfig``, ``AverageConfig``, ``SyncConfig``,
+        ``EASGDConfig``, ``CrossbowConfig``) or a dict of its fields.
     **options
         Config fields overriding ``config`` (unknown names raise ``ConfigError``).
     """
