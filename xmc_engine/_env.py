@@ -59,3 +59,32 @@ def memory_budget() -> str | None:
     """Bytes the memory planner may assume per device (``XMC_MEMORY_BUDGET``, e.g. ``8GiB``),
     overriding what the machine reports; ``None`` when unset."""
     return os.environ.get("XMC_MEMORY_BUDGET") or None
+
+
+def mpi_launch() -> tuple[int, int] | None:
+    """``(rank, size)`` when this process was started by an MPI launcher, else ``None``.
+
+    Reads what the launchers set: ``PMI_RANK``/``PMI_SIZE`` (MPICH, Intel MPI: hydra),
+    ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` (Open MPI), ``MV2_COMM_WORLD_RANK``/
+    ``MV2_COMM_WORLD_SIZE`` (MVAPICH2).
+    """
+    for rank_var, size_var in (("PMI_RANK", "PMI_SIZE"),
+                               ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")):
+        rank, size = os.environ.get(rank_var), os.environ.get(size_var)
+        if rank is not None and size is not None and rank.isdigit() and size.isdigit():
+            return int(rank), int(size)
+    return None
+
+
+def comm_timeout() -> float | None:
+    """Seconds a node waits in a cross-node collective before stopping the run
+    (``XMC_COMM_TIMEOUT``); ``None`` when unset."""
+    env = os.environ.get("XMC_COMM_TIMEOUT")
+    return float(env) if env else None
+
+
+def mpi_fault_spec() -> str | None:
+    """Node-level fault injection for the multi-node tests (``XMC_MPI_FAULT``, grammar in
+    :mod:`xmc_engine.distributed`), e.g. ``1:3:raise``; ``None`` when unset."""
+    return os.environ.get("XMC_MPI_FAULT") or None

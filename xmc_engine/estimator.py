@@ -193,8 +193,10 @@ class XMCClassifier:
         self.params_ = result["params"]
         self.history_ = result["history"]
         self.metrics_ = result.get("metrics")
-        self.label_frequency_ = np.asarray(Y.sum(axis=0)).ravel().astype(np.int64)
-        self.n_train_ = X.shape[0]
+        # Global over the nodes of a multi-node run (each rank holds only its rows).
+        self.label_frequency_ = np.asarray(result.get("label_counts", Y.sum(axis=0))).ravel() \
+            .astype(np.int64)
+        self.n_train_ = int(result.get("n_train", X.shape[0]))
         return self
 
     # -- inference -----------------------------------------------------------------------------

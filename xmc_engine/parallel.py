@@ -40,7 +40,8 @@ def algorithm_options(cfg: TrainConfig) -> dict:
 class ParallelRunner:
     """Runs ``cfg.algorithm`` over the devices of ``devices`` (a list of DeviceSpec)."""
 
-    def __init__(self, cfg: TrainConfig, devices, X, Y, params, state, log):
+    def __init__(self, cfg: TrainConfig, devices, X, Y, params, state, log, *, comm=None,
+                 assignment: str = "shared"):
         from xmc_engine.algorithms import get_algorithm
         from xmc_engine.scheduler import ParallelTrainer
 
@@ -55,6 +56,11 @@ class ParallelRunner:
         self.trainer = ParallelTrainer(replicas, devices, policy, X.shape[0], seed=cfg.seed,
                                        log=log, rejoin_after=extra.get("rejoin_after"),
                                        faults=extra.get("fault"))
+        # One node of a multi-node run (DESIGN.md §6): cross-node merges, aligned periods.
+        from xmc_engine.distributed import attach
+
+        self.n_global = attach(self.trainer, comm, assignment=assignment)
+        self._multi = comm is not None and comm.size > 1
         saved = state.get("extra", {}).get(_STATE_KEY)
         if saved is not None:  # resuming: batch sizes, trend flag, period counter
             self.trainer.load_state_dict(json.loads(bytes(np.asarray(saved, np.uint8))))
@@ -64,8 +70,9 @@ class ParallelRunner:
         """One whole epoch (merges happen inside; evaluation and checkpoints between epochs)."""
         res = self.trainer.run_epoch(epoch, self.cfg.lr)
         state["train_time"] += res["train_seconds"]
-        state["samples"] += res["samples"]
-        state["loss_sum"] = state.get("loss_sum", 0.0) + res["loss"] * res["samples"]
+        n = self.n_global if self._multi else res["samples"]  # every node did an epoch
+        state["samples"] += n
+        state["loss_sum"] = state.get("loss_sum", 0.0) + res["loss"] * n
         self._done = True
 
     def epoch_done(self) -> bool:

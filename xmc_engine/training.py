@@ -80,6 +80,13 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     params = init_params(shape, cfg.seed, avg_nnz=max(avg_nnz, 1.0), avg_sq_value=avg_sq)
     label_counts = np.asarray(Y.sum(axis=0)).ravel()
 
+    from xmc_engine.distributed import join_run, world
+
+    comm = world()  # several nodes when the CLI set up MPI (DESIGN.md §6)
+    if comm.size > 1:
+        label_counts, n_samples = join_run(comm, cfg, params, label_counts, n_samples, resume)
+        if not comm.is_root:  # rank 0 alone logs, checkpoints and evaluates
+            log_dir, eval_set, checkpoint_every = None, None, None
     run_dir = Path(log_dir) if log_dir is not None else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +133,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     else:
         from xmc_engine.parallel import ParallelRunner
 
-        runner = ParallelRunner(cfg, devices, X, Y, params, state, log)
+        runner = ParallelRunner(cfg, devices, X, Y, params, state, log, comm=comm)
 
     driver = _Driver(cfg, runner, n_samples, state, log, evaluator, ckpts, checkpoint_every,
                      shape)
@@ -136,7 +143,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     finally:
         runner.close()
         log.close()
-    return {"params": runner.host_params(), "history": list(log.records), "metrics": metrics}
+    return {"params": runner.host_params(), "history": list(log.records), "metrics": metrics,
+            "label_counts": label_counts, "n_train": n_samples}
 
 
 class _SingleRunner:

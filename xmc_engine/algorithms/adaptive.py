@@ -40,7 +40,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from xmc_engine.algorithms.base import ConfigMixin, Policy
+from xmc_engine.distributed import combine_nodes
 from xmc_engine.errors import ConfigError
 from xmc_engine.scheduler.controller import RULES, BatchSizeController, learning_rate
 from xmc_engine.scheduler.merge import (
@@ -173,6 +176,9 @@ class AdaptiveSGD(Policy):
         flag = self.trend.flag
         p = adaptive_normalization(merge_weights(counts), flag, c.boost_factor)
         weighted_merge(params, p, self._wbar, self.backend, check=False)
+        # Across nodes (DESIGN.md §6): w̄ <- Σ c_node w̄_node / Σ c_node, before the norm trend
+        # and the momentum so that both see the global model, identically on every rank.
+        nodes = combine_nodes(self, self._wbar, float(np.asarray(updates)[counts > 0].sum()))
         norm = None
         if self.trend.rule == "norm_rise":
             norm = l2_norm(self._wbar, self.backend)
@@ -186,7 +192,7 @@ class AdaptiveSGD(Policy):
             self.central, self._wbar = self._wbar, self.central
         self._broadcast(replicas, self.central)
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
-                "nonfinite": bad}
+                "nonfinite": bad, **nodes}
 
     def state_dict(self) -> dict[str, Any]:
         """Batch sizes and the norm history of the trend flag (momentum buffers restart at the

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from xmc_engine.algorithms.base import ConfigMixin, Policy
+from xmc_engine.distributed import combine_nodes
 from xmc_engine.errors import ConfigError
 from xmc_engine.scheduler.controller import learning_rate
 from xmc_engine.scheduler.merge import weighted_merge
@@ -75,6 +76,8 @@ class ModelAveraging(Policy):
         counts, bad = self._finite_updates(params, np.ones(len(replicas)))
         p = counts / counts.sum()
         weighted_merge(params, p, self._spare, self.backend, check=False)
+        # Across nodes (DESIGN.md §6): weighted by replicas merged, a uniform mean over devices.
+        nodes = combine_nodes(self, self._spare, float(counts.sum()))
         self.central, self._spare = self._spare, self.central
         self._broadcast(replicas, self.central)
-        return {"weights": [float(x) for x in p], "nonfinite": bad}
+        return {"weights": [float(x) for x in p], "nonfinite": bad, **nodes}

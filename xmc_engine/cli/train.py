@@ -61,6 +61,9 @@ def register(sub) -> None:
     p.add_argument("--print-config", action="store_true", help="print the full config and exit")
     p.add_argument("--checkpoint-every", default=None,
                    help="checkpoint every N samples (20000) or seconds (60s)")
+    p.add_argument("--distributed", action=argparse.BooleanOptionalAction, default=None,
+                   help="one process per node over MPI (default: on when started by mpiexec "
+                   "with more than one process: PMI_SIZE / OMPI_COMM_WORLD_SIZE > 1)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last checkpoint")
     p.set_defaults(func=cmd_train)
@@ -111,7 +114,22 @@ def _load_data(data, test):
 
 
 def cmd_train(args) -> int:
+    from xmc_engine import distributed
+
+    # Under mpiexec (launcher environment detected, or --distributed) one process per node.
+    comm = distributed.init(args.distributed)
+    if comm.size == 1:
+        return _cmd_train(args, comm)
+    try:
+        return _cmd_train(args, comm)
+    except (Exception, KeyboardInterrupt) as exc:  # one rank failing stops all, with a message
+        comm.fail(exc)
+
+
+def _cmd_train(args, comm) -> int:
     from xmc_engine.estimator import XMCClassifier
+
+    say = print if comm.is_root else (lambda *a, **k: None)  # rank 0 alone reports
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -131,17 +149,24 @@ def cmd_train(args) -> int:
         data = args.data or "synthetic"
         test, every = args.test, args.checkpoint_every
         run_dir = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_json(run_dir / RUN_FILE, {"config": cfg.to_dict(), "data": data, "test": test,
-                                         "checkpoint_every": every})
-    print(f"data: {data}" + (f"  test: {test}" if test else ""), file=sys.stderr)
+        if comm.size > 1:  # rank 0's folder for every rank
+            run_dir = Path(comm.broadcast_bytes(str(run_dir).encode()).decode())
+        if comm.is_root:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(run_dir / RUN_FILE, {"config": cfg.to_dict(), "data": data,
+                                             "test": test, "checkpoint_every": every})
+    say(f"data: {data}" + (f"  test: {test}" if test else ""), file=sys.stderr)
     t0 = time.perf_counter()
-    Xtr, Ytr, Xte, Yte = _load_data(data, test)
-    print(f"loaded {Xtr.shape[0]} x {Xtr.shape[1]} features, {Ytr.shape[1]} labels "
-          f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    Xtr, Ytr, Xte, Yte = (_load_data(data, test) if comm.size == 1
+                          else _load_shard(data, test, comm))
+    say(f"loaded {Xtr.shape[0]} x {Xtr.shape[1]} features, {Ytr.shape[1]} labels "
+        f"in {time.perf_counter() - t0:.1f} s"
+        + (f" (rank 0's share of {comm.size})" if comm.size > 1 else ""), file=sys.stderr)
     model = XMCClassifier.from_config(cfg, log_dir=str(run_dir), checkpoint_every=every)
     model.fit(Xtr, Ytr, eval_set=(Xte, Yte) if Xte is not None else None,
               resume=bool(args.resume))
+    if not comm.is_root:
+        return 0
     model_dir = model.save(run_dir / "model")
     plot = None
     try:
@@ -162,6 +187,36 @@ def cmd_train(args) -> int:
     if plot:
         print(f"plot:  {plot}")
     return 0
+
+
+def _load_shard(data, test, comm):
+    """This rank's rows of the training data (XC files: only those rows are read) and, on rank 0
+    only, the test set (DESIGN.md §6)."""
+    import logging
+
+    from xmc_engine.datasets import load_dataset, load_file, load_xc, resolve, shard_range
+    from xmc_engine.datasets.registry import header_counts
+    from xmc_engine.datasets.shard import load_xc_shard
+    from xmc_engine.errors import XMCError
+
+    try:
+        train, test_path = resolve(data)
+    except XMCError:  # generated (synthetic): every rank makes it and keeps its own rows
+        Xtr, Ytr, Xte, Yte = load_dataset(data)
+        a, b = shard_range(Xtr.shape[0], comm.rank, comm.size)
+        return Xtr[a:b], Ytr[a:b], *((Xte, Yte) if comm.is_root else (None, None))
+    if header_counts(train) is not None:
+        Xtr, Ytr, _, _ = load_xc_shard(train, comm.rank, comm.size)
+    else:  # LIBSVM / npz have no row count up front: read the file, keep this rank's rows
+        logging.getLogger(__name__).warning("%s is not XC text: every rank reads all of it",
+                                            train)
+        Xtr, Ytr = load_file(train)
+        a, b = shard_range(Xtr.shape[0], comm.rank, comm.size)
+        Xtr, Ytr = Xtr[a:b], Ytr[a:b]
+    Xte = Yte = None
+    if comm.is_root and (test or test_path):
+        Xte, Yte = load_xc(test) if test else load_file(test_path)
+    return Xtr, Ytr, Xte, Yte
 
 
 def cmd_evaluate(args) -> int:

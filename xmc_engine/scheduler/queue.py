@@ -105,6 +105,10 @@ class BatchQueue:
         self.history: list[PeriodAccount] = []
         self._returned: list[np.ndarray] = []  # rows given back by failed devices
         self.active = [True] * self.n_devices
+        #: Fixed number of merge periods per epoch (None: the ``S`` rule of the module docstring).
+        #: Period ``k < P - 1`` ends at cursor ``(k + 1) n_samples // P``; the last takes the rest.
+        #: Set by :mod:`xmc_engine.distributed` so that every node merges equally often.
+        self.n_periods: int | None = None
 
     # -- epoch / period boundaries (main thread, between periods) -------------------------------
     def start_epoch(self, epoch: int) -> None:
@@ -161,6 +165,10 @@ class BatchQueue:
         R, S, bmax = self.remaining, self.merge_period, max(b)
         self._last = R <= S + bmax
         budget = R if self._last else S
+        if self.n_periods is not None:  # exactly n_periods per epoch (multi-node, DESIGN.md §6)
+            k, done = self.period + 1, self.n_samples - R
+            self._last = k >= self.n_periods - 1
+            budget = R if self._last else max(1, (k + 1) * self.n_samples // self.n_periods - done)
         self._max_b = bmax
         self._taken = 0
         self.period += 1
