@@ -124,7 +124,6 @@ def pecos_worker(folder: str, threads: int, seed: int) -> int:
     from importlib import metadata
 
     import scipy.sparse as sp
-    from pecos.utils import smat_util
     from pecos.xmc import Indexer, LabelEmbeddingFactory
     from pecos.xmc.xlinear.model import XLinearModel
 
@@ -133,8 +132,9 @@ def pecos_worker(folder: str, threads: int, seed: int) -> int:
     Y = sp.load_npz(d / "Y_train.npz").tocsr().astype(np.float32)
     X_test = sp.load_npz(d / "X_test.npz").tocsr().astype(np.float32)
     # XR-Linear expects L2-normalised (tf-idf-like) rows, as in its published pipelines.
-    X = smat_util.sorted_csr(_l2_rows(X))
-    X_test = smat_util.sorted_csr(_l2_rows(X_test))
+    X, X_test = _l2_rows(X), _l2_rows(X_test)
+    X.sort_indices()  # column order; NOT pecos smat_util.sorted_csr, which orders by value
+    X_test.sort_indices()
     t0, c0 = time.perf_counter(), time.process_time()
     label_feat = LabelEmbeddingFactory.create(Y, X, method="pifa")
     chain = Indexer.gen(label_feat, indexer_type="hierarchicalkmeans", seed=seed,
