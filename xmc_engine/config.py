@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.hidden, int):
             self.hidden = [self.hidden]
+        if (isinstance(self.hidden, (str, bytes)) or not hasattr(self.hidden, "__iter__")
+                or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool)
+                        for h in self.hidden)):
+            raise ConfigError(f"hidden={self.hidden!r}: need a list of positive integer widths")
         self.hidden = [int(h) for h in self.hidden]
         self.validate()
 

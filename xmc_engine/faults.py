@@ -3,14 +3,15 @@
 Spec grammar (``XMC_FAULT`` environment variable, or ``algorithm_params={"fault": ...}``)::
 
     spec   := entry ("," entry)*
-    entry  := kind ":" device ":step:" N
+    entry  := kind ":" device ":step:" N ["+"]
     kind   := "device"      the worker raises InjectedFault before its N-th step
             | "nan"         the replica's parameters become NaN after its N-th step
     device := integer >= 0 (position in the device spec) | "*" (every device)
     N      := integer >= 1  (steps counted per device from the start of the process)
 
-Each entry fires once per device. Examples: ``device:1:step:40`` (device 1 fails at its 40th
-step), ``nan:*:step:5`` (every replica diverges at its 5th step).
+Each entry fires once per device, or at every step from the N-th on with ``+``. Examples:
+``device:1:step:40`` (device 1 fails at its 40th step), ``nan:*:step:5+`` (every replica
+diverges from its 5th step on, as with a learning rate far too high).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Fault", "FaultInjector", "parse_faults"]
 
 KINDS = ("device", "nan")
-_ENTRY = re.compile(r"^(?P<kind>[a-z]+):(?P<device>\d+|\*):step:(?P<step>\d+)$")
+_ENTRY = re.compile(r"^(?P<kind>[a-z]+):(?P<device>\d+|\*):step:(?P<step>\d+)(?P<rep>\+?)$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Fault:
     kind: str
     device: int | None
     step: int
+    repeat: bool = False
 
 
 def parse_faults(spec: str, *, source: str = "XMC_FAULT") -> list[Fault]:
@@ -51,7 +53,7 @@ def parse_faults(spec: str, *, source: str = "XMC_FAULT") -> list[Fault]:
             raise ConfigError(f"{source}: bad fault entry {raw!r}; expected KIND:DEVICE:step:N "
                               f"with KIND in {KINDS}, DEVICE an index or '*', N >= 1")
         dev = None if m.group("device") == "*" else int(m.group("device"))
-        faults.append(Fault(m.group("kind"), dev, int(m.group("step"))))
+        faults.append(Fault(m.group("kind"), dev, int(m.group("step")), bool(m.group("rep"))))
     return faults
 
 
@@ -83,7 +85,11 @@ class FaultInjector:
 
     def _due(self, kind: str, device: int, step: int) -> bool:
         for k, f in enumerate(self.faults):
-            if f.kind == kind and f.step == step and f.device in (None, device):
+            if f.kind != kind or f.device not in (None, device):
+                continue
+            if f.repeat and step >= f.step:
+                return True
+            if f.step == step:
                 if (k, device) not in self._fired:
                     self._fired.add((k, device))
                     return True
