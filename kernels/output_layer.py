@@ -38,8 +38,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir as llvm_ir
 from numba import float32 as nb_float32
+from numba import int32 as nb_int32
 from numba import njit, prange
+from numba.extending import intrinsic
 from xmc_engine.kernels._cuda import TPB, cuda, cuda_kernel, launch, rows_grid
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -52,49 +55,86 @@ _TMIN = np.float32(-125.0)
 _ONE = np.float32(1.0)
 _HALF = np.float32(0.5)
 _F0 = np.float32(0.0)
+_NEG = np.float32(-1.0e30)  # "minus infinity" of running maxima (fastmath assumes finite values;
+#                              -1e30 * log2(e) is still a finite float32)
 _SH = 256  # shared-memory reduction buffer (>= any block size used)
 
 
 # ----------------------------------------------------------------------------------------- CPU
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    """Reinterpret an int32 as a float32 (an LLVM bitcast: free, and vectorisable)."""
+    sig = nb_float32(nb_int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvm_ir.FloatType())
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True, fastmath=True)
-def _exp_row(z, m, ibuf):
-    """z[j] = exp(z[j] - m) for z <= m (in place); returns the sum. ``ibuf`` (>= len z) int32."""
-    n = z.shape[0]
-    for j in range(n):
-        t = (z[j] - m) * _LOG2E
-        t = max(t, _TMIN)
-        r = np.floor(t + _HALF)
-        f = t - r
-        p = _C7
-        p = p * f + _C6
-        p = p * f + _C5
-        p = p * f + _C4
-        p = p * f + _C3
-        p = p * f + _C2
-        p = p * f + _C1
-        z[j] = p * f + _ONE
-        ibuf[j] = (np.int32(r) + np.int32(127)) << np.int32(23)
-    scale = ibuf[:n].view(np.float32)
-    s = np.float32(0.0)
-    for j in range(n):
-        e = z[j] * scale[j]
+def _exp_neg(x):
+    """exp(x) for float32 x <= 0 (x < -86.6 gives ~2^-125, not 0); rel. error < 1e-6.
+
+    2^t with t = x log2(e) = r + f: r = round(t) by truncating t - 1/2 (t <= 0), 2^f by a degree-7
+    polynomial on [-1/2, 1/2], 2^r by writing r + 127 into the exponent bits. Only float32 and
+    int32 operations and a bitcast: a loop of these vectorises (no SVML needed)."""
+    t = max(x * _LOG2E, _TMIN)
+    ri = np.int32(t - _HALF)
+    f = t - nb_float32(ri)
+    p = _C7
+    p = p * f + _C6
+    p = p * f + _C5
+    p = p * f + _C4
+    p = p * f + _C3
+    p = p * f + _C2
+    p = p * f + _C1
+    p = p * f + _ONE
+    return p * _f32_from_bits(np.int32((ri + np.int32(127)) << np.int32(23)))
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _exp_row(z, m):
+    """z[j] = exp(z[j] - m) for z <= m (in place); returns the sum (one vectorised loop)."""
+    s = _F0
+    for j in range(z.shape[0]):
+        e = _exp_neg(z[j] - m)
         z[j] = e
         s += e
     return s
 
 
+_LANES = 64  # independent running maxima: LLVM does not vectorise a max reduction itself
+
+
 @njit(nogil=True, cache=True, fastmath=True)
-def _row_max_bias(z, bias, use_bias):
-    m = -np.inf
+def _row_max_bias(z, bias, use_bias, lanes):
+    """Adds ``bias`` to ``z`` in place when ``use_bias``; returns max(z) (float32).
+
+    ``lanes`` (>= _LANES,) float32 scratch: a max per lane over blocks of _LANES, an elementwise
+    loop that vectorises (a plain ``m = max(m, z[j])`` compiles to scalar ``maxss``: 3 ns/el)."""
+    n = z.shape[0]
+    nf = n - n % _LANES
+    for k in range(_LANES):
+        lanes[k] = _NEG
     if use_bias:
-        for j in range(z.shape[0]):
-            v = z[j] + bias[j]
-            z[j] = v
-            m = max(m, v)
+        for j0 in range(0, nf, _LANES):
+            for k in range(_LANES):
+                v = z[j0 + k] + bias[j0 + k]
+                z[j0 + k] = v
+                lanes[k] = max(v, lanes[k])
     else:
-        for j in range(z.shape[0]):
-            m = max(m, z[j])
-    return np.float32(m)
+        for j0 in range(0, nf, _LANES):
+            for k in range(_LANES):
+                lanes[k] = max(z[j0 + k], lanes[k])
+    m = _NEG
+    for k in range(_LANES):
+        m = max(lanes[k], m)
+    for j in range(nf, n):
+        if use_bias:
+            z[j] += bias[j]
+        m = max(z[j], m)
+    return m
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
@@ -103,103 +143,118 @@ def softmax_xent_fused_cpu(Z, bias, use_bias, y_indptr, y_indices, scale, loss_r
 
     ``colsum_parts`` (n_parts, L) or (n_parts, 0): when it has columns, part t receives the
     column sums of dZ over the t-th block of rows (sum the parts for db2).
+
+    One parallel region; thread t owns rows [t B / n_parts, (t + 1) B / n_parts) and makes three
+    vectorised sweeps over each row while it sits in L2 (120 KB for L = 30,000): bias add + max,
+    exp + sum, normalise + column sum.
     """
     B, L = Z.shape
     n_parts = colsum_parts.shape[0]
     want_colsum = colsum_parts.shape[1] > 0
-    scale32 = np.float32(scale)
+    scale32 = nb_float32(scale)
     for t in prange(n_parts):
-        ibuf = np.empty(L, np.int32)
+        lanes = np.empty(_LANES, np.float32)
         part = colsum_parts[t]
         if want_colsum:
-            part[:] = _F0
+            for j in range(L):
+                part[j] = _F0
         for i in range(t * B // n_parts, (t + 1) * B // n_parts):
             z = Z[i]
-            m = _row_max_bias(z, bias, use_bias)
             p0, p1 = y_indptr[i], y_indptr[i + 1]
-            ny = p1 - p0
-            if ny == 0:
-                z[:] = _F0
+            if p1 == p0:
+                for j in range(L):
+                    z[j] = _F0
                 loss_rows[i] = 0.0
                 continue
+            m = _row_max_bias(z, bias, use_bias, lanes)
             ysum = 0.0
             for p in range(p0, p1):
                 ysum += z[y_indices[p]]
-            s = _exp_row(z, m, ibuf)
-            loss_rows[i] = m + math.log(s) - ysum / ny
+            s = _exp_row(z, m)
+            loss_rows[i] = m + math.log(s) - ysum / (p1 - p0)
             c = scale32 / s
-            for j in range(L):
-                z[j] *= c
-            g = scale32 / np.float32(ny)
-            for p in range(p0, p1):
-                z[y_indices[p]] -= g
             if want_colsum:
                 for j in range(L):
-                    part[j] += z[j]
+                    v = z[j] * c
+                    z[j] = v
+                    part[j] += v
+            else:
+                for j in range(L):
+                    z[j] *= c
+            g = scale32 / nb_float32(p1 - p0)
+            for p in range(p0, p1):
+                z[y_indices[p]] -= g
+                if want_colsum:
+                    part[y_indices[p]] -= g
 
 
 @njit(nogil=True, cache=True)
 def softmax_xent_cpu(Z, y_indptr, y_indices, scale):
     """Z -> scale * (softmax(Z) - y/|y|) in place; returns the summed (unscaled) loss."""
     loss_rows = np.empty(Z.shape[0], np.float64)
-    parts = np.empty((max(1, Z.shape[0]), 0), np.float32)  # one row per part, no column sums
+    # row blocks for prange (no column sums); numba.get_num_threads() here would stop caching
+    parts = np.empty((max(1, min(64, Z.shape[0])), 0), np.float32)
     softmax_xent_fused_cpu(Z, np.empty(0, np.float32), False, y_indptr, y_indices, scale,
                            loss_rows, parts)
     return loss_rows.sum()
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
-def softmax_chunk_stats_cpu(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum):
+def softmax_chunk_stats_cpu(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum, n_parts):
     """Pass 1 of the chunked path on the logits ``Zc`` (B, C) of labels [c0, c0 + C).
 
     Adds the bias, gathers the true logits of the chunk into ``ysum``, folds the chunk into the
-    running max ``m`` and sum ``s`` (online softmax). ``Zc`` is clobbered.
+    running max ``m`` and sum ``s`` (online softmax). ``Zc`` is clobbered. One parallel region
+    over ``n_parts`` row blocks. ``m`` starts at a very negative finite value (not -inf:
+    fastmath assumes finite values), ``s`` and ``ysum`` at 0.
     """
     B, C = Zc.shape
-    for i in prange(B):
-        z = Zc[i]
-        mc = _row_max_bias(z, bias_c, True)
-        for p in range(y_indptr[i], y_indptr[i + 1]):
-            lab = y_indices[p] - c0
-            if lab >= 0 and lab < C:
-                ysum[i] += z[lab]
-        ibuf = np.empty(C, np.int32)
-        if mc > m[i]:
-            sc = _exp_row(z, mc, ibuf)
-            s[i] = s[i] * np.float32(math.exp(m[i] - mc)) + sc
-            m[i] = mc
-        else:
-            s[i] += _exp_row(z, m[i], ibuf)
+    for t in prange(n_parts):
+        lanes = np.empty(_LANES, np.float32)
+        for i in range(t * B // n_parts, (t + 1) * B // n_parts):
+            z = Zc[i]
+            mc = _row_max_bias(z, bias_c, True, lanes)
+            for p in range(y_indptr[i], y_indptr[i + 1]):
+                lab = y_indices[p] - c0
+                if lab >= 0 and lab < C:
+                    ysum[i] += z[lab]
+            if mc > m[i]:
+                s[i] = s[i] * _exp_neg(m[i] - mc) + _exp_row(z, mc)
+                m[i] = mc
+            else:
+                s[i] += _exp_row(z, m[i])
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
 def softmax_chunk_grad_cpu(Zc, bias_c, c0, y_indptr, y_indices, lse, scale, colsum_parts):
-    """Pass 2: recomputed logits ``Zc`` -> dZ chunk in place; per-part column sums for db2."""
+    """Pass 2: recomputed logits ``Zc`` -> dZ chunk in place; per-part column sums for db2.
+
+    One parallel region, one sweep per row: bias add, exp(z - lse), scale, column sum."""
     B, C = Zc.shape
     n_parts = colsum_parts.shape[0]
-    scale32 = np.float32(scale)
+    scale32 = nb_float32(scale)
     for t in prange(n_parts):
-        ibuf = np.empty(C, np.int32)
         part = colsum_parts[t]
-        part[:] = _F0
+        for j in range(C):
+            part[j] = _F0
         for i in range(t * B // n_parts, (t + 1) * B // n_parts):
             z = Zc[i]
             p0, p1 = y_indptr[i], y_indptr[i + 1]
             if p1 == p0:
-                z[:] = _F0
+                for j in range(C):
+                    z[j] = _F0
                 continue
+            li = lse[i]
             for j in range(C):
-                z[j] += bias_c[j]
-            _exp_row(z, lse[i], ibuf)
-            for j in range(C):
-                z[j] *= scale32
-            g = scale32 / np.float32(p1 - p0)
+                e = scale32 * _exp_neg(min(z[j] + bias_c[j] - li, _F0))
+                z[j] = e
+                part[j] += e
+            g = scale32 / nb_float32(p1 - p0)
             for p in range(p0, p1):
                 lab = y_indices[p] - c0
                 if lab >= 0 and lab < C:
                     z[lab] -= g
-            for j in range(C):
-                part[j] += z[j]
+                    part[lab] -= g
 
 
 @njit(nogil=True, cache=True)
@@ -483,6 +538,23 @@ def _output_layer(H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_out, 
         ops.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
     loss, lse = ops.chunk_loss(m, s, ysum, y_indptr)
     dH_out[...] = 0
+    if hasattr(ops, "gemm_acc"):  # CPU: beta = 1 GEMMs on strided W2 chunks, b2 update fused
+        for c0, c1 in chunks:
+            Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
+            W2c = W2[:, c0:c1]
+            ops.matmul(H, W2c, Zc)                             # recompute the chunk's logits
+            if update:   # dZc, and b2c -= lr * dZc.sum(0) (after the kernel has read b2c)
+                ops.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, b2[c0:c1],
+                               -lr, 1.0)
+            else:
+                ops.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale,
+                               db2_out[c0:c1])
+            ops.gemm_acc(dH_out, Zc, W2c.T)                    # dH += dZc W2c^T (old W2c)
+            if update:
+                ops.gemm_update(W2c, H, Zc, -lr)               # W2c -= lr H^T dZc
+            else:
+                ops.matmul(H.T, Zc, dW2_out[:, c0:c1])
+        return loss
     dHc = ops.workspace("dHc", dH_out.shape)
     for c0, c1 in chunks:
         Zc = ops.workspace_2d("Zc", B, c1 - c0, C)

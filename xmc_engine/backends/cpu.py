@@ -8,6 +8,7 @@ truly in parallel (numba ``omp`` threading layer); each thread sets its own budg
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import contextmanager
 
 import numba
@@ -17,21 +18,71 @@ import scipy.sparse
 from xmc_engine.kernels import merge, output_layer, sparse_backward, sparse_forward, topk
 
 _F32 = np.float32
+_SGEMM = None
+
+
+def _blas_operand(a):
+    """(data pointer, leading dimension, 'N'/'T') of a 2-D float32 view in row-major terms."""
+    s0, s1 = a.strides
+    if s1 == 4 and s0 >= 4 * max(1, a.shape[1]) and s0 % 4 == 0:
+        return a.ctypes.data, s0 // 4, b"N"
+    if s0 == 4 and s1 >= 4 * max(1, a.shape[0]) and s1 % 4 == 0:
+        return a.ctypes.data, s1 // 4, b"T"
+    return None
+
+
+def sgemm_rm(alpha, A, Bm, beta, C):
+    """C = alpha * A @ Bm + beta * C in one BLAS call, in place, for strided float32 views.
+
+    Every operand may be a row-major view with a row stride (``W2[:, c0:c1]``) or the transpose
+    of one (``W2[:, c0:c1].T``): nothing is copied (NumPy's ``matmul`` has no ``beta``, SciPy's
+    f2py ``sgemm`` copies non-contiguous operands). Uses SciPy's ``cython_blas`` (LP64) through
+    ctypes. Returns False (and does nothing) when a layout is not BLAS-compatible.
+    """
+    global _SGEMM
+    m, k = A.shape
+    n = Bm.shape[1]
+    if C.shape != (m, n) or Bm.shape[0] != k or min(m, n, k) == 0 \
+            or not all(x.dtype == _F32 for x in (A, Bm, C)):
+        return False
+    oa, ob, oc = _blas_operand(A), _blas_operand(Bm), _blas_operand(C)
+    if oa is None or ob is None or oc is None or oc[2] != b"N":
+        return False
+    if _SGEMM is None:
+        from numba.extending import get_cython_function_address
+
+        p_int, p_f = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_float)
+        proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, p_int, p_int, p_int,
+                                 p_f, ctypes.c_void_p, p_int, ctypes.c_void_p, p_int, p_f,
+                                 ctypes.c_void_p, p_int)
+        _SGEMM = proto(get_cython_function_address("scipy.linalg.cython_blas", "sgemm"))
+    ci, cf = ctypes.c_int, ctypes.c_float
+    # column-major BLAS: C^T = alpha * op(B)^T op(A)^T + beta * C^T (same memory, no copies)
+    _SGEMM(ob[2], oa[2], ctypes.byref(ci(n)), ctypes.byref(ci(m)), ctypes.byref(ci(k)),
+           ctypes.byref(cf(alpha)), ob[0], ctypes.byref(ci(ob[1])), oa[0],
+           ctypes.byref(ci(oa[1])), ctypes.byref(cf(beta)), oc[0], ctypes.byref(ci(oc[1])))
+    return True
 
 
 class _CPUOutputOps:
-    """Adapter used by the host-level output-layer functions (:mod:`kernels.output_layer`)."""
+    """Adapter used by the host-level output-layer functions (:mod:`kernels.output_layer`).
+
+    Workspaces are kept between steps: a step allocates nothing of size B x L or n_hidden x L.
+    """
 
     def __init__(self, backend):
         self._ws = {}
-        self._gemm = None
 
-    def workspace(self, name, shape):
+    def workspace(self, name, shape, dtype=_F32):
         n = int(np.prod(shape))
         buf = self._ws.get(name)
-        if buf is None or buf.size < n:
-            buf = self._ws[name] = np.empty(n, _F32)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self._ws[name] = np.empty(n, dtype)
         return buf[:n].reshape(shape)
+
+    @staticmethod
+    def _n_parts(B):
+        return max(1, min(numba.get_num_threads(), B))
 
     def workspace_2d(self, name, rows, cols, max_cols):
         buf = self.workspace(name, (rows * max_cols,))
@@ -46,19 +97,20 @@ class _CPUOutputOps:
         np.matmul(a, b, out=out)
 
     def gemm_update(self, W, A, Bm, alpha):
-        """W += alpha * A.T @ Bm in one BLAS call (beta = 1) when W is C-contiguous."""
-        if W.flags.c_contiguous and A.flags.c_contiguous and Bm.flags.c_contiguous:
-            if self._gemm is None:
-                from scipy.linalg.blas import sgemm
-
-                self._gemm = sgemm
-            # W.T (F-order) += alpha * Bm.T @ A: every operand is Fortran-contiguous, no copies
-            res = self._gemm(alpha, Bm.T, A.T, 1.0, W.T, trans_a=0, trans_b=1, overwrite_c=1)
-            if np.shares_memory(res, W):
-                return
+        """W += alpha * A.T @ Bm in one BLAS call (beta = 1), W may be a strided view."""
+        if sgemm_rm(alpha, A.T, Bm, 1.0, W):
+            return
         tmp = self.workspace("gemm_tmp", W.shape)
         np.matmul(A.T, Bm, out=tmp)
         output_layer._axpy_2d(W, tmp, alpha)
+
+    def gemm_acc(self, C, A, Bm, alpha=1.0):
+        """C += alpha * A @ Bm in one BLAS call (beta = 1); strided views, no copies."""
+        if sgemm_rm(alpha, A, Bm, 1.0, C):
+            return
+        tmp = self.workspace("gemm_tmp", C.shape)
+        np.matmul(A, Bm, out=tmp)
+        self.axpy(C, tmp, alpha)
 
     @staticmethod
     def axpy(y, x, alpha):
@@ -70,32 +122,36 @@ class _CPUOutputOps:
             output_layer._axpy_2d(y, x, alpha)
 
     def softmax_bias(self, Z, b2, y_indptr, y_indices, scale, db2_out):
-        loss_rows = np.empty(Z.shape[0], np.float64)
-        n_parts = max(1, min(numba.get_num_threads(), Z.shape[0]))
-        parts = self.workspace("colsum_parts", (n_parts, Z.shape[1]))
+        loss_rows = self.workspace("loss_rows", (Z.shape[0],), np.float64)
+        parts = self.workspace("colsum_parts", (self._n_parts(Z.shape[0]), Z.shape[1]))
         output_layer.softmax_xent_fused_cpu(Z, b2, True, y_indptr, y_indices, scale, loss_rows,
                                             parts)
         output_layer._sum_parts(parts, db2_out, 1.0, 0.0)
         return float(loss_rows.sum())
 
-    @staticmethod
-    def row_stats(B):
-        return np.full(B, -np.inf, _F32), np.zeros(B, _F32), np.zeros(B, _F32)
+    def row_stats(self, B):
+        m, s, ysum = (self.workspace(k, (B,)) for k in ("row_m", "row_s", "row_ysum"))
+        m.fill(output_layer._NEG)  # not -inf: the kernels are compiled with fastmath
+        s.fill(0.0)
+        ysum.fill(0.0)
+        return m, s, ysum
 
-    @staticmethod
-    def chunk_stats(Zc, b2c, c0, y_indptr, y_indices, m, s, ysum):
-        output_layer.softmax_chunk_stats_cpu(Zc, b2c, c0, y_indptr, y_indices, m, s, ysum)
+    def chunk_stats(self, Zc, b2c, c0, y_indptr, y_indices, m, s, ysum):
+        output_layer.softmax_chunk_stats_cpu(Zc, b2c, c0, y_indptr, y_indices, m, s, ysum,
+                                             self._n_parts(Zc.shape[0]))
 
-    @staticmethod
-    def chunk_loss(m, s, ysum, y_indptr):
-        lse = np.empty_like(m)
+    def chunk_loss(self, m, s, ysum, y_indptr):
+        lse = self.workspace("row_lse", m.shape)
         return float(output_layer.chunk_loss_cpu(m, s, ysum, y_indptr, lse)), lse
 
-    def chunk_grad(self, Zc, b2c, c0, y_indptr, y_indices, lse, scale, db2c_out):
-        n_parts = max(1, min(numba.get_num_threads(), Zc.shape[0]))
-        parts = self.workspace_2d("colsum_parts_c", n_parts, Zc.shape[1], Zc.shape[1])
+    def chunk_grad(self, Zc, b2c, c0, y_indptr, y_indices, lse, scale, db2c_out, alpha=1.0,
+                   beta=0.0):
+        """dZ chunk in place; ``db2c_out = beta * db2c_out + alpha * dZc.sum(0)`` (with
+        ``alpha = -lr, beta = 1`` that is the b2 chunk's SGD update)."""
+        parts = self.workspace_2d("colsum_parts_c", self._n_parts(Zc.shape[0]), Zc.shape[1],
+                                  Zc.shape[1])
         output_layer.softmax_chunk_grad_cpu(Zc, b2c, c0, y_indptr, y_indices, lse, scale, parts)
-        output_layer._sum_parts(parts, db2c_out, 1.0, 0.0)
+        output_layer._sum_parts(parts, db2c_out, alpha, beta)
 
     @staticmethod
     def add_bias(Z, b):
