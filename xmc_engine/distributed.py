@@ -586,8 +586,11 @@ def join_run(comm: NodeComm, cfg, params: Sequence[np.ndarray], label_counts: np
     if resume:
         raise ConfigError("resuming a multi-node run is not supported yet; resume it in one "
                           "process (xmc-engine train --resume RUN_DIR) or start over")
-    comm.broadcast_arrays([np.ascontiguousarray(p) for p in params] if not all(
-        p.flags.c_contiguous for p in params) else list(params))
+    bufs = [np.ascontiguousarray(p) for p in params]
+    comm.broadcast_arrays(bufs)
+    for p, b in zip(params, bufs, strict=True):
+        if b is not p:
+            p[...] = b
     counts = comm.allreduce_sum(np.asarray(label_counts, dtype=np.float64))
     n = int(comm.allreduce_sum(np.array([n_samples], dtype=np.int64))[0])
     return counts, n
