@@ -19,17 +19,20 @@ gradient) when ``y_i`` is empty; ``dZ = scale * (softmax(Z) - y/|y|)``. The step
 
 Versions
 --------
-``softmax_xent_cpu``     @njit, rows split into one contiguous block per thread; max-subtracted
-                         log-sum-exp with a vectorisable exp (``_exp_row``: 2^t by a degree-7
-                         polynomial and an exponent bit-shift, rel. error < 1e-6 - numba has no
-                         SVML here, and libm's scalar expf would cost more than a GEMM);
-                         optional fused bias add and per-thread column sums (for db2).
+``softmax_xent_cpu``     @njit, one parallel region, rows split into one contiguous block per
+                         thread; per row (L2-resident) three vectorised sweeps: bias add +
+                         lane-wise max (``_row_max_bias``), exp + sum (``_exp_neg``: 2^t by a
+                         degree-7 polynomial, 2^round(t) written into the exponent bits via an
+                         int32 -> float32 bitcast intrinsic; rel. error < 1e-6 - numba has no
+                         SVML here and libm's scalar expf costs ~9 ns/element), normalise +
+                         per-thread column sums (for db2).
 ``softmax_xent_kernel``  @cuda.jit, one block per row, shared-memory tree reductions (no warp
                          intrinsics, so it runs in the simulator).
 ``softmax_chunk_stats_*`` / ``softmax_chunk_grad_*``  the two passes of the label-chunked path.
 Host level (written once against an array module ``xp`` through a small ops adapter):
 ``output_layer_step``, ``output_layer_grad``, ``predict_scores_topk``. The GEMMs go to BLAS/cuBLAS
-(``xp.matmul(..., out=)``; the W2 update is one GEMM with ``beta = 1`` where the layout allows).
+(``xp.matmul(..., out=)``; the W2 update is one GEMM with ``beta = 1``; on the CPU the chunked
+path also accumulates dH and updates each strided W2 chunk with ``beta = 1`` GEMMs, no copies).
 Launchers take a numba stream and never synchronise.
 """
 
