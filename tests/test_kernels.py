@@ -284,3 +284,21 @@ def test_merge_ops(rng, shape):
 def test_weighted_sum_rejects_mismatch():
     with pytest.raises(ValueError, match="2 arrays but 3 weights"):
         merge.weighted_sum_cpu([np.zeros(2, F32)] * 2, [1, 0, 0], np.zeros(2, F32))
+
+
+def test_sgemm_rm_strided_views_in_place(rng):
+    from xmc_engine.backends.cpu import sgemm_rm
+
+    W = rng.standard_normal((6, 40)).astype(F32)
+    H = rng.standard_normal((5, 6)).astype(F32)
+    Z = rng.standard_normal((5, 9)).astype(F32)
+    W0, Wc = W.copy(), W[:, 7:16]                       # strided chunk, updated in place
+    assert sgemm_rm(-0.5, H.T, Z, 1.0, Wc)
+    ref = W0.copy()
+    ref[:, 7:16] -= 0.5 * H.T @ Z
+    np.testing.assert_allclose(W, ref, atol=1e-5)
+    dH = rng.standard_normal((5, 6)).astype(F32)
+    d0 = dH.copy()
+    assert sgemm_rm(1.0, Z, W[:, 7:16].T, 1.0, dH)      # dH += Z @ W_chunk^T
+    np.testing.assert_allclose(dH, d0 + Z @ W[:, 7:16].T, atol=1e-5)
+    assert not sgemm_rm(1.0, Z, W[:, 7:16].T, 1.0, dH[:, :3])  # shape mismatch: nothing done
