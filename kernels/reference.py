@@ -129,3 +129,18 @@ def elastic(x, center, alpha):
     """(x_new, diff) with diff = alpha * (x - center), x_new = x - diff."""
     diff = alpha * (x - center)
     return x - diff, diff
+
+
+def adagrad_dense(w, g, acc, lr, eps):
+    """(w_new, acc_new): acc + g^2 and w - lr g / (sqrt(acc_new) + eps), in float64."""
+    acc_new = acc.astype(np.float64) + g.astype(np.float64) ** 2
+    w_new = w.astype(np.float64) - lr * g / (np.sqrt(acc_new) + eps)
+    return w_new, acc_new
+
+
+def adagrad_rows(W, rows, grad_rows, acc_W, lr, eps):
+    """The dense rule applied to ``W[rows]`` / ``acc_W[rows]`` only (copies, float64)."""
+    W_new, acc_new = W.astype(np.float64), acc_W.astype(np.float64)
+    w, a = adagrad_dense(W[rows], grad_rows, acc_W[rows], lr, eps)
+    W_new[rows], acc_new[rows] = w, a
+    return W_new, acc_new

@@ -230,3 +230,26 @@ def test_merge_kernels(dev, rng, n):
     xr, dr = reference.elastic(arrs[0], arrs[1], 0.3)
     np.testing.assert_allclose(dev.host(x), xr, atol=1e-6)
     np.testing.assert_allclose(dev.host(diff), dr, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_rows", [0, 1, 7])
+def test_adagrad_kernels(dev, rng, n_rows):
+    from xmc_engine.kernels import adagrad
+
+    w = rng.standard_normal(37).astype(F32)
+    g = rng.standard_normal(37).astype(F32)
+    acc = rng.random(37).astype(F32)
+    w_ref, acc_ref = reference.adagrad_dense(w, g, acc, 0.1, 1e-10)
+    wd, ad = dev(w), dev(acc)
+    adagrad.adagrad_dense_launch(wd, dev(g), ad, 0.1, 1e-10, dev.stream)
+    np.testing.assert_allclose(dev.host(wd), w_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dev.host(ad), acc_ref, rtol=1e-5)
+    W = rng.standard_normal((11, 5)).astype(F32)
+    accW = rng.random((11, 5)).astype(F32)
+    rows = np.sort(rng.choice(11, n_rows, replace=False)).astype(np.int64)
+    grad = rng.standard_normal((n_rows, 5)).astype(F32)
+    W_ref, accW_ref = reference.adagrad_rows(W, rows, grad, accW, 0.2, 1e-10)
+    Wd, aWd = dev(W), dev(accW)
+    adagrad.adagrad_rows_launch(Wd, dev(rows), dev(grad), aWd, 0.2, 1e-10, dev.stream)
+    np.testing.assert_allclose(dev.host(Wd), W_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dev.host(aWd), accW_ref, rtol=1e-5)

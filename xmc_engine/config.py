@@ -11,6 +11,7 @@ from typing import Any
 
 from xmc_engine.errors import ConfigError
 
+OPTIMIZERS = ("sgd", "adagrad")
 ALGORITHMS = ("single", "adaptive", "average", "sync", "easgd", "crossbow")
 
 
@@ -31,6 +32,7 @@ class TrainConfig:
     lr_warmup_epochs: float = 0.0
     lr_decay: float = 0.0
     label_chunk: int | None = None
+    optimizer: str = "sgd"
     devices: str = "cpu"
     algorithm: str = "single"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
@@ -69,6 +71,8 @@ class TrainConfig:
             bad("lr_decay", "must be >= 0")
         if self.label_chunk is not None and int(self.label_chunk) < 1:
             bad("label_chunk", "must be >= 1 or None")
+        if self.optimizer not in OPTIMIZERS:
+            bad("optimizer", f"unknown; choose one of {', '.join(OPTIMIZERS)}")
         if self.algorithm not in ALGORITHMS:
             bad("algorithm", f"unknown; choose one of {', '.join(ALGORITHMS)}")
         if self.threads is not None and int(self.threads) < 1:

@@ -108,6 +108,9 @@ class XMCClassifier:
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``.
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
+    optimizer : {"sgd", "adagrad"}
+        Plain SGD (the paper's) or Adagrad (per-parameter accumulators, row-sparse for ``W1``;
+        each replica keeps its own, merges average parameters only).
     devices : str
         Device spec, e.g. ``"cpu"``, ``"cpu,cpu@0.5"``, ``"cuda:0,cuda:0"``, ``"auto"``.
     algorithm : str
@@ -133,8 +136,8 @@ class XMCClassifier:
     """
 
     def __init__(self, hidden=128, epochs=10, batch_size=256, lr=1.0, lr_warmup_epochs=0.0,
-                 lr_decay=0.0, label_chunk=None, devices="cpu", algorithm="single",
-                 algorithm_params=None, seed=0, threads=None, eval_every=1.0, eval_k=5,
+                 lr_decay=0.0, label_chunk=None, optimizer="sgd", devices="cpu",
+                 algorithm="single", algorithm_params=None, seed=0, threads=None, eval_every=1.0, eval_k=5,
                  propensity_a=0.55, propensity_b=1.5, log_dir=None, checkpoint_every=None):
         self.hidden = hidden
         self.epochs = epochs
@@ -143,6 +146,7 @@ class XMCClassifier:
         self.lr_warmup_epochs = lr_warmup_epochs
         self.lr_decay = lr_decay
         self.label_chunk = label_chunk
+        self.optimizer = optimizer
         self.devices = devices
         self.algorithm = algorithm
         self.algorithm_params = algorithm_params
@@ -160,7 +164,8 @@ class XMCClassifier:
         return TrainConfig(
             hidden=self.hidden, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
             lr_warmup_epochs=self.lr_warmup_epochs, lr_decay=self.lr_decay,
-            label_chunk=self.label_chunk, devices=self.devices, algorithm=self.algorithm,
+            label_chunk=self.label_chunk, optimizer=self.optimizer, devices=self.devices,
+            algorithm=self.algorithm,
             algorithm_params=dict(self.algorithm_params or {}), seed=self.seed,
             threads=self.threads, eval_every=self.eval_every, eval_k=self.eval_k,
             propensity_a=self.propensity_a, propensity_b=self.propensity_b)

@@ -11,8 +11,9 @@ Parameters, in this order everywhere (replicas, merges, checkpoints)::
 
 Forward: ``H = relu(X @ W1 + b1)`` (then ``relu(H @ Wk + bk)`` per extra layer),
 ``Z = H @ W2 + b2``; loss: softmax cross-entropy against the row-normalised label vector.
-A step is plain SGD, applied in place; the ``W1`` gradient is row-sparse and applied only to the
-rows of the features in the batch (never a dense ``n_features x hidden`` gradient).
+A step is plain SGD (or Adagrad, ``optimizer="adagrad"``), applied in place; the ``W1``
+gradient is row-sparse and applied only to the rows of the features in the batch (never a dense
+``n_features x hidden`` gradient).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import numpy as np
 import scipy.sparse as sp
 
 logger = logging.getLogger(__name__)
+
+OPTIMIZERS = ("sgd", "adagrad")
+ADAGRAD_EPS = 1e-10
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,36 @@ class MLPReplica:
     Y : scipy.sparse.csr_matrix, (n_samples, n_labels), host (binary)
     params : list of host float32 arrays (see module docstring); copied to the device
     label_chunk : int or None; output-layer label chunk (None = plain path, logits in memory)
+    optimizer : ``"sgd"`` (default) or ``"adagrad"``; Adagrad keeps one accumulator per
+        parameter on this device (local to the replica: merges average parameters only)
     """
 
-    def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None):
+    def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None,
+                 optimizer: str = "sgd"):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         self.backend = backend
         self.X = X
         self.Y = Y
         self.label_chunk = label_chunk
+        self.optimizer = optimizer
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         self.n_dense = (len(self._params) - 4) // 2
+        self._acc = ([backend.zeros(p.shape) for p in self._params]
+                     if optimizer == "adagrad" else None)
+
+    # -- optimiser state (checkpoints) -------------------------------------------------------
+    def optimizer_state(self) -> list[np.ndarray]:
+        """Host copies of the Adagrad accumulators (empty for SGD)."""
+        if self._acc is None:
+            return []
+        return [np.asarray(self.backend.to_host(a)) for a in self._acc]
+
+    def load_optimizer_state(self, state) -> None:
+        if self._acc is None or not state:
+            return
+        for dst, src in zip(self._acc, state, strict=True):
+            dst[...] = self.backend.asarray(np.asarray(src, dtype=np.float32))
 
     # -- Replica protocol ----------------------------------------------------------------------
     def params(self) -> list:
@@ -110,7 +135,12 @@ class MLPReplica:
                 dst[...] = be.asarray(src)
 
     def train_batch(self, rows: np.ndarray, lr: float) -> float:
-        """One SGD step on training rows ``rows`` (int64, host); returns the summed loss."""
+        """One optimiser step on training rows ``rows`` (int64, host); returns the summed loss."""
+        if self._acc is not None:
+            loss, grads = grad_step(self.backend, self._params, self.X[rows], self.Y[rows],
+                                    label_chunk=self.label_chunk)
+            apply_adagrad(self.backend, self._params, grads, self._acc, lr)
+            return loss
         return train_step(self.backend, self._params, self.X[rows], self.Y[rows], lr,
                           label_chunk=self.label_chunk)
 
@@ -231,6 +261,17 @@ def apply_grads(be, params, grads, lr: float) -> None:
             ops.axpy(p, g, -float(lr))
         else:
             p -= np.float32(lr) * g
+
+
+def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -> None:
+    """In-place Adagrad (Duchi et al. 2011) for ``grads`` in the :meth:`MLPReplica.grad_batch`
+    layout: ``acc += g^2; p -= lr g / (sqrt(acc) + eps)``; ``W1`` on its touched rows only."""
+    rows, grad_rows = grads[0]
+    if len(rows):
+        be.adagrad_rows(params[0], be.asarray(rows, dtype=np.int64),
+                        be.asarray(grad_rows, dtype=np.float32), acc[0], lr, eps)
+    for p, g, a in zip(params[1:], grads[1:], acc[1:], strict=True):
+        be.adagrad_dense(p, be.asarray(g, dtype=np.float32), a, lr, eps)
 
 
 def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = 4096,

@@ -50,7 +50,8 @@ class ParallelRunner:
         replicas = []
         for d in devices:
             be = get_backend(d.kind, d.index, threads=d.threads)
-            replicas.append(MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk))
+            replicas.append(MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
+                                   optimizer=cfg.optimizer))
         self.replicas = replicas
         extra = {k: cfg.algorithm_params[k] for k in TRAINER_KEYS if k in cfg.algorithm_params}
         self.trainer = ParallelTrainer(replicas, devices, policy, X.shape[0], seed=cfg.seed,

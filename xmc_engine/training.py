@@ -128,7 +128,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
 
         dev = devices[0]
         be = get_backend(dev.kind, dev.index, threads=cfg.threads or dev.threads)
-        replica = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk)
+        replica = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
+                             optimizer=cfg.optimizer)
+        extra = state.get("extra", {})
+        replica.load_optimizer_state([extra[f"acc.{i}"] for i in range(len(params))
+                                      if f"acc.{i}" in extra])
         runner = _SingleRunner(cfg, replica, n_samples, state)
     else:
         from xmc_engine.parallel import ParallelRunner
@@ -203,7 +207,8 @@ class _SingleRunner:
         return [np.array(be.to_host(p), dtype=np.float32) for p in self.replica.params()]
 
     def checkpoint_extra(self) -> dict:
-        return {}
+        """Optimiser state beside the parameters (Adagrad accumulators as ``acc.<i>``)."""
+        return {f"acc.{i}": a for i, a in enumerate(self.replica.optimizer_state())}
 
     def close(self) -> None:
         pass

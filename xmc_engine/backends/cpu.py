@@ -15,7 +15,14 @@ import numba
 import numpy as np
 import scipy.sparse
 
-from xmc_engine.kernels import merge, output_layer, sparse_backward, sparse_forward, topk
+from xmc_engine.kernels import (
+    adagrad,
+    merge,
+    output_layer,
+    sparse_backward,
+    sparse_forward,
+    topk,
+)
 
 _F32 = np.float32
 _SGEMM = None
@@ -313,3 +320,11 @@ class CPUBackend:
     def elastic(x, center, alpha, diff_out):
         merge.elastic_cpu(x, center, alpha, diff_out)
         return diff_out
+
+    @staticmethod
+    def adagrad_dense(w, g, acc, lr, eps):
+        adagrad.adagrad_dense_cpu(w, g, acc, lr, eps)
+
+    @staticmethod
+    def adagrad_rows(W, rows, grad_rows, acc_W, lr, eps):
+        adagrad.adagrad_rows_cpu(W, rows, grad_rows, acc_W, lr, eps)

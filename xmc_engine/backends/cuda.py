@@ -14,7 +14,14 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from xmc_engine.kernels import merge, output_layer, sparse_backward, sparse_forward, topk
+from xmc_engine.kernels import (
+    adagrad,
+    merge,
+    output_layer,
+    sparse_backward,
+    sparse_forward,
+    topk,
+)
 
 _F32 = np.float32
 
@@ -294,3 +301,14 @@ class CUDABackend:
         with self._on():
             merge.elastic_launch(nb(x), nb(center), alpha, nb(diff_out), self.nb_stream)
         return diff_out
+
+    def adagrad_dense(self, w, g, acc, lr, eps):
+        nb = self._nb
+        with self._on():
+            adagrad.adagrad_dense_launch(nb(w), nb(g), nb(acc), lr, eps, self.nb_stream)
+
+    def adagrad_rows(self, W, rows, grad_rows, acc_W, lr, eps):
+        nb = self._nb
+        with self._on():
+            adagrad.adagrad_rows_launch(nb(W), nb(rows), nb(grad_rows), nb(acc_W), lr, eps,
+                                        self.nb_stream)

@@ -25,6 +25,7 @@ _CONFIG_OPTIONS = {
     "lr_warmup_epochs": ("--lr-warmup-epochs", float, "linear learning-rate warm-up"),
     "lr_decay": ("--lr-decay", float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
+    "optimizer": ("--optimizer", str, "sgd (default) or adagrad"),
     "devices": ("--devices", str, "device spec, e.g. cpu | cpu,cpu@0.5 | cuda:0,cuda:0 | auto"),
     "algorithm": ("--algorithm", str, f"one of {', '.join(ALGORITHMS)}"),
     "seed": ("--seed", int, "random seed (default 0)"),

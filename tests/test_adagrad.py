@@ -1,0 +1,67 @@
+"""Adagrad: kernels against the reference, and the optimiser through the estimator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_estimator import tiny_data
+from xmc_engine import XMCClassifier
+from xmc_engine.backends import get_backend
+from xmc_engine.kernels import adagrad, reference
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (257,), (33, 7)])
+def test_adagrad_dense_matches_reference(shape):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    acc = rng.random(shape).astype(np.float32)
+    w_ref, acc_ref = reference.adagrad_dense(w, g, acc, 0.1, 1e-10)
+    adagrad.adagrad_dense_cpu(w, g, acc, 0.1, 1e-10)
+    np.testing.assert_allclose(acc, acc_ref, rtol=1e-6)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_rows", [0, 1, 5, 40])
+def test_adagrad_rows_touches_only_its_rows(n_rows):
+    rng = np.random.default_rng(1)
+    W = rng.standard_normal((40, 9)).astype(np.float32)
+    acc = rng.random((40, 9)).astype(np.float32)
+    rows = np.sort(rng.choice(40, n_rows, replace=False)).astype(np.int64)
+    grad = rng.standard_normal((n_rows, 9)).astype(np.float32)
+    W_ref, acc_ref = reference.adagrad_rows(W, rows, grad, acc, 0.5, 1e-10)
+    untouched = np.setdiff1d(np.arange(40), rows)
+    W0 = W.copy()
+    adagrad.adagrad_rows_cpu(W, rows, grad, acc, 0.5, 1e-10)
+    np.testing.assert_allclose(W, W_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(acc, acc_ref, rtol=1e-6)
+    np.testing.assert_array_equal(W[untouched], W0[untouched])
+
+
+def test_backend_exposes_adagrad():
+    be = get_backend("cpu")
+    w, g, a = np.ones(4, np.float32), np.full(4, 2.0, np.float32), np.zeros(4, np.float32)
+    be.adagrad_dense(w, g, a, 0.5, 0.0)
+    np.testing.assert_allclose(w, 0.5)  # 1 - 0.5 * 2 / sqrt(4)
+    np.testing.assert_allclose(a, 4.0)
+
+
+def test_adagrad_trains_and_resumes_exactly(tmp_path):
+    X, Y = tiny_data()
+    kw = dict(hidden=16, epochs=3, batch_size=50, lr=0.05, optimizer="adagrad", seed=2)
+    full = XMCClassifier(**kw).fit(X[:500], Y[:500], eval_set=(X[500:], Y[500:]))
+    assert full.metrics_["P@1"] > 0.5
+    part = XMCClassifier(**{**kw, "epochs": 1.5}, log_dir=str(tmp_path), checkpoint_every=200)
+    part.fit(X[:500], Y[:500])
+    resumed = XMCClassifier(**kw, log_dir=str(tmp_path), checkpoint_every=200)
+    resumed.fit(X[:500], Y[:500], resume=True)
+    for a, b in zip(full.params_, resumed.params_, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_optimizer_is_a_config_error():
+    from xmc_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="optimizer"):
+        XMCClassifier(optimizer="adam").fit(*tiny_data(n=50))
