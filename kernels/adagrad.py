@@ -28,7 +28,6 @@ import math
 
 import numpy as np
 from numba import njit, prange
-
 from xmc_engine.kernels._cuda import TPB, blocks_for, cuda, cuda_kernel, launch, rows_grid
 
 

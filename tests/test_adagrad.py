@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from xmc_engine.kernels import adagrad, reference
 
 from tests.test_estimator import tiny_data
 from xmc_engine import XMCClassifier
 from xmc_engine.backends import get_backend
-from xmc_engine.kernels import adagrad, reference
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (257,), (33, 7)])

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from xmc_engine.datasets import save_xc
+
 from tests.test_estimator import tiny_data
 
 

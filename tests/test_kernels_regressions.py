@@ -1,7 +1,6 @@
 """Regressions found by training on real data, kept beside the kernel tests."""
 
 import numpy as np
-
 from xmc_engine.kernels import output_layer
 
 

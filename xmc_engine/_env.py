@@ -25,13 +25,13 @@ def data_dir() -> Path | None:
 
 
 def cache_dir() -> Path | None:
-    """Folder for binary dataset caches (``XMC_CACHE_DIR``); ``None`` means beside the source file."""
+    """Folder for binary dataset caches (``XMC_CACHE_DIR``); ``None``: beside the source file."""
     env = os.environ.get("XMC_CACHE_DIR")
     return Path(env).expanduser() if env else None
 
 
 def download_dir() -> Path:
-    """Where ``fetch`` puts downloaded datasets (``XMC_DOWNLOAD_DIR``, default ``~/.cache/xmc-engine``)."""
+    """Where ``fetch`` puts downloads (``XMC_DOWNLOAD_DIR``, default ``~/.cache/xmc-engine``)."""
     env = os.environ.get("XMC_DOWNLOAD_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "xmc-engine"
 

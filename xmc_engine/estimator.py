@@ -137,8 +137,9 @@ class XMCClassifier:
 
     def __init__(self, hidden=128, epochs=10, batch_size=256, lr=1.0, lr_warmup_epochs=0.0,
                  lr_decay=0.0, label_chunk=None, optimizer="sgd", devices="cpu",
-                 algorithm="single", algorithm_params=None, seed=0, threads=None, eval_every=1.0, eval_k=5,
-                 propensity_a=0.55, propensity_b=1.5, log_dir=None, checkpoint_every=None):
+                 algorithm="single", algorithm_params=None, seed=0, threads=None,
+                 eval_every=1.0, eval_k=5, propensity_a=0.55, propensity_b=1.5, log_dir=None,
+                 checkpoint_every=None):
         self.hidden = hidden
         self.epochs = epochs
         self.batch_size = batch_size

@@ -34,8 +34,8 @@ launchers queue work on the backend's stream and return without waiting unless n
 ``weighted_sum(arrays, weights, out) -> out``                        sum_i weights[i] * arrays[i]
 ``momentum(wbar, z1, z2, mu, out) -> out``                           wbar + mu * (z1 - z2)
 ``elastic(x, center, alpha, diff_out) -> diff_out``                  diff = alpha (x - c); x -= diff
-``adagrad_dense(w, g, acc, lr, eps)``                                 acc += g^2; w -= lr g/(sqrt(acc)+eps)
-``adagrad_rows(W, rows, grad_rows, acc_W, lr, eps)``                 the same on ``W[rows]`` only
+``adagrad_dense(w, g, acc, lr, eps)``                 acc += g^2; w -= lr g / (sqrt(acc) + eps)
+``adagrad_rows(W, rows, grad_rows, acc_W, lr, eps)``  the same on ``W[rows]`` only
 
 ``loss_sum`` is a Python float on the CPU and a 0-d device array on CUDA (``float()`` waits).
 
