@@ -20,7 +20,13 @@ import numpy as np
 from xmc_engine import progress
 from xmc_engine.config import TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
-from xmc_engine.model import MLPReplica, ModelShape, init_params, predict_topk
+from xmc_engine.model import (
+    MLPReplica,
+    ModelShape,
+    calibrate_threads,
+    init_params,
+    predict_topk,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +136,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         be = get_backend(dev.kind, dev.index, threads=cfg.threads or dev.threads)
         replica = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
                              optimizer=cfg.optimizer)
+        if cfg.threads is None and be.name == "cpu" and dev.threads > 1:
+            be.threads = calibrate_threads(be, replica.params(), X, Y, cfg.batch_size,
+                                           dev.threads, label_chunk=cfg.label_chunk)
+            log.write("threads", device=str(dev), threads=be.threads,
+                      note="calibrated: the faster of 1 and all of the device's threads")
         extra = state.get("extra", {})
         replica.load_optimizer_state([extra[f"acc.{i}"] for i in range(len(params))
                                       if f"acc.{i}" in extra])
@@ -170,7 +181,7 @@ class _SingleRunner:
         ``stop_samples`` or the epoch ends."""
         cfg, B = self.cfg, self.cfg.batch_size
         perm = epoch_permutation(cfg.seed, epoch, self.n_samples)
-        with self.replica.backend.thread_budget(cfg.threads):
+        with self.replica.backend.thread_budget(cfg.threads or self.replica.backend.threads):
             while (self.batch * B < self.n_samples and state["samples"] < stop_samples
                    and not self.should_stop()):
                 rows = perm[self.batch * B:(self.batch + 1) * B]

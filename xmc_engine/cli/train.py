@@ -89,9 +89,20 @@ def register(sub) -> None:
     g.set_defaults(func=cmd_plot)
 
 
+# The main job (`xmc-engine` with no --data and no --config): the built-in synthetic dataset with
+# the settings that train it well. Plain SGD stays the library default (the paper's optimiser);
+# on this data Adagrad reaches P@1 0.77 in 10 epochs where SGD reaches 0.34 (lr 1) to 0.49 (lr 4).
+DEFAULT_RUN = {"optimizer": "adagrad", "lr": 0.05, "epochs": 10}
+
+
 def config_from_args(args) -> TrainConfig:
-    """Defaults < ``--config`` file < explicit options."""
-    base = TrainConfig.from_json_file(args.config).to_dict() if args.config else {}
+    """Defaults < ``--config`` file < explicit options (the main job starts from DEFAULT_RUN)."""
+    if args.config:
+        base = TrainConfig.from_json_file(args.config).to_dict()
+    elif getattr(args, "data", None) is None:
+        base = dict(DEFAULT_RUN)
+    else:
+        base = {}
     for field in _CONFIG_OPTIONS:
         value = getattr(args, field, None)
         if value is not None:

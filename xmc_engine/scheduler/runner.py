@@ -380,7 +380,9 @@ class ParallelTrainer:
         dev, rep = self.devices[i], self.replicas[i]
         try:
             budget = getattr(rep.backend, "thread_budget", None)
-            ctx = budget(dev.threads) if budget is not None else contextlib.nullcontext()
+            # The backend's own budget when it has one (the CPU backend calibrates it).
+            n = getattr(rep.backend, "threads", None) or dev.threads
+            ctx = budget(n) if budget is not None else contextlib.nullcontext()
             with ctx:
                 while True:
                     job = self._inboxes[i].get()

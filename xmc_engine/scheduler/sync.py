@@ -273,7 +273,9 @@ class SyncLoop:
         dev, rep = tr.devices[i], tr.replicas[i]
         try:
             budget = getattr(rep.backend, "thread_budget", None)
-            ctx = budget(dev.threads) if budget is not None else contextlib.nullcontext()
+            # The backend's own budget when it has one (the CPU backend calibrates it).
+            n = getattr(rep.backend, "threads", None) or dev.threads
+            ctx = budget(n) if budget is not None else contextlib.nullcontext()
             with ctx:
                 while True:
                     job = self._inboxes[i].get()
