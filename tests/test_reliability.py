@@ -159,9 +159,11 @@ def test_nan_replica_is_excluded_reset_and_its_lr_halved(toy):
 def test_all_replicas_diverging_stops_with_the_last_good_checkpoint_intact(toy, tmp_path):
     Xtr, Ytr, _, _ = toy
     run = tmp_path / "run"
-    # One merge period per epoch, so that both replicas step (and diverge) in the same one.
-    ap = {**AP, "merge_period": 500, "fault": "nan:*:step:12+"}
-    m = XMCClassifier(**KW, algorithm_params=ap,
+    # One merge period per epoch and a static equal partition ("average": 8 steps of 32 rows
+    # per device per epoch), so that both replicas diverge in epoch 2 whatever the thread
+    # timing (with dynamic scheduling one device may not reach its 12th step in time).
+    ap = {"merge_period": 500, "fault": "nan:*:step:9+"}
+    m = XMCClassifier(**{**KW, "algorithm": "average"}, algorithm_params=ap,
                       log_dir=str(run), checkpoint_every=100)
     with pytest.raises(DivergenceError, match="last good checkpoint is .*ckpt-") as e:
         m.fit(Xtr, Ytr)
