@@ -25,12 +25,12 @@ class Method:
     threads: int | None = None
 
 
-def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed):
+def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd"):
     """Train once; returns a dict with the curve and totals."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
-    clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size,
+    clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size, optimizer=optimizer,
                         lr=m.lr if m.lr is not None else lr, devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
                         threads=m.threads, eval_every=1.0)

@@ -24,7 +24,7 @@ SETUPS = {
 }
 
 
-def methods_for(devices: str, boost_ablation: bool) -> list[Method]:
+def methods_for(devices: str, boost_ablation: bool, ablation: bool) -> list[Method]:
     ms = [
         Method("adaptive (step rule)", "adaptive", devices, {"rule": "step"}),
         Method("adaptive (proportional rule)", "adaptive", devices, {"rule": "proportional"}),
@@ -34,6 +34,13 @@ def methods_for(devices: str, boost_ablation: bool) -> list[Method]:
     if boost_ablation:
         ms.insert(2, Method("adaptive (step, no boost)", "adaptive", devices,
                             {"rule": "step", "boost": False}))
+    if ablation:  # the values the paper did not publish: momentum mu and merge period S
+        for mu in (0.0, 0.9):
+            ms.append(Method(f"adaptive (step, mu={mu})", "adaptive", devices,
+                             {"rule": "step", "momentum": mu}))
+        for S in (2048, 32768):
+            ms.append(Method(f"adaptive (step, S={S})", "adaptive", devices,
+                             {"rule": "step", "merge_period": S}))
     return ms
 
 
@@ -52,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--merge-period", type=int, default=None)
     ap.add_argument("--boost-ablation", action="store_true",
                     help="also run adaptive without adaptive normalization")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also run adaptive with momentum 0 / 0.9 and merge period 2048 / 32768")
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adagrad"])
     ap.add_argument("--out", default=str(RESULTS_DIR / "heterogeneous"))
     args = ap.parse_args(argv)
 
@@ -68,12 +78,13 @@ def main(argv=None) -> int:
         results["datasets"][tag] = {}
         for setup in args.setup or sorted(SETUPS):
             runs = []
-            for m in methods_for(SETUPS[setup], args.boost_ablation):
-                if args.merge_period and m.algorithm != "single":
+            for m in methods_for(SETUPS[setup], args.boost_ablation, args.ablation):
+                if args.merge_period and m.algorithm != "single" and "merge_period" not in m.params:
                     m.params = {**m.params, "merge_period": args.merge_period}
                 for seed in args.seeds:
                     r = run_method(m, data, epochs=args.epochs, lr=args.lr,
-                                   batch_size=args.batch_size, hidden=args.hidden, seed=seed)
+                                   batch_size=args.batch_size, hidden=args.hidden, seed=seed,
+                                   optimizer=args.optimizer)
                     print(f"{tag} {setup} {m.label:30s} seed {seed}: final P@1 "
                           f"{r['final']['P@1']:.4f} train {r['curve'][-1][0]:.1f} s "
                           f"batches {[d['batch_size'] for d in r['last_period']]}", flush=True)
