@@ -44,6 +44,51 @@ class _Abort(Exception):
     pass
 
 
+def _thread_budget(dev, rep):
+    """Context manager that sets a worker thread's budget (call it in the worker thread): the
+    backend's own ``threads`` when it has one (the CPU backend calibrates it), else the
+    device's; a null context for a backend without ``thread_budget``."""
+    budget = getattr(rep.backend, "thread_budget", None)
+    n = getattr(rep.backend, "threads", None) or dev.threads
+    return budget(n) if budget is not None else contextlib.nullcontext()
+
+
+def _new_totals(n: int) -> dict[str, list]:
+    """Per-device epoch totals, filled period by period by :func:`_tally_period`."""
+    return {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n}
+
+
+def _tally_period(tot, acct, devices, busy, idle, loss, weights, lrs) -> list[dict]:
+    """Add one period's per-device counts to ``tot``; returns the ``"merge"`` log's device rows."""
+    rows = []
+    for i in range(len(devices)):
+        tot["samples"][i] += acct.samples[i]
+        tot["updates"][i] += acct.updates[i]
+        tot["busy_s"][i] += busy[i]
+        tot["idle_s"][i] += idle[i]
+        rows.append({"device": i, "name": str(devices[i]),
+                     "batch_size": acct.batch_sizes[i], "updates": acct.updates[i],
+                     "samples": acct.samples[i], "weight": weights[i],
+                     "lr": lrs[i], "busy_s": busy[i],
+                     "idle_s": idle[i], "loss": loss[i]})
+    return rows
+
+
+def _epoch_result(epoch, tot, devices, batch_sizes, *, updates, periods, loss_sum, lr,
+                  train_s, merge_s) -> dict[str, Any]:
+    """The result dict of :meth:`ParallelTrainer.run_epoch` (and of the sync loop's)."""
+    samples = sum(tot["samples"])
+    return {
+        "epoch": epoch, "samples": samples, "updates": updates,
+        "periods": periods, "loss": loss_sum / max(samples, 1), "lr": lr,
+        "train_seconds": train_s, "merge_seconds": merge_s,
+        "devices": [{"device": i, "name": str(devices[i]),
+                     "samples": tot["samples"][i], "updates": tot["updates"][i],
+                     "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
+                     "batch_size": batch_sizes[i]} for i in range(len(devices))],
+    }
+
+
 class ParallelTrainer:
     """Runs a training policy over several replicas, one per device.
 
@@ -213,7 +258,7 @@ class ParallelTrainer:
         n = self.n_devices
         q = self.queue
         q.start_epoch(epoch)
-        tot = {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n}
+        tot = _new_totals(n)
         loss_sum, periods, merge_s, train_s, lr_t = 0.0, 0, 0.0, 0.0, 0.0
         t_epoch = time.perf_counter()
         while not q.epoch_done:
@@ -252,17 +297,8 @@ class ParallelTrainer:
             merge_s += time.perf_counter() - t0
             self.policy.end_period(progress, acct.updates, acct.samples, res["busy_s"])
             loss_sum += sum(res["loss"])
-            rows = []
-            for i in range(n):
-                tot["samples"][i] += acct.samples[i]
-                tot["updates"][i] += acct.updates[i]
-                tot["busy_s"][i] += res["busy_s"][i]
-                tot["idle_s"][i] += res["idle_s"][i]
-                rows.append({"device": i, "name": str(self.devices[i]),
-                             "batch_size": acct.batch_sizes[i], "updates": acct.updates[i],
-                             "samples": acct.samples[i], "weight": info["weights"][i],
-                             "lr": lrs[i], "busy_s": res["busy_s"][i],
-                             "idle_s": res["idle_s"][i], "loss": res["loss"][i]})
+            rows = _tally_period(tot, acct, self.devices, res["busy_s"], res["idle_s"],
+                                 res["loss"], info["weights"], lrs)
             if self.log is not None:
                 extra = {k: v for k, v in info.items() if k != "weights"}
                 self.log.write("merge", epoch=epoch, period=acct.period, lr=lr_t,
@@ -273,17 +309,9 @@ class ParallelTrainer:
             self.period_global += 1
         if self.mode == "threads":
             train_s = time.perf_counter() - t_epoch
-        samples = sum(tot["samples"])
-        bs = self.policy.batch_sizes()
-        return {
-            "epoch": epoch, "samples": samples, "updates": sum(tot["updates"]),
-            "periods": periods, "loss": loss_sum / max(samples, 1), "lr": lr_t,
-            "train_seconds": train_s, "merge_seconds": merge_s,
-            "devices": [{"device": i, "name": str(self.devices[i]),
-                         "samples": tot["samples"][i], "updates": tot["updates"][i],
-                         "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
-                         "batch_size": bs[i]} for i in range(n)],
-        }
+        return _epoch_result(epoch, tot, self.devices, self.policy.batch_sizes(),
+                             updates=sum(tot["updates"]), periods=periods, loss_sum=loss_sum,
+                             lr=lr_t, train_s=train_s, merge_s=merge_s)
 
     def close(self) -> None:
         """Stop the worker threads (idempotent). Threads stuck in a step are left as daemons."""
@@ -323,6 +351,18 @@ class ParallelTrainer:
         return float(loss), time.perf_counter() - t0
 
     # simulated mode ---------------------------------------------------------------------------
+    def _simulated_seconds(self, i: int, n_rows: int, wall: float) -> float:
+        """Virtual duration of a step of device ``i`` on ``n_rows`` rows that took ``wall`` s:
+        ``cost(i, n_rows)``, else ``replica.simulated_seconds(n_rows)``, else ``wall``; divided
+        by the device's speed factor."""
+        if self.cost is not None:
+            dt = float(self.cost(i, n_rows))
+        elif hasattr(self.replicas[i], "simulated_seconds"):
+            dt = float(self.replicas[i].simulated_seconds(n_rows))
+        else:
+            dt = wall
+        return dt / self.devices[i].speed
+
     def _period_simulated(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
         clock = [0.0] * n
@@ -350,13 +390,7 @@ class ParallelTrainer:
                 if len(failed) + sum(not a for a in self.alive) == n:
                     self._all_failed(failed)
                 continue
-            if self.cost is not None:
-                dt = float(self.cost(i, len(rows)))
-            elif hasattr(self.replicas[i], "simulated_seconds"):
-                dt = float(self.replicas[i].simulated_seconds(len(rows)))
-            else:
-                dt = wall
-            dt /= self.devices[i].speed
+            dt = self._simulated_seconds(i, len(rows), wall)
             clock[i] += dt
             busy[i] += dt
             loss[i] += step_loss
@@ -377,13 +411,8 @@ class ParallelTrainer:
             self._threads.append(t)
 
     def _worker(self, i: int) -> None:
-        dev, rep = self.devices[i], self.replicas[i]
         try:
-            budget = getattr(rep.backend, "thread_budget", None)
-            # The backend's own budget when it has one (the CPU backend calibrates it).
-            n = getattr(rep.backend, "threads", None) or dev.threads
-            ctx = budget(n) if budget is not None else contextlib.nullcontext()
-            with ctx:
+            with _thread_budget(self.devices[i], self.replicas[i]):
                 while True:
                     job = self._inboxes[i].get()
                     if job is None:

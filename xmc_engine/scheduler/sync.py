@@ -20,7 +20,6 @@ update is applied together with the next gradient computation (one barrier per s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue as _queue
 import threading
@@ -32,6 +31,12 @@ import numpy as np
 
 from xmc_engine.errors import DeviceFailure, DivergenceError
 from xmc_engine.scheduler.merge import find_nonfinite
+from xmc_engine.scheduler.runner import (
+    _epoch_result,
+    _new_totals,
+    _tally_period,
+    _thread_budget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +138,7 @@ class SyncLoop:
         n = tr.n_devices
         q = tr.queue
         q.start_epoch(epoch)
-        tot = {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n}
+        tot = _new_totals(n)
         loss_sum, periods, steps_total, reduce_s, train_s, lr_t = 0.0, 0, 0, 0.0, 0.0, 0.0
         t_epoch = time.perf_counter()
         while not q.epoch_done:
@@ -175,17 +180,8 @@ class SyncLoop:
             pol.end_period(progress, acct.updates, acct.samples, busy)
             loss_sum += sum(loss)
             tot_s = max(acct.total, 1)
-            rows_log = []
-            for i in range(n):
-                tot["samples"][i] += acct.samples[i]
-                tot["updates"][i] += acct.updates[i]
-                tot["busy_s"][i] += busy[i]
-                tot["idle_s"][i] += idle[i]
-                rows_log.append({"device": i, "name": str(tr.devices[i]),
-                                 "batch_size": acct.batch_sizes[i], "updates": acct.updates[i],
-                                 "samples": acct.samples[i], "weight": acct.samples[i] / tot_s,
-                                 "lr": step_lr, "busy_s": busy[i], "idle_s": idle[i],
-                                 "loss": loss[i]})
+            rows_log = _tally_period(tot, acct, tr.devices, busy, idle, loss,
+                                     [acct.samples[i] / tot_s for i in range(n)], [step_lr] * n)
             if tr.log is not None:
                 tr.log.write("merge", epoch=epoch, period=acct.period, lr=lr_t,
                              algorithm=pol.name, devices=rows_log, steps=steps, nonfinite=[])
@@ -195,17 +191,9 @@ class SyncLoop:
             tr.period_global += 1
         if tr.mode == "threads":
             train_s = time.perf_counter() - t_epoch
-        samples = sum(tot["samples"])
-        bs = pol.batch_sizes()
-        return {
-            "epoch": epoch, "samples": samples, "updates": steps_total,
-            "periods": periods, "loss": loss_sum / max(samples, 1), "lr": lr_t,
-            "train_seconds": train_s, "merge_seconds": reduce_s,
-            "devices": [{"device": i, "name": str(tr.devices[i]),
-                         "samples": tot["samples"][i], "updates": tot["updates"][i],
-                         "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
-                         "batch_size": bs[i]} for i in range(n)],
-        }
+        return _epoch_result(epoch, tot, tr.devices, pol.batch_sizes(), updates=steps_total,
+                             periods=periods, loss_sum=loss_sum, lr=lr_t, train_s=train_s,
+                             merge_s=reduce_s)
 
     def close(self) -> None:
         """Stop the worker threads (idempotent)."""
@@ -259,24 +247,14 @@ class SyncLoop:
                 tr._broken = e
                 raise DeviceFailure(f"device {i} ({tr.devices[i]}) failed: {e!r}") from e
             n_rows = 0 if rows[i] is None else len(rows[i])
-            if tr.cost is not None:
-                dt = float(tr.cost(i, n_rows))
-            elif hasattr(tr.replicas[i], "simulated_seconds"):
-                dt = float(tr.replicas[i].simulated_seconds(n_rows))
-            else:
-                dt = wall
-            res.append((loss, grads, dt / tr.devices[i].speed))
+            res.append((loss, grads, tr._simulated_seconds(i, n_rows, wall)))
         return res, max(b for _, _, b in res)
 
     def _worker(self, i: int) -> None:
         tr = self.tr
-        dev, rep = tr.devices[i], tr.replicas[i]
+        dev = tr.devices[i]
         try:
-            budget = getattr(rep.backend, "thread_budget", None)
-            # The backend's own budget when it has one (the CPU backend calibrates it).
-            n = getattr(rep.backend, "threads", None) or dev.threads
-            ctx = budget(n) if budget is not None else contextlib.nullcontext()
-            with ctx:
+            with _thread_budget(dev, tr.replicas[i]):
                 while True:
                     job = self._inboxes[i].get()
                     if job is None or self._abort.is_set():
