@@ -137,13 +137,8 @@ class AdaptiveSGD(Policy):
     static = False
 
     def __init__(self, config: AdaptiveConfig | None = None, **overrides):
-        if config is None:
-            config = AdaptiveConfig.from_dict(overrides, source="adaptive options")
-        elif overrides:
-            config = AdaptiveConfig.from_dict({**config.to_dict(), **overrides},
-                                              source="adaptive options")
-        self.config = config
-        self.merge_period = config.merge_period
+        self.config = self._make_config(AdaptiveConfig, config, overrides)
+        self.merge_period = self.config.merge_period
 
     def setup(self, replicas: Sequence, n_samples: int) -> None:
         super().setup(replicas, n_samples)

@@ -16,7 +16,6 @@ import numpy as np
 
 from xmc_engine.algorithms.base import ConfigMixin, Policy
 from xmc_engine.distributed import combine_nodes
-from xmc_engine.errors import ConfigError
 from xmc_engine.scheduler.controller import learning_rate
 from xmc_engine.scheduler.merge import weighted_merge
 
@@ -36,12 +35,8 @@ class AverageConfig(ConfigMixin):
     lr_decay: float = 0.1
 
     def __post_init__(self):
-        if self.merge_period < 1 or self.batch_size < 1:
-            raise ConfigError(f"merge_period and batch_size must be >= 1, got "
-                              f"{self.merge_period}, {self.batch_size}")
-        if self.warmup_epochs < 0 or self.lr_decay < 0:
-            raise ConfigError(f"warmup_epochs and lr_decay must be >= 0, got "
-                              f"{self.warmup_epochs}, {self.lr_decay}")
+        self._check_min(1, "merge_period", "batch_size")
+        self._check_min(0, "warmup_epochs", "lr_decay")
 
 
 class ModelAveraging(Policy):
@@ -51,13 +46,8 @@ class ModelAveraging(Policy):
     static = True
 
     def __init__(self, config: AverageConfig | None = None, **overrides):
-        if config is None:
-            config = AverageConfig.from_dict(overrides, source="average options")
-        elif overrides:
-            config = AverageConfig.from_dict({**config.to_dict(), **overrides},
-                                             source="average options")
-        self.config = config
-        self.merge_period = config.merge_period
+        self.config = self._make_config(AverageConfig, config, overrides)
+        self.merge_period = self.config.merge_period
 
     def setup(self, replicas: Sequence, n_samples: int) -> None:
         super().setup(replicas, n_samples)

@@ -78,6 +78,13 @@ class ConfigMixin:
             kwargs[k] = v
         return cls(**kwargs)
 
+    def _check_min(self, low, *names: str) -> None:
+        """``ConfigError`` unless every field in ``names`` is ``>= low`` (one message for all)."""
+        values = [getattr(self, n) for n in names]
+        if any(v < low for v in values):
+            raise ConfigError(f"{' and '.join(names)} must be >= {low}, got "
+                              f"{', '.join(str(v) for v in values)}")
+
     @classmethod
     def from_json(cls, text: str, *, source: str = "config"):
         try:
@@ -144,6 +151,15 @@ class Policy:
         """Restore :meth:`state_dict` output after :meth:`setup` (for resuming)."""
 
     # -- helpers -------------------------------------------------------------------------------
+    def _make_config(self, config_class: type, config, overrides: dict[str, Any]):
+        """``config`` (default: ``config_class()``) with ``overrides`` applied and validated."""
+        source = f"{self.name} options"
+        if config is None:
+            return config_class.from_dict(overrides, source=source)
+        if overrides:
+            return config_class.from_dict({**config.to_dict(), **overrides}, source=source)
+        return config
+
     def _finite_updates(self, params: Sequence[Sequence], updates: Sequence[int]):
         """Update counts with non-finite replicas zeroed; raises if no finite replica is left.
 

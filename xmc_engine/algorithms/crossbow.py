@@ -76,16 +76,12 @@ class CrossbowConfig(ConfigMixin):
     lr_decay: float = 0.1
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.tau < 1:
-            raise ConfigError(f"batch_size and tau must be >= 1, got {self.batch_size}, "
-                              f"{self.tau}")
+        self._check_min(1, "batch_size", "tau")
         if not (0.0 <= self.alpha <= 1.0):
             raise ConfigError(f"alpha must be in [0, 1] (0 = 1 / n), got {self.alpha}")
         if not (0.0 <= self.momentum < 1.0):
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.warmup_epochs < 0 or self.lr_decay < 0:
-            raise ConfigError(f"warmup_epochs and lr_decay must be >= 0, got "
-                              f"{self.warmup_epochs}, {self.lr_decay}")
+        self._check_min(0, "warmup_epochs", "lr_decay")
 
 
 class Crossbow(ElasticPolicy):

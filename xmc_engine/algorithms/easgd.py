@@ -77,16 +77,12 @@ class EASGDConfig(ConfigMixin):
     lr_decay: float = 0.1
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.tau < 1:
-            raise ConfigError(f"batch_size and tau must be >= 1, got {self.batch_size}, "
-                              f"{self.tau}")
+        self._check_min(1, "batch_size", "tau")
         if not (0.0 < self.beta <= 1.0):
             raise ConfigError(f"beta must be in (0, 1], got {self.beta}")
         if not (0.0 <= self.alpha <= 1.0):
             raise ConfigError(f"alpha must be in [0, 1] (0 = beta / n), got {self.alpha}")
-        if self.warmup_epochs < 0 or self.lr_decay < 0:
-            raise ConfigError(f"warmup_epochs and lr_decay must be >= 0, got "
-                              f"{self.warmup_epochs}, {self.lr_decay}")
+        self._check_min(0, "warmup_epochs", "lr_decay")
 
 
 class ElasticPolicy(Policy):
@@ -98,14 +94,8 @@ class ElasticPolicy(Policy):
     config_class: type = EASGDConfig
 
     def __init__(self, config=None, **overrides):
-        cls = self.config_class
-        if config is None:
-            config = cls.from_dict(overrides, source=f"{self.name} options")
-        elif overrides:
-            config = cls.from_dict({**config.to_dict(), **overrides},
-                                   source=f"{self.name} options")
-        self.config = config
-        self.merge_period = config.tau * config.batch_size
+        self.config = self._make_config(self.config_class, config, overrides)
+        self.merge_period = self.config.tau * self.config.batch_size
 
     def setup(self, replicas: Sequence, n_samples: int) -> None:
         super().setup(replicas, n_samples)

@@ -72,12 +72,8 @@ class SyncConfig(ConfigMixin):
     lr_decay: float = 0.1
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.period_steps < 1:
-            raise ConfigError(f"batch_size and period_steps must be >= 1, got "
-                              f"{self.batch_size}, {self.period_steps}")
-        if self.warmup_epochs < 0 or self.lr_decay < 0:
-            raise ConfigError(f"warmup_epochs and lr_decay must be >= 0, got "
-                              f"{self.warmup_epochs}, {self.lr_decay}")
+        self._check_min(1, "batch_size", "period_steps")
+        self._check_min(0, "warmup_epochs", "lr_decay")
 
 
 class SyncSGD(Policy):
@@ -93,13 +89,8 @@ class SyncSGD(Policy):
     synchronous = True
 
     def __init__(self, config: SyncConfig | None = None, **overrides):
-        if config is None:
-            config = SyncConfig.from_dict(overrides, source="sync options")
-        elif overrides:
-            config = SyncConfig.from_dict({**config.to_dict(), **overrides},
-                                          source="sync options")
-        self.config = config
-        self.merge_period = config.period_steps * config.batch_size
+        self.config = self._make_config(SyncConfig, config, overrides)
+        self.merge_period = self.config.period_steps * self.config.batch_size
 
     def setup(self, replicas: Sequence, n_samples: int) -> None:
         self.n_devices = len(replicas)
