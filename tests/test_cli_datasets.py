@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import scipy.sparse as sp
 from xmc_engine.datasets import load_xc, save_xc
 
+from tests._helpers import run_cli
 from xmc_engine.cli.datasets import parse_args
 
 
 def run(*args, env_extra=None):
-    env = dict(os.environ, XMC_PROGRESS="0", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "xmc_engine", "datasets", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return run_cli("datasets", *args, env=env_extra, check=False, timeout=120)
 
 
 def test_parse_args():

@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from xmc_engine.datasets import save_xc
 
-from tests.test_estimator import tiny_data
-
-
-def run_cli(*args, cwd=None, check=True):
-    env = {**os.environ, "XMC_PROGRESS": "0"}
-    proc = subprocess.run([sys.executable, "-m", "xmc_engine", *map(str, args)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\n"
-                             f"stderr:\n{proc.stderr}")
-    return proc
+from tests._helpers import run_cli, write_tiny_xc
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    X, Y = tiny_data(n=400)
-    save_xc(d / "train.txt", X[:300], Y[:300])
-    save_xc(d / "test.txt", X[300:], Y[300:])
-    return d
+    return write_tiny_xc(tmp_path_factory.mktemp("data"), n=400, n_train=300)
 
 
 def test_print_config_and_config_file(tmp_path):

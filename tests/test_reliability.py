@@ -6,18 +6,17 @@ on the CPU on tiny data (tests.test_estimator.tiny_data).
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from xmc_engine.datasets import save_xc
 
+from tests._helpers import cli_argv, cli_env, run_cli, write_tiny_xc
 from tests.test_estimator import tiny_data
 from xmc_engine import XMCClassifier
 from xmc_engine.algorithms import get_algorithm
@@ -183,28 +182,17 @@ def test_single_device_nan_loss_is_a_divergence_error(toy):
 
 
 # -- 3. crash and resume (subprocesses) ------------------------------------------------------------
-def cli(*args, check=True, env=None, **popen):
-    env = {**os.environ, "XMC_PROGRESS": "0", **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "xmc_engine", *map(str, args)], env=env,
-                       capture_output=True, text=True, timeout=300)
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
+cli = functools.partial(run_cli, timeout=300)
 
 
 def start(*args):
-    env = {**os.environ, "XMC_PROGRESS": "0"}
-    return subprocess.Popen([sys.executable, "-m", "xmc_engine", *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cli_argv(*args), env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    X, Y = tiny_data(n=1200)
-    save_xc(d / "train.txt", X[:1000], Y[:1000])
-    save_xc(d / "test.txt", X[1000:], Y[1000:])
-    return d
+    return write_tiny_xc(tmp_path_factory.mktemp("data"), n=1200, n_train=1000)
 
 
 TRAIN = ("--hidden", 32, "--epochs", 6, "--batch-size", 32, "--lr", 0.5, "--eval-every", 0,
