@@ -13,7 +13,7 @@ from xmc_engine.errors import ConfigError
 
 
 def register(sub) -> None:
-    from xmc_engine.cli.train import _CONFIG_OPTIONS, _algo_param
+    from xmc_engine.cli.train import add_config_arguments
 
     p = sub.add_parser("plan", help="estimate the memory a run needs on each device",
                        description="Estimate the memory a training run needs on each device "
@@ -21,11 +21,8 @@ def register(sub) -> None:
     p.add_argument("--data", required=True,
                    help="a file, a dataset folder or a registered name (e.g. "
                    "synthetic-amazon670k: planned from its shape, nothing is generated)")
-    for field in ("hidden", "batch_size", "label_chunk", "devices", "algorithm", "eval_every"):
-        flag, typ, helptext = _CONFIG_OPTIONS[field]
-        p.add_argument(flag, dest=field, type=typ, default=None, help=helptext)
-    p.add_argument("--algo-param", action="append", type=_algo_param, default=[],
-                   metavar="KEY=VALUE", help="algorithm option, repeatable (e.g. b_max=512)")
+    add_config_arguments(p, ("hidden", "batch_size", "label_chunk", "devices", "algorithm",
+                             "eval_every"), "b_max=512")
     p.add_argument("--config", default=None, help="read the config from this JSON file")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="memory each pool (host, each GPU) may use, e.g. 8GiB (default: what "

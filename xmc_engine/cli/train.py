@@ -44,6 +44,17 @@ def _algo_param(s: str):
         return key, value
 
 
+def add_config_arguments(p, fields, algo_param_example: str) -> None:
+    """Add the :data:`_CONFIG_OPTIONS` flags ``fields`` and ``--algo-param`` to parser ``p``
+    (what :func:`config_from_args` reads)."""
+    for field in fields:
+        flag, typ, helptext = _CONFIG_OPTIONS[field]
+        p.add_argument(flag, dest=field, type=typ, default=None, help=helptext)
+    p.add_argument("--algo-param", action="append", type=_algo_param, default=[],
+                   metavar="KEY=VALUE",
+                   help=f"algorithm option, repeatable (e.g. {algo_param_example})")
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model (no arguments: the built-in synthetic default)",
                        description="Train an XMC model. With no arguments: the built-in "
@@ -52,11 +63,7 @@ def register(sub) -> None:
                    help="training data: a file, a dataset folder or a registered name "
                    "(default: synthetic)")
     p.add_argument("--test", default=None, help="test file (default: the dataset's test split)")
-    for field, (flag, typ, helptext) in _CONFIG_OPTIONS.items():
-        p.add_argument(flag, dest=field, type=typ, default=None, help=helptext)
-    p.add_argument("--algo-param", action="append", type=_algo_param, default=[],
-                   metavar="KEY=VALUE", help="algorithm option, repeatable "
-                   "(e.g. merge_period=8192, rule=proportional)")
+    add_config_arguments(p, _CONFIG_OPTIONS, "merge_period=8192, rule=proportional")
     p.add_argument("--out", default=None, help="run folder (default runs/<time>)")
     p.add_argument("--config", default=None, help="read the config from this JSON file")
     p.add_argument("--print-config", action="store_true", help="print the full config and exit")
