@@ -6,6 +6,10 @@ on first use.
 
 from __future__ import annotations
 
+from xmc_engine import _env
+
+_env.apply_blas_defaults()  # before NumPy loads OpenBLAS, where possible
+
 __version__ = "0.1.0"
 
 __all__ = ["XMCClassifier", "__version__"]

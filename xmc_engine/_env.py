@@ -88,3 +88,18 @@ def mpi_fault_spec() -> str | None:
     """Node-level fault injection for the multi-node tests (``XMC_MPI_FAULT``, grammar in
     :mod:`xmc_engine.distributed`), e.g. ``1:3:raise``; ``None`` when unset."""
     return os.environ.get("XMC_MPI_FAULT") or None
+
+
+def apply_blas_defaults() -> bool:
+    """Set ``OPENBLAS_THREAD_TIMEOUT=4`` unless the user set it; True when it can still act.
+
+    OpenBLAS workers spin for about 2^28 cycles after every call before they sleep. Between the
+    GEMMs of a training step numba's kernels then find the cores busy: measured on a 2-core
+    machine, a delicious-sized step took 47-97 ms with 2 threads instead of 2.6 ms with this
+    setting (``bench/bench_step.py``). OpenBLAS reads the variable when it is loaded, so it only
+    acts when ``xmc_engine`` is imported before NumPy (the ``xmc-engine`` command always is).
+    """
+    import sys
+
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    return "numpy" not in sys.modules
