@@ -108,7 +108,10 @@ def run_worker(kind: str, source: str, batch: int, args) -> dict:
            str(args.hidden), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.label_chunk:
         cmd += ["--label-chunk", str(args.label_chunk)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    # Same environment for both competitors; OPENBLAS_THREAD_TIMEOUT as `import xmc_engine` sets
+    # it (the workers import NumPy first, so it must come from the environment here).
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "4")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
