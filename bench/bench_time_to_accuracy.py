@@ -49,6 +49,7 @@ Quick smoke run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -59,7 +60,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
-from _tta import Method, plot_curves, print_table, summarise, time_to_target  # noqa: E402
+from _tta import (  # noqa: E402
+    Method,
+    plot_curves,
+    print_table,
+    run_method,
+    summarise,
+    time_to_target,
+)
 
 SETUPS = {
     "2dev": "cpu,cpu@0.5",
@@ -104,25 +112,11 @@ def _result(label, algorithm, devices, params, lr, seed, curve, wall, extra=None
 
 
 def run_engine(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer) -> dict:
-    """Train ``m`` with the engine (``_tta.run_method`` plus the optimiser); returns the run."""
-    from xmc_engine import XMCClassifier
-
-    Xtr, Ytr, Xte, Yte = data
-    clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size, lr=lr,
-                        optimizer=optimizer, devices=m.devices, algorithm=m.algorithm,
-                        algorithm_params=dict(m.params), seed=seed, threads=m.threads,
-                        eval_every=1.0)
-    t0 = time.perf_counter()
-    clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
-    wall = time.perf_counter() - t0
-    curve = [(r["train_time"], r["epoch"], r["metrics"]["P@1"], r["metrics"]["P@3"],
-              r["metrics"]["P@5"]) for r in clf.history_ if r.get("event") == "eval"]
-    merges = [r for r in clf.history_ if r.get("event") == "merge"]
-    last = merges[-1]["devices"] if merges else []
-    return _result(m.label, m.algorithm, m.devices, m.params, lr, seed, curve, wall, {
-        "optimizer": optimizer,
-        "last_period": [{k: d.get(k) for k in ("name", "batch_size", "updates", "weight")}
-                        for d in last]})
+    """Train ``m`` with the engine (``_tta.run_method`` at learning rate ``lr``)."""
+    r = run_method(dataclasses.replace(m, lr=lr), data, epochs=epochs, lr=lr,
+                        batch_size=batch_size, hidden=hidden, seed=seed, optimizer=optimizer)
+    return _result(m.label, m.algorithm, m.devices, m.params, lr, seed, r["curve"], r["wall_s"],
+                   {"optimizer": optimizer, "last_period": r["last_period"]})
 
 
 def run_torch(label, data, *, epochs, lr, batch_size, hidden, seed) -> dict:
