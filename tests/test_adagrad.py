@@ -65,3 +65,21 @@ def test_unknown_optimizer_is_a_config_error():
 
     with pytest.raises(ConfigError, match="optimizer"):
         XMCClassifier(optimizer="adam").fit(*tiny_data(n=50))
+
+
+def test_apply_grads_uses_the_replicas_optimizer():
+    """Synchronous SGD applies averaged gradients through the replica: Adagrad replicas step
+    with Adagrad (same result as their own train_batch)."""
+    from xmc_engine.model import MLPReplica, ModelShape, init_params
+
+    X, Y = tiny_data(n=100)
+    be = get_backend("cpu")
+    params = init_params(ModelShape(X.shape[1], Y.shape[1], (8,)), seed=0)
+    a = MLPReplica(be, X, Y, params, optimizer="adagrad")
+    b = MLPReplica(be, X, Y, params, optimizer="adagrad")
+    rows = np.arange(0, 40, dtype=np.int64)
+    a.train_batch(rows, 0.1)
+    _, grads = b.grad_batch(rows)
+    b.apply_grads(grads, 0.1)
+    for pa, pb in zip(a.params(), b.params(), strict=True):
+        np.testing.assert_allclose(pa, pb, rtol=1e-5, atol=1e-6)

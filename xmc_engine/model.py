@@ -159,13 +159,17 @@ class MLPReplica:
                          label_chunk=self.label_chunk)
 
     def apply_grads(self, grads: list, lr: float) -> None:
-        """SGD ``p -= lr * g`` with gradients in the :meth:`grad_batch` layout.
+        """This replica's optimiser step (SGD ``p -= lr * g``, or Adagrad) with gradients in
+        the :meth:`grad_batch` layout.
 
         The arrays may live on the host or on this device (copied here when needed); only the
         listed rows of ``W1`` are touched. ``grads`` is not modified, so one averaged gradient
-        can be applied to every replica.
+        can be applied to every replica (identical replicas then keep identical accumulators).
         """
-        apply_grads(self.backend, self._params, grads, lr)
+        if self._acc is not None:
+            apply_adagrad(self.backend, self._params, grads, self._acc, lr)
+        else:
+            apply_grads(self.backend, self._params, grads, lr)
 
 
 def _hidden_forward(be, params, Xb):
