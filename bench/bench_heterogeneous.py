@@ -16,7 +16,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS_DIR, machine_info, write_json  # noqa: E402
-from _tta import Method, plot_curves, print_table, run_method, summarise  # noqa: E402
+from _tta import (  # noqa: E402
+    Method,
+    data_tag,
+    load_data,
+    plot_curves,
+    print_table,
+    run_method,
+    summarise,
+)
 
 SETUPS = {
     "2dev": "cpu,cpu@0.5",
@@ -65,16 +73,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR / "heterogeneous"))
     args = ap.parse_args(argv)
 
-    from xmc_engine.datasets import load_dataset
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "args": vars(args), "datasets": {}}
     for name in args.data or ["delicious"]:
-        data = load_dataset(name)
+        data = load_data(name)
         if data[2] is None:
             raise SystemExit(f"{name}: needs a test split")
-        tag = Path(name).name
+        tag = data_tag(name)
         results["datasets"][tag] = {}
         for setup in args.setup or sorted(SETUPS):
             runs = []

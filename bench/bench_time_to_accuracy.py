@@ -62,6 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from _tta import (  # noqa: E402
     Method,
+    data_tag,
+    load_data,
     plot_curves,
     print_table,
     run_method,
@@ -377,22 +379,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from xmc_engine.datasets import load_dataset
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
     warmed = False
     for name in args.data or list(DEFAULT_DATA):
         try:
-            data = load_dataset(name)
+            data = load_data(name)
         except Exception as e:  # noqa: BLE001 - a missing dataset skips, the others run
             print(f"SKIP {name}: {type(e).__name__}: {e}")
             continue
         if data[2] is None:
             print(f"SKIP {name}: needs a test split")
             continue
-        tag = Path(str(name)).name
+        tag = data_tag(str(name))
         for suffix in (".txt.xz", ".txt", ".npz"):
             tag = tag.removesuffix(suffix)
         print(f"== {tag}: {data[0].shape[0]} train, {data[2].shape[0]} test, "
