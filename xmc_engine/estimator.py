@@ -118,9 +118,11 @@ class XMCClassifier:
     algorithm_params : dict
         Options of the algorithm (see :mod:`xmc_engine.algorithms`).
     seed : int
-        Seeds initialisation and shuffling; a one-device run repeats exactly.
+        Seeds initialisation and shuffling; a one-device run with a fixed ``threads`` repeats
+        exactly.
     threads : int or None
-        CPU threads (None: all cores, split over the CPU devices).
+        CPU threads (None: all cores, split over the CPU devices; a device with several
+        threads then times a few steps under 1 and all of them and keeps the faster).
     eval_every : float
         Evaluate on ``eval_set`` every this many epochs (0: only at the end).
     log_dir : str or None
