@@ -71,12 +71,14 @@ def test_cli_two_ranks_delicious_quality(tmp_path):
     if data_dir is None or not (data_dir / "delicious").is_dir():
         pytest.skip("delicious not found (XMC_DATA_DIR or ../shared/data)")
     out = tmp_path / "run"
-    # Calibrated on the 2-core dev machine: P@1 0.4854 0.568 0.5808 0.5987 0.6031 0.6035 after
-    # epochs 1..6 (deterministic: one thread per rank, fixed merge cadence).
+    # Calibrated on the 2-core dev machine: P@1 0.6022 0.6305 0.6295 0.6389 after epochs 1..4
+    # (Adagrad; one thread per rank, fixed merge cadence). With SGD lr 2 and 6 epochs it ended
+    # at 0.6035 under central momentum 0.5 and at 0.5962 under today's default 0: too close to
+    # the band's edge to be a test.
     p, _ = _run(2, ["-m", "xmc_engine", "train", "--data", str(data_dir / "delicious"),
-                    "--algorithm", "adaptive", "--devices", "cpu", "--epochs", "6",
-                    "--batch-size", "128", "--lr", "2.0", "--algo-param", "merge_period=4096",
-                    "--out", str(out)], timeout=150)
+                    "--algorithm", "adaptive", "--devices", "cpu", "--epochs", "4",
+                    "--batch-size", "128", "--optimizer", "adagrad", "--lr", "0.05",
+                    "--algo-param", "merge_period=4096", "--out", str(out)], timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.count("model: ") == 1 and p.stdout.count("P@1 ") == 1  # rank 0 alone
     assert (out / "model").is_dir() and (out / "log.jsonl").is_file()
