@@ -130,7 +130,10 @@ def toy():
 
 KW = dict(hidden=32, epochs=6, batch_size=32, lr=0.5, seed=0, devices="cpu,cpu",
           algorithm="adaptive")
-AP = dict(merge_period=128, warmup_epochs=0, b_min=16, b_max=64)
+# Fixed batch sizes: these tests are about faults, and with adapting batches a loaded machine's
+# thread timing can push one device to b_max (and 2x the learning rate) on this toy problem
+# (a fault-free run once ended at P@1 0.47 in CI against 0.74-0.82 normally; fixed: 0.80 x 6).
+AP = dict(merge_period=128, warmup_epochs=0, b_min=16, b_max=64, rule="fixed")
 
 
 def test_injected_device_failure_still_reaches_the_quality_band(toy, monkeypatch):
