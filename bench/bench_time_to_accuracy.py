@@ -260,12 +260,16 @@ def run_setup(tag, data, setup, args, cache) -> dict:
 
 
 def torch_comparison(runs) -> dict | None:
-    """Time each method takes to reach PyTorch's best P@1 (median over seeds of the single-process
-    run's best), and the speed-up of every method over PyTorch (torch time / method time)."""
+    """Time each method takes to reach PyTorch's best P@1, and the speed-up of every method over
+    PyTorch (torch time / method time; median over seeds).
+
+    The target is the lowest of the single-process run's per-seed bests, so that every PyTorch
+    seed reaches it (a median of the bests is above some seed's best, and PyTorch's own time
+    then reads as "not reached")."""
     torch_runs = [r for r in runs if r["method"] == TORCH]
     if not torch_runs:
         return None
-    target = statistics.median(r["best_P@1"] for r in torch_runs)
+    target = min(r["best_P@1"] for r in torch_runs)
     by_method: dict[str, list] = {}
     for r in runs:
         by_method.setdefault(r["method"], []).append(time_to_target(r["curve"], target))
@@ -273,14 +277,14 @@ def torch_comparison(runs) -> dict | None:
     t_torch = times[TORCH]
     speedup = {k: (t_torch / t if math.isfinite(t) and t > 0 else None)
                for k, t in times.items()}
-    return {"target_P@1": target, "definition": "median over seeds of the best P@1 of "
+    return {"target_P@1": target, "definition": "lowest over seeds of the best P@1 of "
             f"'{TORCH}'", "time_to_target_s": times, "speedup_vs_torch": speedup,
             "single_speedup_vs_torch": speedup.get("single"), "goal": ">= 2x (single)"}
 
 
 def print_torch_comparison(c: dict, tag: str) -> None:
     print(f"\n{tag}: time to PyTorch's best P@1 = {c['target_P@1']:.4f} "
-          f"(median over seeds of {TORCH}'s best)")
+          f"(lowest over seeds of {TORCH}'s best)")
     print(f"{'method':34s} {'t->torch best s':>15s} {'speed-up vs torch':>18s}")
     for k, t in c["time_to_target_s"].items():
         s = c["speedup_vs_torch"][k]
