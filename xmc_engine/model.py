@@ -109,6 +109,15 @@ class MLPReplica:
         self._acc = ([backend.zeros(p.shape) for p in self._params]
                      if optimizer == "adagrad" else None)
 
+    def calibrate_threads(self, batch_size: int, max_threads: int) -> int:
+        """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``
+        (:func:`calibrate_threads`) and return it; other backends are left as they are."""
+        be = self.backend
+        if be.name == "cpu" and max_threads > 1:
+            be.threads = calibrate_threads(be, self._params, self.X, self.Y, batch_size,
+                                           max_threads, label_chunk=self.label_chunk)
+        return be.threads if be.name == "cpu" else max_threads
+
     # -- optimiser state (checkpoints) -------------------------------------------------------
     def optimizer_state(self) -> list[np.ndarray]:
         """Host copies of the Adagrad accumulators (empty for SGD)."""

@@ -52,11 +52,7 @@ class ParallelRunner:
             be = get_backend(d.kind, d.index, threads=d.threads)
             replicas.append(MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
                                    optimizer=cfg.optimizer))
-            if be.name == "cpu" and d.threads > 1:
-                from xmc_engine.model import calibrate_threads
-
-                be.threads = calibrate_threads(be, replicas[-1].params(), X, Y, cfg.batch_size,
-                                               d.threads, label_chunk=cfg.label_chunk)
+            replicas[-1].calibrate_threads(cfg.batch_size, d.threads)
         self.replicas = replicas
         extra = {k: cfg.algorithm_params[k] for k in TRAINER_KEYS if k in cfg.algorithm_params}
         self.trainer = ParallelTrainer(replicas, devices, policy, X.shape[0], seed=cfg.seed,

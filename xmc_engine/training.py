@@ -23,7 +23,6 @@ from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
     ModelShape,
-    calibrate_threads,
     init_params,
     predict_topk,
 )
@@ -137,8 +136,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         replica = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
                              optimizer=cfg.optimizer)
         if cfg.threads is None and be.name == "cpu" and dev.threads > 1:
-            be.threads = calibrate_threads(be, replica.params(), X, Y, cfg.batch_size,
-                                           dev.threads, label_chunk=cfg.label_chunk)
+            replica.calibrate_threads(cfg.batch_size, dev.threads)
             log.write("threads", device=str(dev), threads=be.threads,
                       note="calibrated: the faster of 1 and all of the device's threads")
         extra = state.get("extra", {})
