@@ -88,15 +88,6 @@ def parse_every(spec) -> tuple[str, float] | None:
     return unit, value
 
 
-def lr_at(cfg: TrainConfig, epoch: float) -> float:
-    """Learning rate at fractional epoch ``epoch``: linear warm-up, then
-    ``lr0 / (1 + lr_decay * (epoch - lr_warmup_epochs))`` (DESIGN.md §4.5)."""
-    warm = cfg.lr_warmup_epochs
-    if warm > 0 and epoch < warm:
-        return cfg.lr * max(epoch / warm, 0.02)
-    return cfg.lr / (1.0 + cfg.lr_decay * max(epoch - warm, 0.0))
-
-
 class XMCClassifier:
     """Extreme multi-label classifier: a sparse-input MLP trained with (Adaptive) SGD.
 
@@ -317,4 +308,4 @@ class XMCClassifier:
                 f"algorithm={self.algorithm!r}, seed={self.seed})")
 
 
-__all__ = ["XMCClassifier", "check_X", "check_Y", "lr_at", "parse_every"]
+__all__ = ["XMCClassifier", "check_X", "check_Y", "parse_every"]

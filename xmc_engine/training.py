@@ -183,7 +183,7 @@ class _SingleRunner:
             while (self.batch * B < self.n_samples and state["samples"] < stop_samples
                    and not self.should_stop()):
                 rows = perm[self.batch * B:(self.batch + 1) * B]
-                lr = _lr(cfg, epoch + self.batch * B / self.n_samples)
+                lr = lr_at(cfg, epoch + self.batch * B / self.n_samples)
                 t0 = time.perf_counter()
                 if self.faults is not None:
                     self.faults.before_step(0)
@@ -223,10 +223,13 @@ class _SingleRunner:
         pass
 
 
-def _lr(cfg: TrainConfig, epoch: float) -> float:
-    from xmc_engine.estimator import lr_at
-
-    return lr_at(cfg, epoch)
+def lr_at(cfg: TrainConfig, epoch: float) -> float:
+    """Learning rate at fractional epoch ``epoch``: linear warm-up, then
+    ``lr0 / (1 + lr_decay * (epoch - lr_warmup_epochs))`` (DESIGN.md §4.5)."""
+    warm = cfg.lr_warmup_epochs
+    if warm > 0 and epoch < warm:
+        return cfg.lr * max(epoch / warm, 0.02)
+    return cfg.lr / (1.0 + cfg.lr_decay * max(epoch - warm, 0.0))
 
 
 class _Driver:
