@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from xmc_engine.batches import RowGather
+
 logger = logging.getLogger(__name__)
 
 OPTIMIZERS = ("sgd", "adagrad")
@@ -102,6 +104,9 @@ class MLPReplica:
         self.backend = backend
         self.X = X
         self.Y = Y
+        # Batches are cut from copies in canonical dtypes without holding the GIL (batches.py).
+        self._take_x = RowGather(X)
+        self._take_y = RowGather(Y)
         self.label_chunk = label_chunk
         self.optimizer = optimizer
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
@@ -146,12 +151,12 @@ class MLPReplica:
     def train_batch(self, rows: np.ndarray, lr: float) -> float:
         """One optimiser step on training rows ``rows`` (int64, host); returns the summed loss."""
         if self._acc is not None:
-            loss, grads = grad_step(self.backend, self._params, self.X[rows], self.Y[rows],
-                                    label_chunk=self.label_chunk)
+            loss, grads = grad_step(self.backend, self._params, self._take_x(rows),
+                                    self._take_y(rows), label_chunk=self.label_chunk)
             apply_adagrad(self.backend, self._params, grads, self._acc, lr)
             return loss
-        return train_step(self.backend, self._params, self.X[rows], self.Y[rows], lr,
-                          label_chunk=self.label_chunk)
+        return train_step(self.backend, self._params, self._take_x(rows), self._take_y(rows),
+                          lr, label_chunk=self.label_chunk)
 
     # -- gradient interface (synchronous data-parallel SGD, DESIGN.md §4 "sync") -------------
     def grad_batch(self, rows: np.ndarray) -> tuple[float, list]:
@@ -164,7 +169,7 @@ class MLPReplica:
         are already scaled as the mean over the batch (``apply_grads(grads, lr)`` is the step
         ``train_batch(rows, lr)`` makes). ``loss_sum`` is summed over the rows.
         """
-        return grad_step(self.backend, self._params, self.X[rows], self.Y[rows],
+        return grad_step(self.backend, self._params, self._take_x(rows), self._take_y(rows),
                          label_chunk=self.label_chunk)
 
     def apply_grads(self, grads: list, lr: float) -> None:
@@ -205,8 +210,9 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
     ----------
     be : backend
     params : list of arrays on ``be`` (module docstring order), updated in place
-    Xb : scipy.sparse.csr_matrix (B, n_features) float32, host
-    Yb : scipy.sparse.csr_matrix (B, n_labels), host
+    Xb : scipy.sparse.csr_matrix (B, n_features) float32, or a
+        :class:`~xmc_engine.batches.CSRBatch`, host
+    Yb : the same, (B, n_labels)
     lr : float, learning rate of this step
 
     Returns

@@ -8,7 +8,8 @@ Model, scheduler and algorithms are written once against this interface. A backe
 ``device_id``       ``None`` for the CPU, the CUDA ordinal otherwise
 ``asarray(a)``      host or device array -> array of this backend (float32 kept)
 ``to_host(a)``      -> ``numpy.ndarray``
-``csr_parts(X)``    a SciPy CSR batch -> ``(indptr, indices, data)`` arrays on this backend
+``csr_parts(X)``    a SciPy CSR batch (or a ``batches.CSRBatch``) -> ``(indptr, indices, data)``
+                    arrays on this backend
 ``synchronize()``   wait for all work queued by this backend's stream
 ``thread_budget``   context manager that limits numba/BLAS threads in the calling thread
 

@@ -15,6 +15,7 @@ import numba
 import numpy as np
 import scipy.sparse
 
+from xmc_engine.batches import CSRBatch
 from xmc_engine.kernels import (
     adagrad,
     merge,
@@ -231,7 +232,10 @@ class CPUBackend:
 
     @staticmethod
     def csr_parts(X):
-        """SciPy CSR -> ``(indptr, indices, data float32)`` NumPy arrays."""
+        """SciPy CSR (or a :class:`~xmc_engine.batches.CSRBatch`) -> ``(indptr, indices,
+        data float32)`` NumPy arrays."""
+        if isinstance(X, CSRBatch):
+            return X.indptr, X.indices, X.data
         X = scipy.sparse.csr_matrix(X) if not scipy.sparse.isspmatrix_csr(X) else X
         data = X.data if X.data.dtype == _F32 else X.data.astype(_F32)
         return X.indptr, X.indices, data
