@@ -47,13 +47,16 @@ class Method:
     threads: int | None = None
 
 
-def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd"):
-    """Train once; returns a dict with the curve and totals."""
+def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd",
+               lr_decay=0.0):
+    """Train once; returns a dict with the curve and totals (``lr_decay``: the engine's
+    ``lr0 / (1 + lr_decay * epoch)`` schedule, the same for every method)."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
     clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size, optimizer=optimizer,
-                        lr=m.lr if m.lr is not None else lr, devices=m.devices,
+                        lr=m.lr if m.lr is not None else lr, lr_decay=lr_decay,
+                        devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
                         threads=m.threads, eval_every=1.0)
     t0 = time.perf_counter()

@@ -113,10 +113,12 @@ def _result(label, algorithm, devices, params, lr, seed, curve, wall, extra=None
     return res
 
 
-def run_engine(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer) -> dict:
+def run_engine(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer,
+               lr_decay=0.0) -> dict:
     """Train ``m`` with the engine (``_tta.run_method`` at learning rate ``lr``)."""
     r = run_method(dataclasses.replace(m, lr=lr), data, epochs=epochs, lr=lr,
-                        batch_size=batch_size, hidden=hidden, seed=seed, optimizer=optimizer)
+                        batch_size=batch_size, hidden=hidden, seed=seed, optimizer=optimizer,
+                   lr_decay=lr_decay)
     return _result(m.label, m.algorithm, m.devices, m.params, lr, seed, r["curve"], r["wall_s"],
                    {"optimizer": optimizer, "last_period": r["last_period"]})
 
@@ -149,7 +151,8 @@ def run_any(label, method, data, args, *, epochs, lr, seed) -> dict:
     try:
         if method is None:
             return run_torch(label, data, **common)
-        return run_engine(method, data, optimizer=args.optimizer, **common)
+        return run_engine(method, data, optimizer=args.optimizer, lr_decay=args.lr_decay,
+                          **common)
     except Exception as e:  # noqa: BLE001 - a diverging lr or a broken method must not stop the study
         traceback.print_exc(limit=3)
         return {"method": label, "lr": lr, "seed": seed, "error": f"{type(e).__name__}: {e}"}
@@ -352,6 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--optimizer", choices=("sgd", "adagrad"), default="sgd",
                    help="the engine's optimiser (PyTorch baselines: always SGD)")
+    p.add_argument("--lr-decay", type=float, default=0.0,
+                   help="the engine's lr schedule lr0 / (1 + d * epoch), every engine method "
+                        "(default 0: constant; the PyTorch baselines keep a constant lr)")
     p.add_argument("--lr", type=float, default=None,
                    help="engine lr with --no-tune (default 1.0 for sgd, 0.05 for adagrad)")
     p.add_argument("--torch-lr", type=float, default=0.5, help="PyTorch lr with --no-tune")
