@@ -13,7 +13,8 @@ x, center, diff_out : same shape, float32                        replica, center
 
 Versions
 --------
-``*_cpu``      @njit, flattened prange loops (every array is viewed 1-D).
+``*_cpu``      @njit, flattened prange loops (every array is viewed 1-D); the CPU only also has
+               ``all_finite_cpu`` (the merge's NaN/inf check) and ``copy_cpu`` (its broadcast).
 ``*_kernel``   @cuda.jit grid-stride loops over the flattened arrays.
 ``weighted_sum`` over n replicas is applied pairwise on both sides (out = p0 w0, then
 out += p_i w_i): n passes, no Python-level temporaries. Launchers never synchronise.
@@ -74,6 +75,31 @@ def elastic_cpu(x, center, alpha, diff_out):
         dt = a * (xv[t] - c[t])
         d[t] = dt
         xv[t] -= dt
+
+
+_EXP_MASK = np.uint32(0x7F800000)  # float32 exponent bits: all ones for NaN and +-inf
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def all_finite_cpu(a):
+    """True when no element of float32 ``a`` is NaN or infinite (one parallel read pass).
+
+    Works on the bits: the largest exponent field seen is all ones only for NaN or +-inf. An
+    integer max reduction vectorises (a float sum, kept exact, would wait on each add)."""
+    v = a.reshape(-1).view(np.uint32)
+    m = np.uint32(0)
+    for t in prange(v.shape[0]):
+        m = max(m, v[t] & _EXP_MASK)
+    return m != _EXP_MASK
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def copy_cpu(dst, src):
+    """dst[...] = src (same shape, flattened; the merge's broadcast)."""
+    d = dst.reshape(-1)
+    v = src.reshape(-1)
+    for t in prange(d.shape[0]):
+        d[t] = v[t]
 
 
 @cuda_kernel

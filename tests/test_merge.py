@@ -201,3 +201,46 @@ def test_kernel_path_is_used():
 def test_l2_norm():
     p = [np.full((2, 2), 1.0), np.full(3, 2.0)]
     assert l2_norm(p) == pytest.approx(np.sqrt(4 + 12))
+
+
+# -- the CPU backend's merge helpers: all_finite (NaN/inf check) and the parallel broadcast copy --
+
+@pytest.mark.parametrize("n", [0, 1, 7, 100_003])
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+def test_cpu_all_finite_finds_every_nan_and_inf(n, bad):
+    from xmc_engine.backends import get_backend
+
+    be = get_backend("cpu")
+    a = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    a[: min(n, 3)] = [3.4e38, -3.4e38, 1e-45][: min(n, 3)]  # extremes and a subnormal: finite
+    if bad is not None and n:
+        a[n // 2] = bad
+    want = bool(np.isfinite(a).all())
+    assert be.all_finite(a) is want
+    assert be.all_finite(a.reshape(-1, 1) if n else a) is want
+    assert be.all_finite(a.astype(np.float64)) is want  # other dtypes: NumPy's check
+
+
+def test_find_nonfinite_uses_the_backend_check():
+    from xmc_engine.backends import get_backend
+
+    be = get_backend("cpu")
+    reps = [[np.ones((400, 300), np.float32), np.zeros(3, np.float32)] for _ in range(3)]
+    reps[2][1][1] = np.nan
+    reps[0][0][399, 299] = np.inf
+    assert find_nonfinite(reps, be) == [0, 2]
+    assert find_nonfinite(reps) == [0, 2]  # no backend: the float64-sum path agrees
+
+
+@pytest.mark.parametrize("shape", [(3,), (300, 300), (70_000,)])
+def test_cpu_copy_into_copies_small_and_large_arrays(shape):
+    from xmc_engine.backends import get_backend
+
+    be = get_backend("cpu")
+    src = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    dst = np.zeros(shape, np.float32)
+    be.copy_into(dst, src)
+    np.testing.assert_array_equal(dst, src)
+    d64 = np.zeros(shape, np.float64)  # other dtypes: np.copyto's conversion
+    be.copy_into(d64, src)
+    np.testing.assert_array_equal(d64, src.astype(np.float64))

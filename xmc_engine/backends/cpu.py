@@ -26,6 +26,7 @@ from xmc_engine.kernels import (
 )
 
 _F32 = np.float32
+_PARALLEL_COPY_MIN = 1 << 16  # elements: below this np.copyto beats waking the numba threads
 _SGEMM = None
 
 
@@ -225,10 +226,16 @@ class CPUBackend:
 
     @staticmethod
     def copy_into(dst, src):
-        """dst[...] = src (host <- host or device array)."""
+        """dst[...] = src (host <- host or device array); large contiguous float32 arrays with
+        the numba threads of the calling thread (a merge's broadcast)."""
         if not isinstance(src, np.ndarray) and hasattr(src, "get"):
             src = src.get()
-        np.copyto(dst, src)
+        if (dst.size >= _PARALLEL_COPY_MIN and dst.dtype == src.dtype == _F32
+                and dst.shape == src.shape and dst.flags.c_contiguous
+                and src.flags.c_contiguous):
+            merge.copy_cpu(dst, src)
+        else:
+            np.copyto(dst, src)
 
     @staticmethod
     def csr_parts(X):
@@ -310,6 +317,14 @@ class CPUBackend:
         if k > 0:
             topk.topk_cpu(scores, k, idx, val)
         return idx, val
+
+    @staticmethod
+    def all_finite(a) -> bool:
+        """No NaN or infinity in ``a`` (the merge's check; one parallel pass)."""
+        a = np.ascontiguousarray(a)
+        if a.dtype != _F32:
+            return bool(np.isfinite(a).all())
+        return bool(merge.all_finite_cpu(a))
 
     @staticmethod
     def weighted_sum(arrays, weights, out):

@@ -141,11 +141,18 @@ def l2_norm(params: Sequence, backend=None) -> float:
 def find_nonfinite(replica_params: Sequence[Sequence], backend=None) -> list[int]:
     """Indices of the replicas with a NaN or infinite parameter (host list; synchronizes).
 
-    A sum propagates any NaN/inf, so one reduction per array suffices (float64 accumulation).
+    Uses the backend's ``all_finite`` when it has one (the CPU's parallel pass); otherwise a
+    sum, which propagates any NaN/inf: one reduction per array (float64 accumulation).
     """
+    check = getattr(backend, "all_finite", None)
     bad = []
     for i, params in enumerate(replica_params):
         for a in params:
+            if check is not None and isinstance(a, np.ndarray):
+                if not check(a):
+                    bad.append(i)
+                    break
+                continue
             xp = _xp(backend, a)
             if not math.isfinite(float(xp.sum(a, dtype=xp.float64))):
                 bad.append(i)
