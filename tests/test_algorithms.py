@@ -161,3 +161,28 @@ def test_adaptive_state_dict_round_trip():
     other.setup(fakes(2), 100)
     other.load_state_dict(state)
     assert other.batch_sizes() == [160, 96] and other.trend.flag == 1
+
+
+def test_trainer_schedule_reaches_every_algorithm():
+    """``lr_warmup_epochs`` / ``lr_decay`` of the trainer are the schedule of every algorithm
+    (``algorithm_params`` wins); ``lr_warmup_epochs=None`` keeps the algorithm's own warm-up."""
+    from xmc_engine.algorithms import get_algorithm
+    from xmc_engine.config import TrainConfig
+    from xmc_engine.parallel import algorithm_options
+
+    for name in ("adaptive", "average", "sync", "easgd", "crossbow"):
+        default = get_algorithm(name).config.warmup_epochs
+        assert default == 1.0
+        opts = algorithm_options(TrainConfig(algorithm=name, devices="cpu,cpu"))
+        assert "warmup_epochs" not in opts
+        assert get_algorithm(name, opts).config.warmup_epochs == default
+        opts = algorithm_options(TrainConfig(algorithm=name, devices="cpu,cpu",
+                                             lr_warmup_epochs=0.0, lr_decay=0.5))
+        assert get_algorithm(name, opts).config.warmup_epochs == 0.0
+        assert get_algorithm(name, opts).config.lr_decay == 0.5
+        opts = algorithm_options(TrainConfig(algorithm=name, devices="cpu,cpu",
+                                             lr_warmup_epochs=0.0,
+                                             algorithm_params={"warmup_epochs": 2}))
+        assert get_algorithm(name, opts).config.warmup_epochs == 2.0
+    with pytest.raises(Exception, match="lr_warmup_epochs"):
+        TrainConfig(lr_warmup_epochs=-1.0)

@@ -23,13 +23,18 @@ class TrainConfig:
     ``xmc-engine train``. ``algorithm_params`` holds the options of the chosen algorithm (for
     ``adaptive``: ``merge_period``, ``warmup_epochs``, ``rule``, ``b_min``, ``b_max``, ``delta_b``,
     ``momentum``, ``boost`` ...; see :mod:`xmc_engine.algorithms`).
+
+    ``lr_warmup_epochs`` and ``lr_decay`` are the schedule of every algorithm: a multi-device
+    algorithm takes them as its ``warmup_epochs`` / ``lr_decay`` unless ``algorithm_params`` sets
+    those. ``lr_warmup_epochs=None`` (the default) leaves each algorithm its own warm-up: none
+    for ``single``, one epoch (equal batches and a linear ramp) for the multi-device ones.
     """
 
     hidden: list[int] = field(default_factory=lambda: [128])
     epochs: int = 10
     batch_size: int = 256
     lr: float = 1.0
-    lr_warmup_epochs: float = 0.0
+    lr_warmup_epochs: float | None = None
     lr_decay: float = 0.0
     label_chunk: int | None = None
     optimizer: str = "sgd"
@@ -65,8 +70,8 @@ class TrainConfig:
             bad("batch_size", "must be >= 1")
         if not self.lr > 0:
             bad("lr", "must be > 0")
-        if self.lr_warmup_epochs < 0:
-            bad("lr_warmup_epochs", "must be >= 0")
+        if self.lr_warmup_epochs is not None and not self.lr_warmup_epochs >= 0:
+            bad("lr_warmup_epochs", "must be >= 0 (or None: the algorithm's own default)")
         if self.lr_decay < 0:
             bad("lr_decay", "must be >= 0")
         if self.label_chunk is not None and int(self.label_chunk) < 1:

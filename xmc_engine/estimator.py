@@ -96,7 +96,9 @@ class XMCClassifier:
     hidden : int or list of int, default 128
         Hidden layer widths (first layer sparse, the rest dense).
     epochs, batch_size, lr : training length, base batch size ``B``, base learning rate.
-    lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``.
+    lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
+        the schedule of every algorithm (``lr_warmup_epochs=None``: each algorithm's own
+        warm-up, none for one device, one epoch for the multi-device algorithms).
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"sgd", "adagrad"}
@@ -128,7 +130,7 @@ class XMCClassifier:
     history_ : list of dict, the run-log records of the last ``fit``
     """
 
-    def __init__(self, hidden=128, epochs=10, batch_size=256, lr=1.0, lr_warmup_epochs=0.0,
+    def __init__(self, hidden=128, epochs=10, batch_size=256, lr=1.0, lr_warmup_epochs=None,
                  lr_decay=0.0, label_chunk=None, optimizer="sgd", devices="cpu",
                  algorithm="single", algorithm_params=None, seed=0, threads=None,
                  eval_every=1.0, eval_k=5, propensity_a=0.55, propensity_b=1.5, log_dir=None,

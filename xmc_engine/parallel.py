@@ -25,13 +25,17 @@ TRAINER_KEYS = ("rejoin_after", "fault")
 
 def algorithm_options(cfg: TrainConfig) -> dict:
     """The algorithm's options: ``cfg.algorithm_params`` plus the shared fields (``batch_size``,
-    ``lr_decay``) where the algorithm has them and the params do not set them."""
+    ``lr_decay``, and ``lr_warmup_epochs`` as ``warmup_epochs`` unless it is ``None``) where the
+    algorithm has them and the params do not set them."""
     from xmc_engine.algorithms import ALGORITHMS
 
     _, cfg_cls = ALGORITHMS[cfg.algorithm]
     fields = {f.name for f in dataclasses.fields(cfg_cls)}
     opts = {k: v for k, v in cfg.algorithm_params.items() if k not in TRAINER_KEYS}
-    for name, value in (("batch_size", cfg.batch_size), ("lr_decay", cfg.lr_decay)):
+    shared = [("batch_size", cfg.batch_size), ("lr_decay", cfg.lr_decay)]
+    if cfg.lr_warmup_epochs is not None:
+        shared.append(("warmup_epochs", cfg.lr_warmup_epochs))
+    for name, value in shared:
         if name in fields:
             opts.setdefault(name, value)
     return opts

@@ -226,7 +226,7 @@ class _SingleRunner:
 def lr_at(cfg: TrainConfig, epoch: float) -> float:
     """Learning rate at fractional epoch ``epoch``: linear warm-up, then
     ``lr0 / (1 + lr_decay * (epoch - lr_warmup_epochs))`` (DESIGN.md §4.5)."""
-    warm = cfg.lr_warmup_epochs
+    warm = cfg.lr_warmup_epochs or 0.0  # None: single's own default, no warm-up
     if warm > 0 and epoch < warm:
         return cfg.lr * max(epoch / warm, 0.02)
     return cfg.lr / (1.0 + cfg.lr_decay * max(epoch - warm, 0.0))

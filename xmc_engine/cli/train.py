@@ -22,7 +22,9 @@ _CONFIG_OPTIONS = {
     "epochs": ("--epochs", float, "training epochs (default 10)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 256)"),
     "lr": ("--lr", float, "base learning rate (default 1.0)"),
-    "lr_warmup_epochs": ("--lr-warmup-epochs", float, "linear learning-rate warm-up"),
+    "lr_warmup_epochs": ("--lr-warmup-epochs", float,
+                         "linear learning-rate warm-up, every algorithm (default: the "
+                         "algorithm's own: 0 for single, 1 epoch multi-device)"),
     "lr_decay": ("--lr-decay", float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "sgd (default) or adagrad"),
