@@ -170,3 +170,29 @@ def test_checkpoint_needs_log_dir(toy):
         XMCClassifier(epochs=1, checkpoint_every=100).fit(Xtr, Ytr)
     with pytest.raises(ConfigError, match="checkpoint_every"):
         XMCClassifier(epochs=1, checkpoint_every="soon", log_dir="x").fit(Xtr, Ytr)
+
+
+def test_multi_device_evaluates_between_merge_periods(toy, tmp_path):
+    """``eval_every < 1`` on several devices: evaluations at the merge barriers after each mark
+    (more than one per epoch); checkpoints still only at epoch ends (an open epoch's queue is
+    not saved)."""
+    Xtr, Ytr, Xte, Yte = toy  # 500 training rows
+    run = tmp_path / "run"
+    clf = XMCClassifier(hidden=16, epochs=2, batch_size=32, lr=0.3, seed=0, devices="cpu,cpu",
+                        algorithm="adaptive", threads=1, eval_every=0.25,
+                        algorithm_params={"merge_period": 100, "warmup_epochs": 0,
+                                          "rule": "fixed"},
+                        log_dir=str(run), checkpoint_every=120)
+    clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    evals = [r for r in log if r["event"] == "eval"]
+    samples = [r["samples"] for r in evals]
+    assert len(evals) == 8 and samples[-1] == 1000
+    # each at the first barrier at or after its mark (periods of ~100 rows, whole batches)
+    for k, s in enumerate(samples, start=1):
+        assert 125 * k <= s < 125 * k + 100 + 32, samples
+    assert any(0 < r["epoch"] < 1 for r in evals)
+    ckpts = [r for r in log if r["event"] == "checkpoint"]
+    assert ckpts and all(r["samples"] % 500 == 0 for r in ckpts)
+    final = [r for r in log if r["event"] == "final"][0]
+    assert final["samples"] == 1000

@@ -229,3 +229,48 @@ def test_thread_budget_is_entered_in_worker_threads():
         tr.run_epoch(0, 0.1)
     assert sorted(n for n, _ in seen) == [3, 3]
     assert all(name.startswith("xmc-device-") for _, name in seen)
+
+
+@pytest.mark.parametrize("algorithm", ["adaptive", "average", "sync"])
+def test_epoch_cut_at_barriers_equals_the_whole_epoch(algorithm):
+    """``run_epoch(stop_after=...)`` returns at a merge barrier and the next call continues the
+    same epoch: the same periods, the same rows on the same devices, the same model."""
+    n = 3000
+    kw = dict(per_sample=2e-6, merge_period=700, batch_size=64, warmup_epochs=0)
+    if algorithm == "sync":
+        kw = dict(per_sample=2e-6, batch_size=64, warmup_epochs=0, period_steps=4)
+    whole, reps_w = make("cpu,cpu@0.5", n, algorithm=algorithm, **kw)
+    cut, reps_c = make("cpu,cpu@0.5", n, algorithm=algorithm, **kw)
+    with whole, cut:
+        for epoch in range(2):
+            w = whole.run_epoch(epoch, 0.05)
+            assert w["done"] and w["samples"] == n
+            parts, stop = [], 1
+            while True:
+                r = cut.run_epoch(epoch, 0.05, stop_after=stop)
+                parts.append(r)
+                if r["done"]:
+                    break
+                done = sum(p["samples"] for p in parts)
+                assert done >= stop  # stopped at the first barrier at or after the mark
+                stop = done + 900
+            assert len(parts) > 1
+            assert sum(p["samples"] for p in parts) == n
+            assert sum(p["periods"] for p in parts) == w["periods"]
+            assert all(p["periods"] >= 1 for p in parts)
+    for a, b in zip(reps_w, reps_c, strict=True):
+        assert [len(x) for x, _ in a.history] == [len(x) for x, _ in b.history]
+        np.testing.assert_array_equal(np.concatenate([x for x, _ in a.history]),
+                                      np.concatenate([x for x, _ in b.history]))
+        for p, q in zip(a.params(), b.params(), strict=True):
+            np.testing.assert_array_equal(p, q)
+
+
+def test_a_new_epoch_number_starts_a_new_epoch():
+    """A call for another epoch abandons the open one (a fresh shuffle, all rows again)."""
+    n = 2000
+    tr, _ = make("cpu,cpu", n, merge_period=500, batch_size=50, warmup_epochs=0)
+    first = tr.run_epoch(0, 0.05, stop_after=600)
+    assert not first["done"] and 600 <= first["samples"] < n
+    res = tr.run_epoch(1, 0.05)
+    assert res["done"] and res["samples"] == n

@@ -117,7 +117,9 @@ class XMCClassifier:
         CPU threads (None: all cores, split over the CPU devices; a device with several
         threads then times a few steps under 1 and all of them and keeps the faster).
     eval_every : float
-        Evaluate on ``eval_set`` every this many epochs (0: only at the end).
+        Evaluate on ``eval_set`` every this many epochs (0: only at the end). On several
+        devices an evaluation waits for the next merge barrier (the central model); several
+        nodes evaluate at epoch ends.
     log_dir : str or None
         Folder for ``log.jsonl`` and checkpoints.
     checkpoint_every : int or str or None

@@ -2,8 +2,9 @@
 
 Builds one :class:`~xmc_engine.model.MLPReplica` per device of the spec, wraps them in a
 :class:`~xmc_engine.scheduler.ParallelTrainer` with the chosen algorithm, and exposes the small
-runner interface the driver in :mod:`xmc_engine.training` uses (whole epochs at a time; the
-central model is what is evaluated, checkpointed and returned).
+runner interface the driver in :mod:`xmc_engine.training` uses (merge periods up to the driver's
+next stop; the central model is what is evaluated, checkpointed and returned; evaluations fall on
+merge barriers, checkpoints on epoch ends).
 """
 
 from __future__ import annotations
@@ -71,21 +72,34 @@ class ParallelRunner:
         if saved is not None:  # resuming: batch sizes, trend flag, period counter
             self.trainer.load_state_dict(json.loads(bytes(np.asarray(saved, np.uint8))))
         self._done = False
+        self._epoch_samples = 0  # samples of the current epoch done by earlier calls
 
     def run_until(self, epoch: int, stop_samples: int, state: dict) -> None:
-        """One whole epoch (merges happen inside; evaluation and checkpoints between epochs)."""
-        res = self.trainer.run_epoch(epoch, self.cfg.lr)
+        """Merge periods of epoch ``epoch`` until it ends or, on one node, until the first merge
+        barrier at or after ``state['samples'] == stop_samples`` (an evaluation between
+        periods). Several nodes always run whole epochs (their periods are aligned)."""
+        stop_after = None
+        if not self._multi:
+            stop_after = self._epoch_samples + max(stop_samples - state["samples"], 1)
+        res = self.trainer.run_epoch(epoch, self.cfg.lr, stop_after=stop_after)
         state["train_time"] += res["train_seconds"]
         n = self.n_global if self._multi else res["samples"]  # every node did an epoch
         state["samples"] += n
         state["loss_sum"] = state.get("loss_sum", 0.0) + res["loss"] * n
-        self._done = True
+        self._epoch_samples += res["samples"]
+        self._done = res["done"]
 
     def epoch_done(self) -> bool:
         return self._done
 
+    def can_checkpoint(self) -> bool:
+        """Checkpoints hold whole epochs only: the shuffled queue of an open epoch is not saved
+        (a resume starts the epoch over)."""
+        return self._epoch_samples == 0
+
     def end_epoch(self) -> None:
         self._done = False
+        self._epoch_samples = 0
 
     def eval_params(self):
         return self.replicas[0].backend, self.trainer.central_params()

@@ -208,6 +208,11 @@ class _SingleRunner:
     def epoch_done(self) -> bool:
         return self.batch * self.cfg.batch_size >= self.n_samples
 
+    @staticmethod
+    def can_checkpoint() -> bool:
+        """A checkpoint may be taken between any two steps (it records the batch)."""
+        return True
+
     def eval_params(self):
         return self.replica.backend, self.replica.params()
 
@@ -347,7 +352,10 @@ class _Driver:
         previous = self._install_signals()
         try:
             epoch = int(st["epoch"])
-            while st["samples"] < total and self._signal is None:
+            # A signal stops the loop where a checkpoint can be taken: after any step on one
+            # device, at the end of the epoch on several.
+            while st["samples"] < total and (self._signal is None
+                                             or not self.runner.can_checkpoint()):
                 st["epoch"] = epoch
                 before, t0 = st["samples"], st["train_time"]
                 try:
@@ -368,7 +376,7 @@ class _Driver:
                     self.evaluate(st["samples"] / self.n)
                     while self.next_eval <= st["samples"]:
                         self.next_eval += self.eval_step
-                if self._ckpt_due():
+                if self._ckpt_due() and self.runner.can_checkpoint():
                     self.checkpoint(epoch)
             if self._signal is not None:
                 self._interrupted(epoch)

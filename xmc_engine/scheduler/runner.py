@@ -75,11 +75,11 @@ def _tally_period(tot, acct, devices, busy, idle, loss, weights, lrs) -> list[di
 
 
 def _epoch_result(epoch, tot, devices, batch_sizes, *, updates, periods, loss_sum, lr,
-                  train_s, merge_s) -> dict[str, Any]:
+                  train_s, merge_s, done: bool = True) -> dict[str, Any]:
     """The result dict of :meth:`ParallelTrainer.run_epoch` (and of the sync loop's)."""
     samples = sum(tot["samples"])
     return {
-        "epoch": epoch, "samples": samples, "updates": updates,
+        "epoch": epoch, "done": bool(done), "samples": samples, "updates": updates,
         "periods": periods, "loss": loss_sum / max(samples, 1), "lr": lr,
         "train_seconds": train_s, "merge_seconds": merge_s,
         "devices": [{"device": i, "name": str(devices[i]),
@@ -195,6 +195,7 @@ class ParallelTrainer:
         self._threads: list[threading.Thread] = []
         self._abort = threading.Event()
         self._sync = None
+        self._open: int | None = None  # the epoch a run_epoch(stop_after=...) call stopped in
         if getattr(policy, "synchronous", False):  # per-step gradient all-reduce (sync.py)
             from xmc_engine.scheduler.sync import SyncLoop
 
@@ -224,7 +225,7 @@ class ParallelTrainer:
         if len(scale) == self.n_devices:
             self.lr_scale = scale
 
-    def run_epoch(self, epoch: int, lr: float) -> dict[str, Any]:
+    def run_epoch(self, epoch: int, lr: float, stop_after: int | None = None) -> dict[str, Any]:
         """Train one epoch (every sample exactly once), merging every ``S`` samples.
 
         Parameters
@@ -234,14 +235,19 @@ class ParallelTrainer:
         lr : float
             Base learning rate ``lr0``; the policy applies its schedule (warm-up ramp, decay,
             per-device linear scaling) on top.
+        stop_after : int, optional
+            Return at the first merge barrier at which at least this many samples of the epoch
+            are done (mid-epoch evaluation); the next call with the same ``epoch`` continues it.
+            The periods are the same as in an uninterrupted epoch. ``None``: the whole epoch.
 
         Returns
         -------
         dict
-            ``epoch, samples, updates, periods, loss`` (mean per sample), ``lr`` (base rate of the
-            last period), ``train_seconds`` (wall time, or virtual time in simulated mode),
-            ``merge_seconds`` and ``devices``: one dict per device with ``device, samples,
-            updates, busy_s, idle_s, batch_size`` (at the end of the epoch).
+            Totals of this call: ``epoch, done`` (the epoch is complete), ``samples, updates,
+            periods, loss`` (mean per sample), ``lr`` (base rate of the last period),
+            ``train_seconds`` (wall time, or virtual time in simulated mode), ``merge_seconds``
+            and ``devices``: one dict per device with ``device, samples, updates, busy_s,
+            idle_s, batch_size`` (at the end of the call).
 
         Raises
         ------
@@ -254,14 +260,14 @@ class ParallelTrainer:
         if self._broken is not None:
             raise DeviceFailure(f"trainer is unusable after an earlier failure: {self._broken}")
         if self._sync is not None:
-            return self._sync.run_epoch(epoch, lr)
+            return self._sync.run_epoch(epoch, lr, stop_after)
         n = self.n_devices
         q = self.queue
-        q.start_epoch(epoch)
+        self._open_epoch(epoch)
         tot = _new_totals(n)
         loss_sum, periods, merge_s, train_s, lr_t = 0.0, 0, 0.0, 0.0, 0.0
         t_epoch = time.perf_counter()
-        while not q.epoch_done:
+        while not q.epoch_done and not self._stop_reached(stop_after):
             done_before = self.n_samples - q.remaining
             self._rejoin(epoch)
             q.set_active(self.alive)
@@ -311,7 +317,7 @@ class ParallelTrainer:
             train_s = time.perf_counter() - t_epoch
         return _epoch_result(epoch, tot, self.devices, self.policy.batch_sizes(),
                              updates=sum(tot["updates"]), periods=periods, loss_sum=loss_sum,
-                             lr=lr_t, train_s=train_s, merge_s=merge_s)
+                             lr=lr_t, train_s=train_s, merge_s=merge_s, done=q.epoch_done)
 
     def close(self) -> None:
         """Stop the worker threads (idempotent). Threads stuck in a step are left as daemons."""
@@ -331,6 +337,15 @@ class ParallelTrainer:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
+    def _open_epoch(self, epoch: int) -> None:
+        """Continue epoch ``epoch`` if a call stopped inside it, else shuffle and start it."""
+        if self._open != epoch or self.queue.epoch_done:
+            self.queue.start_epoch(epoch)
+            self._open = epoch
+
+    def _stop_reached(self, stop_after: int | None) -> bool:
+        return stop_after is not None and self.n_samples - self.queue.remaining >= stop_after
+
     def _trace(self, kind: str, device: int) -> None:
         if self.trace:
             with self._trace_lock:

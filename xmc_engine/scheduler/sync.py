@@ -132,16 +132,16 @@ class SyncLoop:
                 self._threads.append(t)
 
     # -- public --------------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, lr: float) -> dict[str, Any]:
+    def run_epoch(self, epoch: int, lr: float, stop_after: int | None = None) -> dict[str, Any]:
         """One epoch; same contract and result as :meth:`ParallelTrainer.run_epoch`."""
         tr, pol = self.tr, self.policy
         n = tr.n_devices
         q = tr.queue
-        q.start_epoch(epoch)
+        tr._open_epoch(epoch)
         tot = _new_totals(n)
         loss_sum, periods, steps_total, reduce_s, train_s, lr_t = 0.0, 0, 0, 0.0, 0.0, 0.0
         t_epoch = time.perf_counter()
-        while not q.epoch_done:
+        while not q.epoch_done and not tr._stop_reached(stop_after):
             done_before = tr.n_samples - q.remaining
             acct = q.start_period(pol.batch_sizes())
             progress = epoch + (done_before + acct.budget) / tr.n_samples
@@ -193,7 +193,7 @@ class SyncLoop:
             train_s = time.perf_counter() - t_epoch
         return _epoch_result(epoch, tot, tr.devices, pol.batch_sizes(), updates=steps_total,
                              periods=periods, loss_sum=loss_sum, lr=lr_t, train_s=train_s,
-                             merge_s=reduce_s)
+                             merge_s=reduce_s, done=q.epoch_done)
 
     def close(self) -> None:
         """Stop the worker threads (idempotent)."""
