@@ -48,17 +48,19 @@ class Method:
 
 
 def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd",
-               lr_decay=0.0):
-    """Train once; returns a dict with the curve and totals (``lr_decay``: the engine's
-    ``lr0 / (1 + lr_decay * epoch)`` schedule, the same for every method)."""
+               lr_decay=0.0, warmup_epochs=None, eval_every=1.0):
+    """Train once; returns a dict with the curve and totals. ``lr_decay`` and ``warmup_epochs``
+    are the engine's schedule (``lr_warmup_epochs``; ``None``: each algorithm's own warm-up);
+    ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier)."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
     clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size, optimizer=optimizer,
                         lr=m.lr if m.lr is not None else lr, lr_decay=lr_decay,
+                        lr_warmup_epochs=warmup_epochs,
                         devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
-                        threads=m.threads, eval_every=1.0)
+                        threads=m.threads, eval_every=eval_every)
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     wall = time.perf_counter() - t0

@@ -2,7 +2,7 @@
 "One-device trainer"; DESIGN.md §4-5).
 
 One command trains, on the same data, machine, network and budget (``--epochs`` epochs of base
-batch ``--batch-size``, evaluation after every epoch, evaluation time excluded):
+batch ``--batch-size``, evaluation every ``--eval-every`` epochs, evaluation time excluded):
 
 * every engine algorithm: ``single`` (one CPU device, 1 thread), ``sync``, ``average``,
   ``easgd``, ``crossbow`` and ``adaptive`` with both batch rules (``adaptive`` = the paper's
@@ -114,16 +114,16 @@ def _result(label, algorithm, devices, params, lr, seed, curve, wall, extra=None
 
 
 def run_engine(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer,
-               lr_decay=0.0) -> dict:
+               lr_decay=0.0, warmup_epochs=None, eval_every=1.0) -> dict:
     """Train ``m`` with the engine (``_tta.run_method`` at learning rate ``lr``)."""
     r = run_method(dataclasses.replace(m, lr=lr), data, epochs=epochs, lr=lr,
                         batch_size=batch_size, hidden=hidden, seed=seed, optimizer=optimizer,
-                   lr_decay=lr_decay)
+                   lr_decay=lr_decay, warmup_epochs=warmup_epochs, eval_every=eval_every)
     return _result(m.label, m.algorithm, m.devices, m.params, lr, seed, r["curve"], r["wall_s"],
                    {"optimizer": optimizer, "last_period": r["last_period"]})
 
 
-def run_torch(label, data, *, epochs, lr, batch_size, hidden, seed) -> dict:
+def run_torch(label, data, *, epochs, lr, batch_size, hidden, seed, eval_every=1.0) -> dict:
     """PyTorch baseline ``label`` (single process or DDP with 2 ranks), one thread per process."""
     import torch_baseline as tb
 
@@ -131,11 +131,11 @@ def run_torch(label, data, *, epochs, lr, batch_size, hidden, seed) -> dict:
     t0 = time.perf_counter()
     if label == TORCH:
         res = tb.train_torch(X, Y, Xte, Yte, hidden=hidden, batch_size=batch_size, lr=lr,
-                             epochs=epochs, threads=1, seed=seed, eval_every=1.0)
+                             epochs=epochs, threads=1, seed=seed, eval_every=eval_every)
     else:  # threads is the total: 2 // world_size = 1 per rank
         res = tb.train_torch_ddp(X, Y, Xte, Yte, world_size=2, hidden=hidden,
                                  batch_size=batch_size, lr=lr, epochs=epochs, threads=2,
-                                 seed=seed, eval_every=1.0)
+                                 seed=seed, eval_every=eval_every)
     wall = time.perf_counter() - t0
     curve = [(r["train_time"], r["epoch"], r["P@1"], r["P@3"], r["P@5"]) for r in res["curve"]]
     return _result(label, res["variant"], "cpu" if label == TORCH else "2 processes",
@@ -147,12 +147,12 @@ def run_torch(label, data, *, epochs, lr, batch_size, hidden, seed) -> dict:
 def run_any(label, method, data, args, *, epochs, lr, seed) -> dict:
     """One run of an engine method or a PyTorch baseline; a failure is returned as a record."""
     common = dict(epochs=epochs, lr=lr, batch_size=args.batch_size, hidden=args.hidden,
-                  seed=seed)
+                  seed=seed, eval_every=args.eval_every)
     try:
         if method is None:
             return run_torch(label, data, **common)
         return run_engine(method, data, optimizer=args.optimizer, lr_decay=args.lr_decay,
-                          **common)
+                          warmup_epochs=args.warmup_epochs, **common)
     except Exception as e:  # noqa: BLE001 - a diverging lr or a broken method must not stop the study
         traceback.print_exc(limit=3)
         return {"method": label, "lr": lr, "seed": seed, "error": f"{type(e).__name__}: {e}"}
@@ -358,6 +358,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr-decay", type=float, default=0.0,
                    help="the engine's lr schedule lr0 / (1 + d * epoch), every engine method "
                         "(default 0: constant; the PyTorch baselines keep a constant lr)")
+    p.add_argument("--eval-every", type=float, default=1.0,
+                   help="epochs between evaluations of every method (default 1; on several "
+                        "devices an evaluation waits for the next merge barrier)")
+    p.add_argument("--warmup-epochs", type=float, default=None,
+                   help="the engine's lr warm-up, every engine method (default: each "
+                        "algorithm's own: none for single, 1 epoch for the multi-device ones; "
+                        "0 puts every method on the same schedule)")
     p.add_argument("--lr", type=float, default=None,
                    help="engine lr with --no-tune (default 1.0 for sgd, 0.05 for adagrad)")
     p.add_argument("--torch-lr", type=float, default=0.5, help="PyTorch lr with --no-tune")
