@@ -128,8 +128,9 @@ def print_table(summary, reference: str = "adaptive", title: str = "") -> None:
               f"{row['train_s']:8.1f}")
 
 
-def plot_curves(runs, out_png, title: str = "") -> None:
-    """P@1 against training time, one line per run (seeds share a colour)."""
+def plot_curves(runs, out_png, title: str = "", target: float | None = None) -> None:
+    """P@1 against training time, one line per run (seeds share a colour); with ``target`` a
+    dashed line at the target P@1 and the y axis zoomed on the range around it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,6 +144,10 @@ def plot_curves(runs, out_png, title: str = "") -> None:
         p = [0.0] + [p[2] for p in r["curve"]]
         ax.plot(t, p, color=c, marker="o", ms=3, alpha=0.8,
                 label=r["method"] if r["seed"] == runs[0]["seed"] else None)
+    if target is not None:
+        ax.axhline(target, color="k", ls="--", lw=1, label=f"target P@1 {target:.3f}")
+        top = max(p[2] for r in runs for p in r["curve"])
+        ax.set_ylim(0.8 * target, top + 0.1 * (top - 0.8 * target))
     ax.set_xlabel("training time (s, evaluation excluded)")
     ax.set_ylabel("P@1 (test)")
     ax.set_title(title)

@@ -383,6 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pecos-python", default=None,
                    help="python of a venv with libpecos: also run PECOS XR-Linear")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "tta"))
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the PNGs of the result JSONs already in --out (no training)")
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = 1.0 if args.optimizer == "sgd" else 0.05
@@ -394,9 +396,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def replot(out: Path) -> int:
+    """Redraw ``<dataset>_<setup>.png`` from every result JSON in ``out``."""
+    n = 0
+    for path in sorted(out.glob("*.json")):
+        res = _common.read_json(path)
+        if not res or res.get("benchmark") != "time_to_accuracy":
+            continue
+        png = path.with_suffix(".png")
+        plot_curves(res["runs"], png, title=f"{res['dataset']}: {res['devices']}, "
+                    f"{res['args']['optimizer']}, B={res['args']['batch_size']}",
+                    target=res["summary"]["target_P@1"])
+        print(f"redrew {png}")
+        n += 1
+    if not n:
+        print(f"no time-to-accuracy results in {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
+    if args.replot:
+        return replot(out)
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
     warmed = False
@@ -426,7 +448,8 @@ def main(argv=None) -> int:
             res = run_setup(tag, data, setup, args, cache)
             png = out / f"{tag}_{setup}.png"
             plot_curves(res["runs"], png, title=f"{tag}: {SETUPS[setup]}, "
-                        f"{args.optimizer}, B={args.batch_size}")
+                        f"{args.optimizer}, B={args.batch_size}",
+                        target=res["summary"]["target_P@1"])
             payload = {
                 "benchmark": "time_to_accuracy", "command": command, "args": vars(args),
                 "machine": _common.machine_info(extra={"loadavg_at_start": load0,
