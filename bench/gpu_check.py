@@ -273,15 +273,12 @@ def _adaptive_simulated(spec, data, *, epochs, lr, batch_size, hidden, merge_per
     from xmc_engine.backends import get_backend
     from xmc_engine.devices import parse_devices
     from xmc_engine.metrics import TopKMetrics
-    from xmc_engine.model import MLPReplica, ModelShape, init_params, predict_topk
+    from xmc_engine.model import MLPReplica, ModelShape, init_params_for_data, predict_topk
     from xmc_engine.scheduler import ParallelTrainer
 
     X, Y, Xte, Yte = data
     devices = parse_devices(spec)
-    avg_nnz = max(X.nnz / X.shape[0], 1.0)
-    avg_sq = float(np.mean(X.data.astype(np.float64) ** 2))
-    params = init_params(ModelShape(X.shape[1], Y.shape[1], (hidden,)), seed,
-                         avg_nnz=avg_nnz, avg_sq_value=avg_sq)
+    params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], (hidden,)), X, seed)
     backends = [get_backend(d.kind, d.index, threads=1) for d in devices]
     replicas = [MLPReplica(be, X, Y, params) for be in backends]
     policy = get_algorithm("adaptive", {"batch_size": batch_size, "merge_period": merge_period,

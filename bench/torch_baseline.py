@@ -141,16 +141,14 @@ def make_batches(X, Y, batch_size: int, seed: int, epoch: int, *, rows=None):
 def engine_init(n_features: int, n_labels: int, hidden: int, X, seed: int):
     """``[W1, b1, W2, b2]`` host float32 arrays drawn exactly as the engine's ``init_params``."""
     try:
-        from xmc_engine.model import ModelShape, init_params
+        from xmc_engine.model import ModelShape, init_params_for_data
     except ImportError:
-        ModelShape = init_params = None
+        ModelShape = init_params_for_data = None
+    if init_params_for_data is not None:
+        return init_params_for_data(ModelShape(n_features, n_labels, (hidden,)), X, seed)
     avg_nnz = max(X.nnz / max(X.shape[0], 1), 1.0)
-    avg_sq = float(np.mean(X.data.astype(np.float64) ** 2)) if X.nnz else 1.0
-    if init_params is not None:
-        return init_params(ModelShape(n_features, n_labels, (hidden,)), seed,
-                           avg_nnz=avg_nnz, avg_sq_value=avg_sq)
-    rng = np.random.default_rng(seed)  # same draws as xmc_engine.model.init_params
-    b1 = math.sqrt(3.0 / max(avg_nnz * avg_sq, 1e-6))
+    rng = np.random.default_rng(seed)  # same draws as xmc_engine.model.init_params_for_data
+    b1 = math.sqrt(3.0 / avg_nnz)
     W1 = rng.uniform(-b1, b1, size=(n_features, hidden)).astype(np.float32)
     b2 = math.sqrt(6.0 / (hidden + n_labels))
     W2 = rng.uniform(-b2, b2, size=(hidden, n_labels)).astype(np.float32)

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from tests.test_estimator import tiny_data
 from xmc_engine.backends import get_backend
 from xmc_engine.batches import CSRBatch, RowGather
 from xmc_engine.model import MLPReplica, ModelShape, grad_step, init_params, train_step
-
-from tests.test_estimator import tiny_data
 
 
 def _with_empty_rows(seed=0):

@@ -80,6 +80,22 @@ def init_params(shape: ModelShape, seed: int = 0, avg_nnz: float = 32.0,
     return params
 
 
+def init_params_for_data(shape: ModelShape, X, seed: int = 0) -> list[np.ndarray]:
+    """:func:`init_params` with ``W1`` sized by the training rows ``X``: variance
+    ``1 / avg_nnz`` (non-zeros per row), feature values not counted.
+
+    Scaling ``W1`` up for small feature values as well (``avg_sq_value``, the mean squared
+    value: unit pre-activation variance) made it large where the values are tf-idf weights, and
+    a step, Adagrad's above all (about ``lr`` per weight whatever the gradient), then moves it
+    slowly: debian_debtags (mean squared value 0.021), hidden 256, one device, 4 epochs, P@1
+    0.759 with it against 0.822 without (Adagrad lr 0.1), 0.53 against 0.74 at the best epoch
+    (SGD lr 1); rcv1sub1 0.527 against 0.582. Binary features (delicious, bibtex) are the same
+    either way.
+    """
+    avg_nnz = max(X.nnz / max(X.shape[0], 1), 1.0)
+    return init_params(shape, seed, avg_nnz=avg_nnz)
+
+
 class MLPReplica:
     """One model copy on one device, trained on rows of a training set.
 

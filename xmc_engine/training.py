@@ -23,7 +23,7 @@ from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
     ModelShape,
-    init_params,
+    init_params_for_data,
     predict_topk,
 )
 
@@ -80,9 +80,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     check_memory(cfg, X, Y, eval_set)  # MemoryPlanError now rather than out of memory later
     n_samples = X.shape[0]
     shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
-    avg_nnz = X.nnz / max(n_samples, 1)
-    avg_sq = float(np.mean(X.data.astype(np.float64) ** 2)) if X.nnz else 1.0
-    params = init_params(shape, cfg.seed, avg_nnz=max(avg_nnz, 1.0), avg_sq_value=avg_sq)
+    params = init_params_for_data(shape, X, cfg.seed)
     label_counts = np.asarray(Y.sum(axis=0)).ravel()
 
     from xmc_engine.distributed import join_run, world
