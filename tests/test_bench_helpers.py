@@ -1,0 +1,53 @@
+"""The pure helpers of the time-to-accuracy study (bench/_tta.py, bench/bench_time_to_accuracy.py):
+interpolated time to a target, the summary table's ratios, and the learning-rate choice."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from _tta import summarise, time_to_target  # noqa: E402
+from bench_time_to_accuracy import pick_lr  # noqa: E402
+
+
+def test_time_to_target_interpolates_between_evaluations():
+    curve = [(1.0, 0.25, 0.4, 0, 0), (2.0, 0.5, 0.6, 0, 0), (3.0, 0.75, 0.7, 0, 0)]
+    assert time_to_target(curve, 0.5) == pytest.approx(1.5)
+    assert time_to_target(curve, 0.2) == pytest.approx(0.5)  # from (0 s, P@1 0)
+    assert time_to_target(curve, 0.7) == pytest.approx(3.0)
+    assert time_to_target(curve, 0.71) == math.inf
+
+
+def test_summary_is_median_over_seeds_with_ratios_to_the_reference():
+    def run(method, seed, t_hit):
+        return {"method": method, "seed": seed, "best_P@1": 1.0,
+                "final": {"P@1": 1.0, "P@5": 0.5},
+                "curve": [(t_hit, 1, 1.0, 0, 0)]}
+    runs = [run("adaptive", s, t) for s, t in enumerate((1.0, 2.0, 3.0))]
+    runs += [run("sync", s, t) for s, t in enumerate((4.0, 6.0, 100.0))]
+    s = summarise(runs, target_frac=1.0, reference="adaptive")
+    rows = {r["method"]: r for r in s["rows"]}
+    assert rows["adaptive"]["time_to_target_s"] == 2.0
+    assert rows["sync"]["time_to_target_s"] == 6.0
+    assert rows["sync"]["ratio_vs_adaptive"] == pytest.approx(3.0)
+
+
+def test_pick_lr_by_time_prefers_the_fastest_near_the_top():
+    res = [{"lr": 0.05, "best_P@1": 0.8284, "t_near": 0.9},
+           {"lr": 0.1, "best_P@1": 0.8257, "t_near": 0.5},
+           {"lr": 0.2, "best_P@1": 0.8275, "t_near": 0.6},
+           {"lr": 0.4, "best_P@1": None, "t_near": None}]  # diverged
+    assert pick_lr(res, "time")["lr"] == 0.1
+    assert pick_lr(res, "quality")["lr"] == 0.05
+    never = [{"lr": 0.05, "best_P@1": 0.5, "t_near": math.inf},
+             {"lr": 0.1, "best_P@1": 0.8, "t_near": 1.0}]
+    assert pick_lr(never, "time")["lr"] == 0.1
+    ties = [{"lr": 0.2, "best_P@1": 0.7, "t_near": 1.0},
+            {"lr": 0.1, "best_P@1": 0.7, "t_near": 1.0}]
+    assert pick_lr(ties, "time")["lr"] == 0.1 and pick_lr(ties, "quality")["lr"] == 0.1
+    assert pick_lr([{"lr": 0.3, "best_P@1": None, "t_near": None}], "time")["lr"] == 0.3
