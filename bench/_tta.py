@@ -93,13 +93,16 @@ def time_to_target(curve, target: float) -> float:
 def summarise(runs, target_frac: float = 0.97, reference: str = "adaptive"):
     """Per method: median time to target over seeds, final/best P@1, ratio against reference.
 
-    The target is ``target_frac`` x the best P@1 any method reached within the budget.
+    The target is ``target_frac`` x the best method's median (over seeds) best P@1 within the
+    budget: the same statistic as the times. The best single run instead (one lucky seed) moved
+    the target up and down from one repetition of a study to the next, and near a plateau the
+    times with it (delicious: 0.6307 then 0.6350, adaptive's time 0.5 s then 1.0 s).
     """
-    best = max(r["best_P@1"] for r in runs)
-    target = target_frac * best
     by_method: dict[str, list] = {}
     for r in runs:
         by_method.setdefault(r["method"], []).append(r)
+    best = max(float(np.median([r["best_P@1"] for r in rs])) for rs in by_method.values())
+    target = target_frac * best
     rows = []
     for name, rs in by_method.items():
         times = [time_to_target(r["curve"], target) for r in rs]
@@ -113,12 +116,14 @@ def summarise(runs, target_frac: float = 0.97, reference: str = "adaptive"):
     for row in rows:
         if ref is not None and math.isfinite(ref["time_to_target_s"]):
             row["ratio_vs_" + reference] = row["time_to_target_s"] / ref["time_to_target_s"]
-    return {"target_P@1": target, "best_P@1": best, "rows": rows}
+    return {"target_P@1": target, "best_P@1": best, "target_frac": target_frac,
+            "best_P@1_any_run": max(r["best_P@1"] for r in runs), "rows": rows}
 
 
 def print_table(summary, reference: str = "adaptive", title: str = "") -> None:
+    frac = summary.get("target_frac", 0.97)
     print(f"\n{title}  target P@1 = {summary['target_P@1']:.4f} "
-          f"(97% of best {summary['best_P@1']:.4f})")
+          f"({frac:.0%} of the best method's median best P@1 {summary['best_P@1']:.4f})")
     print(f"{'method':34s} {'seeds':>5s} {'t->target s':>12s} {'x ' + reference:>12s} "
           f"{'final P@1':>9s} {'final P@5':>9s} {'train s':>8s}")
     for row in summary["rows"]:

@@ -27,14 +27,15 @@ with a short budget (``--tune-epochs``, default half of ``--epochs``). ``--tune-
 default) picks the lr that first reaches 99 % of the best P@1 any lr of the grid reached (then the
 higher P@1): where every lr ends on the same plateau, within noise, the fastest wins rather than
 the luckiest; ``--tune-for quality`` picks the best P@1 (ties: the smaller lr). ``--no-tune``
-uses ``--lr`` (and ``--torch-lr``) instead. The grid, every tuning result and the chosen lr go into the results.
+uses ``--lr`` (and ``--torch-lr``) instead. The grid, every tuning result and the chosen lr go
+into the results.
 
 Per (dataset, setup) the script prints a table of the median (over ``--seeds``) time to a target
-P@1 = 97 % of the best P@1 any method reached within the budget (linear interpolation between
-evaluations, ``_tta.time_to_target``), the final P@1 / P@5 and the ratio to ``adaptive``
-("x adaptive"); then the time each method takes to reach PyTorch's best P@1 (median over seeds
-of the single-process PyTorch run's best P@1) and the speed-up of the engine's ``single`` over
-PyTorch (issue "One-device trainer": target >= 2x on delicious). Results:
+P@1 = 97 % of the best method's median (over seeds) best P@1 within the budget (linear
+interpolation between evaluations, ``_tta.time_to_target``), the final P@1 / P@5 and the ratio
+to ``adaptive`` ("x adaptive"); then the time each method takes to reach PyTorch's best P@1 (the
+lowest over seeds of the single-process PyTorch run's best P@1) and the speed-up of the engine's
+``single`` over PyTorch (issue "One-device trainer": target >= 2x on delicious). Results:
 ``bench/results/tta/<dataset>_<setup>.json`` (with the machine record) and ``.png`` (P@1 against
 training time, ``_tta.plot_curves``).
 
@@ -42,6 +43,10 @@ Full study (about an hour on 2 cores; the machine should be otherwise idle)::
 
     python bench/bench_time_to_accuracy.py --data delicious --data debian_debtags \\
         --setup 2dev --setup homog --setup 3dev --seeds 0 1 2 --epochs 6
+
+Tables and plots again from the saved runs, without training::
+
+    python bench/bench_time_to_accuracy.py --from-results
 
 Quick smoke run::
 
@@ -277,18 +282,24 @@ def run_setup(tag, data, setup, args, cache) -> dict:
         failures += [r for r in mruns if "error" in r]
     if not runs:
         raise SystemExit(f"{tag} {setup}: every run failed")
+    summary, vs_torch = report(tag, setup, runs, tuning, args)
+    return {"dataset": tag, "setup": setup, "devices": devices, "summary": summary,
+            "tuning": tuning, "vs_torch": vs_torch, "runs": runs, "failed_runs": failures}
+
+
+def report(tag, setup, runs, tuning, args):
+    """Summary table (printed) and the comparison with PyTorch, from the runs of one setup."""
     summary = summarise(runs, target_frac=TARGET_FRAC, reference=REFERENCE)
     for row in summary["rows"]:
         row["lr"] = tuning[row["method"]]["lr"]
-    print_table(summary, reference=REFERENCE, title=f"{tag} {setup} ({devices}), "
+    print_table(summary, reference=REFERENCE, title=f"{tag} {setup} ({SETUPS[setup]}), "
                 f"{args.epochs} epochs, B={args.batch_size}, {args.optimizer}, "
                 f"seeds {args.seeds}; t->target = median over seeds")
     print("  tuned lr: " + ", ".join(f"{k} {v['lr']:g}" for k, v in tuning.items()))
     vs_torch = torch_comparison(runs)
     if vs_torch:
         print_torch_comparison(vs_torch, tag)
-    return {"dataset": tag, "setup": setup, "devices": devices, "summary": summary,
-            "tuning": tuning, "vs_torch": vs_torch, "runs": runs, "failed_runs": failures}
+    return summary, vs_torch
 
 
 def torch_comparison(runs) -> dict | None:
@@ -415,8 +426,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pecos-python", default=None,
                    help="python of a venv with libpecos: also run PECOS XR-Linear")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "tta"))
-    p.add_argument("--replot", action="store_true",
-                   help="only redraw the PNGs of the result JSONs already in --out (no training)")
+    p.add_argument("--from-results", action="store_true",
+                   help="no training: recompute the tables of the result JSONs already in --out "
+                        "from their saved curves, rewrite them and redraw the PNGs")
     args = p.parse_args(argv)
     if args.lr is None:
         args.lr = 1.0 if args.optimizer == "sgd" else 0.05
@@ -428,18 +440,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def replot(out: Path) -> int:
-    """Redraw ``<dataset>_<setup>.png`` from every result JSON in ``out``."""
+def from_results(out: Path) -> int:
+    """Recompute summary and PyTorch comparison of every result JSON in ``out`` from its saved
+    runs (after a change of the target's definition, say), rewrite it and redraw its PNG."""
     n = 0
     for path in sorted(out.glob("*.json")):
         res = _common.read_json(path)
         if not res or res.get("benchmark") != "time_to_accuracy":
             continue
+        args = argparse.Namespace(**res["args"])
+        res["summary"], res["vs_torch"] = report(res["dataset"], res["setup"], res["runs"],
+                                                 res["tuning"], args)
+        res["target_frac"] = TARGET_FRAC
+        _common.write_json(path, res)
         png = path.with_suffix(".png")
         plot_curves(res["runs"], png, title=f"{res['dataset']}: {res['devices']}, "
-                    f"{res['args']['optimizer']}, B={res['args']['batch_size']}",
+                    f"{args.optimizer}, B={args.batch_size}",
                     target=res["summary"]["target_P@1"])
-        print(f"redrew {png}")
+        print(f"rewrote {path.name} and {png.name}")
         n += 1
     if not n:
         print(f"no time-to-accuracy results in {out}")
@@ -449,8 +467,8 @@ def replot(out: Path) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    if args.replot:
-        return replot(out)
+    if args.from_results:
+        return from_results(out)
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
     warmed = False

@@ -51,3 +51,16 @@ def test_pick_lr_by_time_prefers_the_fastest_near_the_top():
             {"lr": 0.1, "best_P@1": 0.7, "t_near": 1.0}]
     assert pick_lr(ties, "time")["lr"] == 0.1 and pick_lr(ties, "quality")["lr"] == 0.1
     assert pick_lr([{"lr": 0.3, "best_P@1": None, "t_near": None}], "time")["lr"] == 0.3
+
+
+def test_target_is_a_fraction_of_the_best_methods_median_best():
+    """One lucky seed does not set the target: the best method by median over seeds does."""
+    def run(method, seed, best):
+        return {"method": method, "seed": seed, "best_P@1": best,
+                "final": {"P@1": best, "P@5": 0.5}, "curve": [(1.0, 1, best, 0, 0)]}
+    runs = [run("a", s, b) for s, b in enumerate((0.9, 0.8, 0.7))]
+    runs += [run("b", s, 0.85) for s in range(3)]
+    s = summarise(runs, target_frac=0.97, reference="a")
+    assert s["best_P@1"] == pytest.approx(0.85)
+    assert s["target_P@1"] == pytest.approx(0.97 * 0.85)
+    assert s["best_P@1_any_run"] == pytest.approx(0.9)
