@@ -1,0 +1,90 @@
+"""The host side of a merge on the CPU: the NaN/inf check and the broadcast copy, each against the
+plain NumPy way, in the same run.
+
+* check: ``find_nonfinite`` with the CPU backend (``all_finite``: a vectorised pass over the
+  float32 bits) against the float64 ``sum`` it falls back to without a backend;
+* broadcast: ``CPUBackend.copy_into`` (numba parallel copy for large arrays) against
+  ``np.copyto``;
+* the weighted sum of the replicas (``weighted_merge``), for scale.
+
+Default shape: two replicas of the debian_debtags model at hidden 256 (29,261 features, 590
+labels: a 30 MB ``W1``). Usage::
+
+    python bench/bench_merge_cpu.py [--n-features 29261] [--hidden 256] [--n-labels 590]
+
+Results: ``bench/results/merge_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+
+
+def _ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n-features", type=int, default=29261)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--n-labels", type=int, default=590)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / "merge_cpu.json"))
+    args = p.parse_args(argv)
+
+    from xmc_engine.backends import get_backend
+    from xmc_engine.scheduler.merge import find_nonfinite, weighted_merge
+
+    be = get_backend("cpu")
+    shapes = [(args.n_features, args.hidden), (args.hidden,), (args.hidden, args.n_labels),
+              (args.n_labels,)]
+    rng = np.random.default_rng(0)
+    reps = [[rng.standard_normal(s).astype(np.float32) for s in shapes]
+            for _ in range(args.replicas)]
+    central = [np.empty(s, np.float32) for s in shapes]
+    w = np.full(args.replicas, 1.0 / args.replicas)
+    r = {
+        "check_ms": {"all_finite": _ms(lambda: find_nonfinite(reps, be), args.repeats),
+                     "float64 sum": _ms(lambda: find_nonfinite(reps), args.repeats)},
+        "broadcast_ms": {
+            "copy_into": _ms(lambda: [be.copy_into(d, c) for rp in reps
+                                      for d, c in zip(rp, central, strict=True)], args.repeats),
+            "np.copyto": _ms(lambda: [np.copyto(d, c) for rp in reps
+                                      for d, c in zip(rp, central, strict=True)], args.repeats)},
+        "weighted_merge_ms": _ms(lambda: weighted_merge(reps, w, central, be, check=False),
+                                 args.repeats),
+    }
+    mb = sum(int(np.prod(s)) for s in shapes) * 4 / 2**20
+    print(f"{args.replicas} replicas of {mb:.1f} MiB (W1 {args.n_features} x {args.hidden})")
+    for what in ("check_ms", "broadcast_ms"):
+        (a, ta), (b, tb) = r[what].items()
+        print(f"  {what[:-3]:10s} {a:12s} {ta:7.2f} ms   {b:12s} {tb:7.2f} ms   x{tb / ta:.1f}")
+    print(f"  weighted sum            {r['weighted_merge_ms']:7.2f} ms")
+    path = _common.write_json(args.out, {
+        "benchmark": "merge_cpu", "command": " ".join(["bench_merge_cpu.py"] + sys.argv[1:]),
+        "args": vars(args), "model_mib_per_replica": mb, "machine": _common.machine_info(),
+        **r})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
