@@ -182,6 +182,22 @@ def load_dataset(name: str):
     return X_train, Y_train, X_test, Y_test
 
 
+# -- timing ---------------------------------------------------------------------------------------
+
+def timings(fn, repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeat`` calls of ``fn()``, after ``warmup`` untimed calls."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return ts
+
+
 # -- results --------------------------------------------------------------------------------------
 
 def _jsonable(obj):

@@ -43,14 +43,9 @@ def parse_args(argv=None):
 
 
 def best_time(fn, repeat, warmup=2):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
+    import _common  # bench/ is on sys.path when a script in it runs
+
+    return min(_common.timings(fn, repeat, warmup))
 
 
 def interleaved(fns, repeat, warmup=2, before=None):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +30,7 @@ import _common  # noqa: E402
 
 def _ms(fn, repeats: int) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` calls (after one warm-up call)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * float(np.median(times))
+    return 1e3 * float(np.median(_common.timings(fn, repeats)))
 
 
 def main(argv=None) -> int:
