@@ -53,6 +53,19 @@ def _thread_budget(dev, rep):
     return budget(n) if budget is not None else contextlib.nullcontext()
 
 
+def _next_report(outbox, waiting, devices, timeout: float, fail, what: str):
+    """The next ``(device, result, error)`` a worker put in ``outbox``; after ``timeout`` seconds
+    of silence, ``fail`` (which stops the workers) gets a ``TimeoutError`` and ``DeviceFailure``
+    names the devices in ``waiting`` that did not finish ``what``."""
+    try:
+        return outbox.get(timeout=timeout)
+    except _queue.Empty:
+        names = ", ".join(f"{j} ({devices[j]})" for j in sorted(waiting))
+        fail(TimeoutError(f"no report for {timeout:g} s"))
+        raise DeviceFailure(f"device(s) {names} did not finish {what} within {timeout:g} s"
+                            ) from None
+
+
 def _new_totals(n: int) -> dict[str, list]:
     """Per-device epoch totals, filled period by period by :func:`_tally_period`."""
     return {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n}
@@ -475,13 +488,8 @@ class ParallelTrainer:
         results: list[dict] = [idle] * n
         failed: list[tuple[int, BaseException]] = []
         while pending:
-            try:
-                i, res, err = self._outbox.get(timeout=self.timeout)
-            except _queue.Empty:
-                names = ", ".join(f"{j} ({self.devices[j]})" for j in sorted(pending))
-                self._fail(TimeoutError(f"no report for {self.timeout:g} s"))
-                raise DeviceFailure(f"device(s) {names} did not finish the merge period "
-                                    f"within {self.timeout:g} s") from None
+            i, res, err = _next_report(self._outbox, pending, self.devices, self.timeout,
+                                       self._fail, "the merge period")
             if err is not None and not self.elastic:
                 self._fail(err)
                 raise DeviceFailure(f"device {i} ({self.devices[i]}) failed: {err!r}") from err

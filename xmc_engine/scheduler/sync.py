@@ -34,6 +34,7 @@ from xmc_engine.scheduler.merge import find_nonfinite
 from xmc_engine.scheduler.runner import (
     _epoch_result,
     _new_totals,
+    _next_report,
     _tally_period,
     _thread_budget,
 )
@@ -279,13 +280,8 @@ class SyncLoop:
         res: list = [None] * n
         waiting = set(range(n))
         while waiting:
-            try:
-                i, out, err = self._outbox.get(timeout=tr.timeout)
-            except _queue.Empty:
-                names = ", ".join(f"{j} ({tr.devices[j]})" for j in sorted(waiting))
-                self._fail(TimeoutError(f"no report for {tr.timeout:g} s"))
-                raise DeviceFailure(f"device(s) {names} did not finish a synchronous step "
-                                    f"within {tr.timeout:g} s") from None
+            i, out, err = _next_report(self._outbox, waiting, tr.devices, tr.timeout,
+                                       self._fail, "a synchronous step")
             if err is not None:
                 self._fail(err)
                 raise DeviceFailure(f"device {i} ({tr.devices[i]}) failed: {err!r}") from err
