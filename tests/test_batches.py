@@ -98,3 +98,13 @@ def test_replica_step_on_gathered_rows_equals_step_on_scipy_rows(optimizer):
         before = [p.copy() for p in rep.params()]
         rep.train_batch(rows, 0.1)
         assert any(not np.array_equal(a, b) for a, b in zip(before, rep.params(), strict=True))
+
+
+def test_gather_shares_the_arrays_of_a_canonical_matrix():
+    """Replicas of one training matrix (loader dtypes) hold no copies of it."""
+    X, _ = tiny_data(n=50)
+    X = sp.csr_matrix((X.data.astype(np.float32), X.indices.astype(np.int32),
+                       X.indptr.astype(np.int32)), shape=X.shape)
+    g = RowGather(X)
+    assert g.indptr is X.indptr and g.indices is X.indices and g.data is X.data
+    assert g(np.array([3, 1])).indptr.dtype == np.int64

@@ -4,7 +4,8 @@ Every step of every device starts by cutting its rows out of the training matric
 fancy row indexing (``X[rows]``) does that in about 0.2 ms per step on the development machine
 (two matrices, 128 rows), all of it holding the GIL: with one host thread per device, that is
 time in which the other devices' threads cannot start their own next kernel. :class:`RowGather`
-copies the CSR arrays once (canonical dtypes: int64 row pointers, int32 indices, float32 values)
+holds the CSR arrays in canonical dtypes (int32 or int64 row pointers as given, int32 indices,
+float32 values; copied only where the matrix has others, so replicas of one matrix share them)
 and gathers a batch with one ``@njit(nogil=True)`` function, returning a :class:`CSRBatch`, the
 light stand-in for a SciPy CSR matrix that the backends' ``csr_parts`` accept.
 """
@@ -66,8 +67,8 @@ class RowGather:
     Parameters
     ----------
     X : scipy.sparse matrix (n_rows, n_columns)
-        Converted once to CSR with int64 row pointers, int32 column indices and float32 values
-        (no copy where it already is).
+        Converted once to CSR with int32 column indices and float32 values; its row pointers
+        (int32 or int64) are kept. No copy where it already is so (the loader's matrices).
 
     Calling it with ``rows`` (int array of row numbers) returns a :class:`CSRBatch`; a row
     number outside ``[0, n_rows)`` raises ``IndexError`` naming it.
@@ -76,7 +77,8 @@ class RowGather:
     def __init__(self, X):
         X = X if sp.isspmatrix_csr(X) else sp.csr_matrix(X)
         self.shape = (int(X.shape[0]), int(X.shape[1]))
-        self.indptr = np.ascontiguousarray(X.indptr, dtype=np.int64)
+        ptr_dtype = X.indptr.dtype if X.indptr.dtype in (np.int32, np.int64) else np.int64
+        self.indptr = np.ascontiguousarray(X.indptr, dtype=ptr_dtype)
         if X.shape[1] > np.iinfo(np.int32).max:
             self.indices = np.ascontiguousarray(X.indices, dtype=np.int64)
         else:
