@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +30,8 @@ import _common  # noqa: E402
 
 def _per_call(fn, batches, repeats: int) -> float:
     """Median over ``repeats`` of the mean seconds per call of ``fn`` over ``batches``."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for b in batches:
-            fn(b)
-        times.append((time.perf_counter() - t0) / len(batches))
-    return float(np.median(times))
+    loops = _common.timings(lambda: [fn(b) for b in batches], repeats, warmup=0)
+    return float(np.median(loops)) / len(batches)
 
 
 def run(name: str, hidden: int, batch_sizes, n_batches: int, repeats: int) -> list[dict]:

@@ -447,6 +447,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def draw(res: dict, png: Path) -> None:
+    """The curves of one (dataset, setup) result, with its target."""
+    args = res["args"]
+    plot_curves(res["runs"], png, title=f"{res['dataset']}: {res['devices']}, "
+                f"{args['optimizer']}, B={args['batch_size']}",
+                target=res["summary"]["target_P@1"])
+
+
 def from_results(out: Path) -> int:
     """Recompute summary and PyTorch comparison of every result JSON in ``out`` from its saved
     runs (after a change of the target's definition, say), rewrite it and redraw its PNG."""
@@ -461,9 +469,7 @@ def from_results(out: Path) -> int:
         res["target_frac"] = TARGET_FRAC
         _common.write_json(path, res)
         png = path.with_suffix(".png")
-        plot_curves(res["runs"], png, title=f"{res['dataset']}: {res['devices']}, "
-                    f"{args.optimizer}, B={args.batch_size}",
-                    target=res["summary"]["target_P@1"])
+        draw(res, png)
         print(f"rewrote {path.name} and {png.name}")
         n += 1
     if not n:
@@ -504,9 +510,6 @@ def main(argv=None) -> int:
             load0 = _common._loadavg()
             res = run_setup(tag, data, setup, args, cache)
             png = out / f"{tag}_{setup}.png"
-            plot_curves(res["runs"], png, title=f"{tag}: {SETUPS[setup]}, "
-                        f"{args.optimizer}, B={args.batch_size}",
-                        target=res["summary"]["target_P@1"])
             payload = {
                 "benchmark": "time_to_accuracy", "command": command, "args": vars(args),
                 "machine": _common.machine_info(extra={"loadavg_at_start": load0,
@@ -518,6 +521,7 @@ def main(argv=None) -> int:
                 "target_frac": TARGET_FRAC, "reference": REFERENCE, **res,
                 "libraries": libraries, "plot": png.name,
             }
+            draw(payload, png)
             path = _common.write_json(out / f"{tag}_{setup}.json", payload)
             print(f"wrote {path} and {png.name}", flush=True)
     return 0
