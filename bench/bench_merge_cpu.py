@@ -5,7 +5,10 @@ plain NumPy way, in the same run.
   float32 bits) against the float64 ``sum`` it falls back to without a backend;
 * broadcast: ``CPUBackend.copy_into`` (numba parallel copy for large arrays) against
   ``np.copyto``;
-* the weighted sum of the replicas (``weighted_merge``), for scale.
+* the weighted sum of the replicas (``weighted_merge``), for scale;
+* a whole merge of ``W1`` (check, weighted sum, norm, broadcast) dense, against the row-sparse
+  merge (``merge_rows`` + ``copy_rows`` per replica, what ``merge_changed_rows`` runs) over a
+  random ``--touched`` fraction of the rows (0.59: debian_debtags, 4,096 samples per period).
 
 Default shape: two replicas of the debian_debtags model at hidden 256 (29,261 features, 590
 labels: a 30 MB ``W1``). Usage::
@@ -40,11 +43,13 @@ def main(argv=None) -> int:
     p.add_argument("--n-labels", type=int, default=590)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--touched", type=float, default=0.59,
+                   help="fraction of W1 rows changed in the period (row-sparse merge)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "merge_cpu.json"))
     args = p.parse_args(argv)
 
     from xmc_engine.backends import get_backend
-    from xmc_engine.scheduler.merge import find_nonfinite, weighted_merge
+    from xmc_engine.scheduler.merge import find_nonfinite, sq_norms, weighted_merge
 
     be = get_backend("cpu")
     shapes = [(args.n_features, args.hidden), (args.hidden,), (args.hidden, args.n_labels),
@@ -65,12 +70,30 @@ def main(argv=None) -> int:
         "weighted_merge_ms": _ms(lambda: weighted_merge(reps, w, central, be, check=False),
                                  args.repeats),
     }
+    w1s = [rp[0] for rp in reps]
+    rows = np.sort(rng.choice(args.n_features, int(round(args.touched * args.n_features)),
+                              replace=False)).astype(np.int64)
+
+    def dense():
+        find_nonfinite([[a] for a in w1s], be)
+        weighted_merge([[a] for a in w1s], w, central[:1], be, check=False)
+        sq_norms(central[:1], be)
+        for a in w1s:
+            be.copy_into(a, central[0])
+
+    def sparse():
+        be.merge_rows(w1s, w, rows, central[0])
+        for a in w1s:
+            be.copy_rows(a, central[0], rows)
+
+    r["w1_merge_ms"] = {"row-sparse": _ms(sparse, args.repeats), "dense": _ms(dense, args.repeats)}
     mb = sum(int(np.prod(s)) for s in shapes) * 4 / 2**20
     print(f"{args.replicas} replicas of {mb:.1f} MiB (W1 {args.n_features} x {args.hidden})")
-    for what in ("check_ms", "broadcast_ms"):
+    for what in ("check_ms", "broadcast_ms", "w1_merge_ms"):
         (a, ta), (b, tb) = r[what].items()
         print(f"  {what[:-3]:10s} {a:12s} {ta:7.2f} ms   {b:12s} {tb:7.2f} ms   x{tb / ta:.1f}")
     print(f"  weighted sum            {r['weighted_merge_ms']:7.2f} ms")
+    print(f"  (w1_merge: {args.touched:.0%} of the rows changed in the period)")
     path = _common.write_json(args.out, {
         "benchmark": "merge_cpu", "command": " ".join(["bench_merge_cpu.py"] + sys.argv[1:]),
         "args": vars(args), "model_mib_per_replica": mb, "machine": _common.machine_info(),

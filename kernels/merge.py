@@ -14,7 +14,9 @@ x, center, diff_out : same shape, float32                        replica, center
 Versions
 --------
 ``*_cpu``      @njit, flattened prange loops (every array is viewed 1-D); the CPU only also has
-               ``all_finite_cpu`` (the merge's NaN/inf check) and ``copy_cpu`` (its broadcast).
+               ``all_finite_cpu`` (the merge's NaN/inf check), ``copy_cpu`` (its broadcast) and
+               the row-sparse pair ``merge_rows_cpu`` / ``scatter_rows_cpu``, which merge and
+               broadcast only the listed rows of ``W1`` (prange over rows).
 ``*_kernel``   @cuda.jit grid-stride loops over the flattened arrays.
 ``weighted_sum`` over n replicas is applied pairwise on both sides (out = p0 w0, then
 out += p_i w_i): n passes, no Python-level temporaries. Launchers never synchronise.
@@ -100,6 +102,67 @@ def copy_cpu(dst, src):
     v = src.reshape(-1)
     for t in prange(d.shape[0]):
         d[t] = v[t]
+
+
+# Reassociation lets the row sums vectorise; no "nnan"/"ninf": the NaN/inf check must stay.
+_REASSOC = {"reassoc", "contract", "arcp"}
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=_REASSOC)
+def merge_rows_cpu(arrays, weights, rows, central):
+    """Merge the listed rows of 2-D replicas into ``central``, in place (the row-sparse merge).
+
+    ``central[r] = sum_i weights[i] * arrays[i][r]`` for every ``r`` in ``rows``; the other rows
+    of ``central`` are left as they are. ``arrays`` is a tuple of float32 (n_rows, n_cols)
+    arrays, ``weights`` float64 (len(arrays),), ``rows`` int64 (no repeats).
+
+    Returns ``(finite, delta_sumsq)``: whether every merged value is finite (a NaN or infinity
+    in a replica with a non-zero weight makes its merged value non-finite), and the change of
+    ``sum(central**2)`` over those rows, accumulated in float64 (the merged model's L2 norm is
+    kept up to date without reading the rows nobody changed).
+    """
+    n = len(arrays)
+    w = np.empty(n, np.float32)
+    for i in range(n):
+        w[i] = np.float32(weights[i])
+    cols = central.shape[1]
+    delta = 0.0
+    bad = 0
+    for j in prange(rows.shape[0]):
+        r = rows[j]
+        out = central[r]
+        old = 0.0
+        for c in range(cols):
+            old += np.float64(out[c]) * np.float64(out[c])
+        a = arrays[0][r]
+        w0 = w[0]
+        for c in range(cols):
+            out[c] = w0 * a[c]
+        for i in range(1, n):
+            a = arrays[i][r]
+            wi = w[i]
+            for c in range(cols):
+                out[c] += wi * a[c]
+        new = 0.0
+        for c in range(cols):
+            new += np.float64(out[c]) * np.float64(out[c])
+        delta += new - old
+        if not np.isfinite(new):  # a float32 square cannot overflow float64: NaN/inf only
+            bad += 1
+    return bad == 0, delta
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def scatter_rows_cpu(dsts, src, rows):
+    """``dst[r] = src[r]`` for every ``dst`` in the tuple ``dsts`` and ``r`` in ``rows`` (the
+    row-sparse merge's broadcast)."""
+    cols = src.shape[1]
+    for j in prange(rows.shape[0]):
+        r = rows[j]
+        for i in range(len(dsts)):
+            d = dsts[i]
+            for c in range(cols):
+                d[r, c] = src[r, c]
 
 
 @cuda_kernel

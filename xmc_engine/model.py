@@ -100,7 +100,10 @@ class MLPReplica:
     """One model copy on one device, trained on rows of a training set.
 
     Implements the Replica protocol of :mod:`xmc_engine.scheduler`: ``train_batch(rows, lr)``,
-    ``params()``, ``set_params(params)``.
+    ``params()``, ``set_params(params)``; on a backend with a row-sparse merge (the CPU) also
+    ``changed_rows()`` and ``set_params(params, rows=...)``: the replica records which ``W1``
+    rows its steps changed since its parameters were last set, so that a merge reads and writes
+    only those rows (:func:`xmc_engine.scheduler.merge.merge_changed_rows`).
 
     Parameters
     ----------
@@ -129,6 +132,10 @@ class MLPReplica:
         self.n_dense = (len(self._params) - 4) // 2
         self._acc = ([backend.zeros(p.shape) for p in self._params]
                      if optimizer == "adagrad" else None)
+        # W1 rows changed by steps since the last set_params (a step changes only the rows of
+        # its batch's features); None where the backend cannot merge rows.
+        self._changed = (np.zeros(X.shape[1], dtype=np.bool_)
+                         if hasattr(backend, "merge_rows") else None)
 
     def calibrate_threads(self, batch_size: int, max_threads: int) -> int:
         """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``
@@ -156,23 +163,40 @@ class MLPReplica:
     def params(self) -> list:
         return self._params
 
-    def set_params(self, params) -> None:
+    def set_params(self, params, rows=None) -> None:
+        """Copy ``params`` into this replica. With ``rows`` (int64 ``W1`` row numbers, on a
+        backend with ``copy_rows``) only those rows of ``W1`` are copied, and every other
+        parameter in full: the caller vouches that the other rows already hold ``params[0]``'s
+        values (a row-sparse merge). Either way the record of changed rows starts afresh."""
         be = self.backend
-        for dst, src in zip(self._params, params, strict=True):
-            if hasattr(be, "copy_into"):
+        for k, (dst, src) in enumerate(zip(self._params, params, strict=True)):
+            if k == 0 and rows is not None:
+                be.copy_rows(dst, src, rows)
+            elif hasattr(be, "copy_into"):
                 be.copy_into(dst, src)
             else:
                 dst[...] = be.asarray(src)
+        if self._changed is not None:
+            self._changed[:] = False
+
+    def changed_rows(self):
+        """Boolean mask (n_features,) of the ``W1`` rows this replica's steps changed since its
+        parameters were last set, or ``None`` where not tracked (no row-sparse merge on this
+        backend). Parameters change only through steps and :meth:`set_params`."""
+        return self._changed
 
     def train_batch(self, rows: np.ndarray, lr: float) -> float:
         """One optimiser step on training rows ``rows`` (int64, host); returns the summed loss."""
+        Xb = self._take_x(rows)
+        if self._changed is not None:
+            self._changed[Xb.indices] = True
         if self._acc is not None:
-            loss, grads = grad_step(self.backend, self._params, self._take_x(rows),
-                                    self._take_y(rows), label_chunk=self.label_chunk)
+            loss, grads = grad_step(self.backend, self._params, Xb, self._take_y(rows),
+                                    label_chunk=self.label_chunk)
             apply_adagrad(self.backend, self._params, grads, self._acc, lr)
             return loss
-        return train_step(self.backend, self._params, self._take_x(rows), self._take_y(rows),
-                          lr, label_chunk=self.label_chunk)
+        return train_step(self.backend, self._params, Xb, self._take_y(rows), lr,
+                          label_chunk=self.label_chunk)
 
     # -- gradient interface (synchronous data-parallel SGD, DESIGN.md §4 "sync") -------------
     def grad_batch(self, rows: np.ndarray) -> tuple[float, list]:
@@ -196,6 +220,8 @@ class MLPReplica:
         listed rows of ``W1`` are touched. ``grads`` is not modified, so one averaged gradient
         can be applied to every replica (identical replicas then keep identical accumulators).
         """
+        if self._changed is not None:
+            self._changed[np.asarray(self.backend.to_host(grads[0][0]), dtype=np.int64)] = True
         if self._acc is not None:
             apply_adagrad(self.backend, self._params, grads, self._acc, lr)
         else:

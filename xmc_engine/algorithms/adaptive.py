@@ -11,12 +11,16 @@ How the defaults were chosen (the lead benchmarks them on real data; paper value
 -------------------------------------------------------------------------------------------
 ``batch_size = 128``: SLIDE's and the field's reference batch for Amazon-670K / Delicious-200K, in
 the middle (log scale) of the paper's range. ``b_min, b_max, delta_b = 32, 1024, 32``: the paper.
-``merge_period = 8192`` samples (64 base batches): a merge reads every replica and writes every
-replica (about ``2n + 3`` passes over the model, i.e. the memory traffic of a few output-layer
-steps), so a period needs tens of steps to keep the merge overhead near 5–10 %; each device also
-needs >= ~10 updates per period for ``p_i`` to resolve a 10 % speed difference (2–4 devices at
-``B = 128`` make 16–32 each). Still ~60 merges per epoch on Amazon-670K, so replicas do not
-drift far apart. ``momentum = 0.0``: chosen by measurement (``bench/bench_heterogeneous.py
+``merge_period = 4096`` samples (32 base batches): each device needs >= ~10 updates per period
+for ``p_i`` to resolve a 10 % speed difference (2-3 devices at ``B = 128`` make 10-16 each), and
+a merge must stay cheap against the period. The row-sparse merge (``sparse_merge``, the CPU)
+reads and writes only the ``W1`` rows the period changed: on debian_debtags at hidden 256
+(59 % of the rows touched per period) a merge took 9 ms against 17 ms dense, about 8 % of a
+period of two devices. Measured with ``bench/bench_tta_sweep.py`` (5 seeds, time to 97 % of the
+best P@1; results in ``bench/results/tta_sweep/``), 4096 reached the target sooner than 8192 on
+delicious and debian_debtags alike, and than 2048 on debian_debtags (more merges, each no
+cheaper per row). Still ~130 merges per epoch on Amazon-670K.
+``momentum = 0.0``: chosen by measurement (``bench/bench_heterogeneous.py
 --ablation``, delicious, 3 seeds, ``cpu,cpu@0.5`` and ``cpu,cpu@0.5,cpu@0.25``): final P@1 with
 μ = 0 / 0.5 / 0.9 was 0.595 / 0.587 / 0.566 and 0.574 / 0.562 / 0.601 with SGD (lr 1), and
 0.641 / 0.618 / 0.505 and 0.635 / 0.623 / 0.514 with Adagrad (lr 0.05). The block-momentum
@@ -38,6 +42,7 @@ are too few to measure anything.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +58,8 @@ from xmc_engine.scheduler.merge import (
     NormTrend,
     adaptive_normalization,
     central_momentum,
-    l2_norm,
     merge_weights,
+    sq_norms,
     weighted_merge,
 )
 
@@ -92,9 +97,14 @@ class AdaptiveConfig(ConfigMixin):
         When the boost applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
     lr_decay : float
         ``λ`` in ``lr(e) = lr0 / (1 + λ (e − e_warm))``.
+    sparse_merge : bool
+        Merge and broadcast only the ``W1`` rows the replicas changed in the period, where the
+        replicas and backend support it (the CPU) and ``momentum == 0``
+        (:func:`~xmc_engine.scheduler.merge.merge_changed_rows`). The merged model is the same
+        (to float32 rounding); ``False`` forces the dense merge.
     """
 
-    merge_period: int = 8192
+    merge_period: int = 4096
     warmup_epochs: float = 1.0
     batch_size: int = 128
     b_min: int = 32
@@ -107,6 +117,7 @@ class AdaptiveConfig(ConfigMixin):
     boost_factor: float = 0.1
     flag_rule: str = "norm_rise"
     lr_decay: float = 0.1
+    sparse_merge: bool = True
 
     def __post_init__(self):
         if self.merge_period < 1:
@@ -149,6 +160,8 @@ class AdaptiveSGD(Policy):
             self.n_devices, c.batch_size, b_min=c.b_min, b_max=c.b_max, delta_b=c.delta_b,
             rule=c.rule, warmup_epochs=c.warmup_epochs, deadband=c.deadband)
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
+        # sum(W1**2) of the central model, kept up to date by the row-sparse merge.
+        self._sq_w1 = None
         xp = self.backend.xp
         self._wbar = [xp.empty_like(a) for a in self.central]
         if c.momentum > 0:
@@ -168,9 +181,13 @@ class AdaptiveSGD(Policy):
     def merge(self, replicas: Sequence, updates: Sequence[int]) -> dict[str, Any]:
         """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B)."""
         c = self.config
+        flag = self.trend.flag
+        if c.sparse_merge and c.momentum == 0:
+            info = self._merge_rows_only(replicas, updates, flag)
+            if info is not None:
+                return info
         params = [r.params() for r in replicas]
         counts, bad = self._finite_updates(params, updates)
-        flag = self.trend.flag
         p = adaptive_normalization(merge_weights(counts), flag, c.boost_factor)
         weighted_merge(params, p, self._wbar, self.backend, check=False)
         # Across nodes (DESIGN.md §6): w̄ <- Σ c_node w̄_node / Σ c_node, before the norm trend
@@ -178,7 +195,9 @@ class AdaptiveSGD(Policy):
         nodes = combine_nodes(self, self._wbar, float(np.asarray(updates)[counts > 0].sum()))
         norm = None
         if self.trend.rule == "norm_rise":
-            norm = l2_norm(self._wbar, self.backend)
+            sq = sq_norms(self._wbar, self.backend)
+            self._sq_w1 = sq[0]
+            norm = math.sqrt(sum(sq))
             self.trend.observe(norm)
         if c.momentum > 0:
             central_momentum(self._wbar, self._z1, self._z2, c.momentum, self._spare,
@@ -190,6 +209,25 @@ class AdaptiveSGD(Policy):
         self._broadcast(replicas, self.central)
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
                 "nonfinite": bad, **nodes}
+
+    def _merge_rows_only(self, replicas, updates, flag) -> dict[str, Any] | None:
+        """The merge with the row-sparse path (``sparse_merge``); ``None`` where it does not
+        apply or a replica is non-finite (then the dense merge runs, which finds it)."""
+        p = adaptive_normalization(merge_weights(updates), flag, self.config.boost_factor)
+        norm_rise = self.trend.rule == "norm_rise"
+        if norm_rise and self._sq_w1 is None:
+            self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]
+        delta = self._merge_changed_rows(replicas, p)
+        if delta is None:
+            return None
+        norm = None
+        if norm_rise:
+            self._sq_w1 += delta
+            norm = math.sqrt(max(self._sq_w1, 0.0) + sum(sq_norms(self.central[1:],
+                                                                  self.backend)))
+            self.trend.observe(norm)
+        return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
+                "nonfinite": []}
 
     def state_dict(self) -> dict[str, Any]:
         """Batch sizes and the norm history of the trend flag (momentum buffers restart at the

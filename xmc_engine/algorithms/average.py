@@ -29,10 +29,11 @@ class AverageConfig(ConfigMixin):
     """Options of model averaging (same meanings and defaults as
     :class:`~xmc_engine.algorithms.adaptive.AdaptiveConfig`, so only the algorithm differs)."""
 
-    merge_period: int = 8192
+    merge_period: int = 4096
     batch_size: int = 128
     warmup_epochs: float = 1.0
     lr_decay: float = 0.1
+    sparse_merge: bool = True
 
     def __post_init__(self):
         self._check_min(1, "merge_period", "batch_size")
@@ -62,6 +63,10 @@ class ModelAveraging(Policy):
         return lr, [lr] * self.n_devices
 
     def merge(self, replicas: Sequence, updates: Sequence[int]) -> dict[str, Any]:
+        if self.config.sparse_merge:
+            p = np.full(len(replicas), 1.0 / len(replicas))
+            if self._merge_changed_rows(replicas, p) is not None:
+                return {"weights": [float(x) for x in p], "nonfinite": []}
         params = [r.params() for r in replicas]
         counts, bad = self._finite_updates(params, np.ones(len(replicas)))
         p = counts / counts.sum()

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from xmc_engine.errors import ConfigError, DivergenceError
-from xmc_engine.scheduler.merge import find_nonfinite
+from xmc_engine.scheduler.merge import find_nonfinite, merge_changed_rows
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,17 @@ class Policy:
                 c[:] = 1.0
                 c[skip] = 0.0
         return c, bad
+
+    def _merge_changed_rows(self, replicas: Sequence, p) -> float | None:
+        """:func:`~xmc_engine.scheduler.merge.merge_changed_rows` into ``self.central`` when it
+        may apply (every replica merged with a weight > 0, none flagged, one node); returns its
+        result (``None``: merge densely)."""
+        if getattr(self, "excluded", ()) or getattr(self, "nonfinite", ()):
+            return None
+        comm = getattr(self, "comm", None)
+        if comm is not None and comm.size > 1:  # the nodes' changed rows differ
+            return None
+        return merge_changed_rows(replicas, p, self.central, self.backend)
 
     def _broadcast(self, replicas: Sequence, params: Sequence) -> None:
         for r in replicas:

@@ -331,6 +331,20 @@ class CPUBackend:
         return merge.weighted_sum_cpu(arrays, weights, out)
 
     @staticmethod
+    def merge_rows(arrays, weights, rows, out) -> tuple[bool, float]:
+        """``out[r] = sum_i weights[i] arrays[i][r]`` for ``r`` in ``rows`` (float32 2-D, C order);
+        returns ``(all finite, change of sum(out**2))`` (the row-sparse merge,
+        :func:`xmc_engine.scheduler.merge.merge_changed_rows`)."""
+        ok, delta = merge.merge_rows_cpu(tuple(arrays), np.asarray(weights, np.float64),
+                                         np.asarray(rows, np.int64), out)
+        return bool(ok), float(delta)
+
+    @staticmethod
+    def copy_rows(dst, src, rows) -> None:
+        """``dst[r] = src[r]`` for ``r`` in ``rows`` (float32 2-D, C order; parallel)."""
+        merge.scatter_rows_cpu((dst,), src, np.asarray(rows, np.int64))
+
+    @staticmethod
     def momentum(wbar, z1, z2, mu, out):
         merge.momentum_cpu(wbar, z1, z2, mu, out)
         return out

@@ -65,7 +65,7 @@ def register(sub) -> None:
                    help="training data: a file, a dataset folder or a registered name "
                    "(default: synthetic)")
     p.add_argument("--test", default=None, help="test file (default: the dataset's test split)")
-    add_config_arguments(p, _CONFIG_OPTIONS, "merge_period=8192, rule=proportional")
+    add_config_arguments(p, _CONFIG_OPTIONS, "merge_period=4096, rule=proportional")
     p.add_argument("--out", default=None, help="run folder (default runs/<time>)")
     p.add_argument("--config", default=None, help="read the config from this JSON file")
     p.add_argument("--print-config", action="store_true", help="print the full config and exit")

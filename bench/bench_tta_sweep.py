@@ -1,0 +1,104 @@
+"""Time to a fixed P@1 for a few engine configurations, over several seeds, in one run: the quick
+comparison behind a default (e.g. ``merge_period``), without the whole study of
+``bench_time_to_accuracy.py`` (no learning-rate tuning, no baselines).
+
+Each ``--config`` is a JSON object: ``algorithm``, ``devices``, ``lr``, and optionally ``params``
+(the algorithm's options) and ``label``. Every run uses Adagrad by default, no warm-up, and
+evaluates every ``--eval-every`` epochs (on several devices: at the next merge barrier); the time
+to ``--target`` is interpolated between evaluations (``_tta.time_to_target``). The table gives,
+per configuration, the median time over seeds, the epoch of the first evaluation at or above
+the target, and the final P@1.
+
+The runs behind the ``merge_period`` default (``bench/results/tta_sweep/``)::
+
+    python bench/bench_tta_sweep.py --data debian_debtags --hidden 256 --target 0.8075 \\
+        --lr-decay 0 --epochs 1.5 --seeds 0 1 2 3 4 \\
+        --config '{"algorithm": "single", "devices": "cpu", "lr": 0.1}' \\
+        --config '{"algorithm": "adaptive", "devices": "cpu,cpu@0.5", "lr": 0.1,
+                   "params": {"merge_period": 2048}}' \\
+        ... (4096, 8192)
+    python bench/bench_tta_sweep.py --data delicious --hidden 512 --target 0.628 \\
+        --lr-decay 1 --epochs 3 --seeds 0 1 2 3 4 ...
+
+(the targets are those of the committed study: 97 % of the best method's median best P@1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+import _tta  # noqa: E402
+
+
+def parse_config(text: str) -> dict:
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--config is not JSON ({e}): {text!r}") from None
+    missing = [k for k in ("algorithm", "devices", "lr") if k not in cfg]
+    if not isinstance(cfg, dict) or missing:
+        raise argparse.ArgumentTypeError(f"--config needs algorithm, devices and lr: {text!r}")
+    cfg.setdefault("params", {})
+    cfg.setdefault("label", f"{cfg['algorithm']} {cfg['devices']} lr {cfg['lr']} "
+                   + " ".join(f"{k}={v}" for k, v in cfg["params"].items()))
+    return cfg
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--target", type=float, required=True, help="P@1 to reach")
+    p.add_argument("--config", type=parse_config, action="append", required=True)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--optimizer", default="adagrad")
+    p.add_argument("--lr-decay", type=float, default=0.0)
+    p.add_argument("--eval-every", type=float, default=0.125)
+    p.add_argument("--out", default=None, help="results JSON (default: "
+                   "bench/results/tta_sweep/<dataset>.json)")
+    args = p.parse_args(argv)
+
+    data = _tta.load_data(args.data)
+    out = Path(args.out or _common.RESULTS_DIR / "tta_sweep" / f"{_tta.data_tag(args.data)}.json")
+    rows = []
+    print(f"{'configuration':58s} {'median s':>9s} {'per seed (s @ epoch)':40s} {'final P@1':>9s}")
+    for cfg in args.config:
+        m = _tta.Method(cfg["label"], cfg["algorithm"], cfg["devices"], dict(cfg["params"]),
+                        lr=float(cfg["lr"]))
+        runs = []
+        for seed in args.seeds:
+            r = _tta.run_method(m, data, epochs=args.epochs, lr=m.lr, batch_size=args.batch_size,
+                                hidden=args.hidden, seed=seed, optimizer=args.optimizer,
+                                lr_decay=args.lr_decay, warmup_epochs=0.0,
+                                eval_every=args.eval_every)
+            t = _tta.time_to_target(r["curve"], args.target)
+            epoch = next((c[1] for c in r["curve"] if c[2] >= args.target), None)
+            runs.append({"seed": seed, "time_to_target_s": t, "epoch_at_target": epoch,
+                         "final_P@1": r["final"]["P@1"], "curve": r["curve"]})
+        med = float(np.median([x["time_to_target_s"] for x in runs]))
+        final = float(np.mean([x["final_P@1"] for x in runs]))
+        rows.append({"config": cfg, "median_time_to_target_s": med, "final_P@1": final,
+                     "runs": runs})
+        per = " ".join(f"{x['time_to_target_s']:.2f}@{x['epoch_at_target'] or float('nan'):.2f}"
+                       for x in runs)
+        print(f"{cfg['label'][:58]:58s} {med:9.3f} {per:40s} {final:9.4f}", flush=True)
+    path = _common.write_json(out, {
+        "benchmark": "tta_sweep", "command": " ".join(["bench_tta_sweep.py"] + sys.argv[1:]),
+        "args": {k: v for k, v in vars(args).items() if k != "config"},
+        "machine": _common.machine_info(), "rows": rows})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The row-sparse merge (``merge_changed_rows``): its CPU kernels against NumPy, the replicas'
+record of changed ``W1`` rows, and whole runs that must give the dense merge's model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_estimator import tiny_data
+from xmc_engine.algorithms import get_algorithm
+from xmc_engine.backends import get_backend
+from xmc_engine.devices import parse_devices
+from xmc_engine.model import MLPReplica, ModelShape, init_params
+from xmc_engine.scheduler import FakeReplica, ParallelTrainer
+from xmc_engine.scheduler.merge import merge_changed_rows, sq_norms, weighted_merge
+
+
+@pytest.fixture(scope="module")
+def be():
+    return get_backend("cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """Toy data over 2,000 features: a few batches touch only some rows of ``W1``."""
+    X, Y = tiny_data(n=400, n_features=2000)
+    return X, Y
+
+
+def mlp(be, X, Y, seed=0, optimizer="sgd"):
+    p = init_params(ModelShape(X.shape[1], Y.shape[1], (16,)), seed, avg_nnz=8.0)
+    return MLPReplica(be, X, Y, p, optimizer=optimizer)
+
+
+def sq64(a):
+    return float((np.asarray(a, np.float64) ** 2).sum())
+
+
+# -- kernels -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_merge_rows_matches_numpy_on_the_rows_only(be, n):
+    rng = np.random.default_rng(n)
+    arrays = [rng.standard_normal((50, 7)).astype(np.float32) for _ in range(n)]
+    w = rng.dirichlet(np.ones(n))
+    rows = np.array([0, 3, 4, 17, 49], np.int64)
+    out = rng.standard_normal((50, 7)).astype(np.float32)
+    before = out.copy()
+    ok, delta = be.merge_rows(arrays, w, rows, out)
+    expect = before.copy()
+    expect[rows] = sum(np.float32(wi) * a[rows] for wi, a in zip(w, arrays, strict=True))
+    assert ok
+    np.testing.assert_allclose(out, expect, rtol=1e-6, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(50), rows)
+    assert np.array_equal(out[untouched], before[untouched])
+    assert delta == pytest.approx(sq64(out) - sq64(before), rel=1e-9)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_merge_rows_reports_a_nonfinite_value(be, bad):
+    arrays = [np.ones((6, 4), np.float32), np.ones((6, 4), np.float32)]
+    arrays[1][2, 3] = bad
+    out = np.zeros((6, 4), np.float32)
+    assert be.merge_rows(arrays, [0.5, 0.5], np.arange(6), out)[0] is False
+    # a bad value outside the listed rows is not read
+    assert be.merge_rows(arrays, [0.5, 0.5], np.array([0, 1, 5]), out)[0] is True
+
+
+def test_copy_rows_copies_only_the_rows(be):
+    src = np.arange(40, dtype=np.float32).reshape(10, 4)
+    dst = np.zeros_like(src)
+    be.copy_rows(dst, src, np.array([1, 7], np.int64))
+    assert np.array_equal(dst[[1, 7]], src[[1, 7]])
+    assert not dst[[0, 2, 3, 4, 5, 6, 8, 9]].any()
+
+
+# -- the replica's record of changed rows --------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_replica_records_the_rows_its_steps_change(be, wide, optimizer):
+    X, Y = wide
+    rep = mlp(be, X, Y, optimizer=optimizer)
+    w0 = np.array(rep.params()[0])
+    assert not rep.changed_rows().any()
+    rows = np.arange(0, 40, 3)
+    rep.train_batch(rows, 0.5)
+    rep.train_batch(rows + 1, 0.5)
+    mask = rep.changed_rows()
+    feats = np.zeros(X.shape[1], bool)
+    feats[X[np.concatenate([rows, rows + 1])].indices] = True
+    assert np.array_equal(mask, feats)
+    changed = np.flatnonzero((rep.params()[0] != w0).any(axis=1))
+    assert mask[changed].all(), "a changed row is missing from the record"
+    assert 0 < mask.sum() < X.shape[1]
+    rep.set_params([w0] + rep.params()[1:])
+    assert not rep.changed_rows().any()
+
+
+def test_set_params_with_rows_copies_those_rows_of_w1_and_the_rest(be, wide):
+    X, Y = wide
+    a, b = mlp(be, X, Y, seed=0), mlp(be, X, Y, seed=1)
+    a.train_batch(np.arange(10), 0.5)
+    rows = np.array([2, 5, 11], np.int64)
+    w1_before = np.array(a.params()[0])
+    a.set_params(b.params(), rows=rows)
+    assert not a.changed_rows().any()
+    assert np.array_equal(a.params()[0][rows], b.params()[0][rows])
+    others = np.setdiff1d(np.arange(X.shape[1]), rows)
+    assert np.array_equal(a.params()[0][others], w1_before[others])
+    for x, y in zip(a.params()[1:], b.params()[1:], strict=True):
+        assert np.array_equal(x, y)
+
+
+# -- merge_changed_rows --------------------------------------------------------------------------
+def _period(reps, lr=0.5):
+    for i, r in enumerate(reps):
+        for s in range(3):
+            r.train_batch(np.arange(i * 30 + s * 8, i * 30 + s * 8 + 8), lr)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_merge_changed_rows_gives_the_dense_merge(be, wide, n):
+    X, Y = wide
+    reps = [mlp(be, X, Y) for _ in range(n)]
+    central = [np.array(p) for p in reps[0].params()]
+    _period(reps)
+    p = np.random.default_rng(n).dirichlet(np.ones(n))
+    dense = [np.empty_like(a) for a in central]
+    weighted_merge([r.params() for r in reps], p, dense, be)
+    sq_before = sq64(central[0])
+    delta = merge_changed_rows(reps, p, central, be)
+    assert delta is not None
+    for c, d in zip(central, dense, strict=True):
+        np.testing.assert_allclose(c, d, rtol=1e-6, atol=1e-7)
+    assert delta == pytest.approx(sq64(central[0]) - sq_before, rel=1e-9)
+    for r in reps:  # broadcast: every replica holds the central model, record cleared
+        assert not r.changed_rows().any()
+        for x, c in zip(r.params(), central, strict=True):
+            assert np.array_equal(x, c)
+
+
+def test_merge_changed_rows_leaves_replicas_alone_when_one_is_nonfinite(be, wide):
+    X, Y = wide
+    reps = [mlp(be, X, Y) for _ in range(2)]
+    central = [np.array(p) for p in reps[0].params()]
+    _period(reps)
+    row = int(np.flatnonzero(reps[1].changed_rows())[0])
+    reps[1].params()[0][row, 0] = np.nan
+    before = [[np.array(x) for x in r.params()] for r in reps]
+    assert merge_changed_rows(reps, [0.5, 0.5], central, be) is None
+    for r, b in zip(reps, before, strict=True):
+        for x, y in zip(r.params(), b, strict=True):
+            np.testing.assert_array_equal(x, y)
+    reps[1].params()[0][row, 0] = 0.0
+    reps[1].params()[1][0] = np.inf  # in a dense parameter: found before anything is written
+    assert merge_changed_rows(reps, [0.5, 0.5], central, be) is None
+
+
+def test_merge_changed_rows_does_not_apply_without_a_record_or_with_a_zero_weight(be, wide):
+    X, Y = wide
+    reps = [mlp(be, X, Y) for _ in range(2)]
+    central = [np.array(p) for p in reps[0].params()]
+    assert merge_changed_rows(reps, [1.0, 0.0], central, be) is None
+    fakes = [FakeReplica(10, sleep=False, shapes=((4, 2), (2,))) for _ in range(2)]
+    assert merge_changed_rows(fakes, [0.5, 0.5], [np.zeros((4, 2)), np.zeros(2)], be) is None
+
+
+# -- whole runs: the same model as the dense merge -----------------------------------------------
+class MergeLog:
+    def __init__(self):
+        self.merges = []
+
+    def write(self, event, **fields):
+        if event == "merge":
+            self.merges.append(fields)
+
+
+@pytest.mark.parametrize("algorithm", ["adaptive", "average"])
+def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorithm,
+                                                               monkeypatch):
+    import xmc_engine.algorithms.base as base
+
+    done = []
+
+    def counted(*args, **kwargs):
+        done.append(merge_changed_rows(*args, **kwargs))
+        return done[-1]
+
+    monkeypatch.setattr(base, "merge_changed_rows", counted)
+    X, Y = wide
+    results = {}
+    for sparse in (True, False):
+        reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+        pol = get_algorithm(algorithm, merge_period=128, batch_size=32, warmup_epochs=0,
+                            lr_decay=0, sparse_merge=sparse)
+        log = MergeLog()
+        with ParallelTrainer(reps, parse_devices("cpu,cpu@0.5", cores=2), pol, X.shape[0],
+                             seed=3, mode="simulated", cost=lambda i, b: 1e-3 * b,
+                             log=log) as tr:
+            for epoch in range(2):
+                tr.run_epoch(epoch, 0.1)
+            results[sparse] = ([np.array(p) for p in tr.central_params()], log.merges)
+    (sparse_params, sparse_log), (dense_params, dense_log) = results[True], results[False]
+    for a, b in zip(sparse_params, dense_params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert len(sparse_log) == len(dense_log) > 4
+    assert len(done) == len(sparse_log) and None not in done  # every merge took the sparse path
+    if algorithm == "adaptive":  # the L2 norm of the merged model, kept up to date
+        for s, d in zip(sparse_log, dense_log, strict=True):
+            assert s["norm"] == pytest.approx(d["norm"], rel=1e-5)
+            assert s["flag"] == d["flag"]
+            assert ([x["weight"] for x in s["devices"]]
+                    == pytest.approx([x["weight"] for x in d["devices"]], rel=1e-9))
+        assert np.sqrt(sum(sq_norms(sparse_params))) == pytest.approx(sparse_log[-1]["norm"],
+                                                                    rel=1e-5)
