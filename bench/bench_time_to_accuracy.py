@@ -39,17 +39,22 @@ lowest over seeds of the single-process PyTorch run's best P@1) and the speed-up
 ``bench/results/tta/<dataset>_<setup>.json`` (with the machine record) and ``.png`` (P@1 against
 training time, ``_tta.plot_curves``).
 
-The committed results (``bench/results/tta/``; about 35 minutes on 2 cores, the machine otherwise
-idle; ``--pecos-python`` adds PECOS beside napkinXC)::
+The committed results (``bench/results/tta/``; delicious and debian_debtags about 35 minutes on
+2 cores, the machine otherwise idle; ``--pecos-python`` adds PECOS beside napkinXC)::
 
-    COMMON="--epochs 4 --tune-epochs 2 --optimizer adagrad --warmup-epochs 0 --eval-every 0.25"
-    python bench/bench_time_to_accuracy.py --data delicious --setup 2dev --setup homog \\
-        --setup 3dev --seeds 0 1 2 $COMMON --hidden 512 --lr-decay 1.0 \\
+    COMMON="--epochs 4 --tune-epochs 2 --optimizer adagrad --warmup-epochs 0 --eval-every 0.125"
+    python bench/bench_time_to_accuracy.py --data delicious --setup 2dev --setup homog \
+        --setup 3dev --seeds 0 1 2 3 4 $COMMON --hidden 512 --lr-decay 1.0 \
         --lr-grid 0.025 0.05 0.1 0.2
-    python bench/bench_time_to_accuracy.py --data debian_debtags --setup 2dev --setup homog \\
-        --seeds 0 1 2 $COMMON --hidden 256 --lr-decay 0 --lr-grid 0.025 0.05 0.1 0.2
-    python bench/bench_time_to_accuracy.py --data synthetic:20000:20000:10000 --setup 2dev \\
-        --setup homog --seeds 0 1 $COMMON --hidden 128 --lr-decay 0 --no-libraries
+    python bench/bench_time_to_accuracy.py --data debian_debtags --setup 2dev --setup homog \
+        --seeds 0 1 2 3 4 $COMMON --hidden 256 --lr-decay 0 --lr-grid 0.025 0.05 0.1 0.2
+
+The synthetic results were made by an earlier version (dense merges every 8,192 samples,
+evaluation every 0.25 epoch, 2 seeds)::
+
+    python bench/bench_time_to_accuracy.py --data synthetic:20000:20000:10000 --setup 2dev \
+        --setup homog --seeds 0 1 --epochs 4 --tune-epochs 2 --optimizer adagrad \
+        --warmup-epochs 0 --eval-every 0.25 --hidden 128 --lr-decay 0 --no-libraries
 
 Tables and plots again from the saved runs, without training::
 

@@ -203,6 +203,7 @@ def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorit
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert len(sparse_log) == len(dense_log) > 4
     assert len(done) == len(sparse_log) and None not in done  # every merge took the sparse path
+    assert all(m["merge_s"] > 0 for m in sparse_log + dense_log)  # its time is logged
     if algorithm == "adaptive":  # the L2 norm of the merged model, kept up to date
         for s, d in zip(sparse_log, dense_log, strict=True):
             assert s["norm"] == pytest.approx(d["norm"], rel=1e-5)

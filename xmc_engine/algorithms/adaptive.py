@@ -15,11 +15,13 @@ the middle (log scale) of the paper's range. ``b_min, b_max, delta_b = 32, 1024,
 for ``p_i`` to resolve a 10 % speed difference (2-3 devices at ``B = 128`` make 10-16 each), and
 a merge must stay cheap against the period. The row-sparse merge (``sparse_merge``, the CPU)
 reads and writes only the ``W1`` rows the period changed: on debian_debtags at hidden 256
-(59 % of the rows touched per period) a merge took 9 ms against 17 ms dense, about 8 % of a
-period of two devices. Measured with ``bench/bench_tta_sweep.py`` (5 seeds, time to 97 % of the
-best P@1; results in ``bench/results/tta_sweep/``), 4096 reached the target sooner than 8192 on
-delicious and debian_debtags alike, and than 2048 on debian_debtags (more merges, each no
-cheaper per row). Still ~130 merges per epoch on Amazon-670K.
+(59 % of the rows touched per period) a merge takes about 10 ms against 19 ms dense, some 10 % of
+a period of two devices. Measured with ``bench/bench_tta_sweep.py`` (``cpu,cpu@0.5``, median
+time to 97 % of the study's best P@1 over 15 / 12 seeds; ``bench/results/tta_sweep/``): 4096 and
+8192 were level (debian_debtags 0.55 / 0.54 s, delicious 0.44 / 0.44 s), 2048 slower (0.63 s on
+debian_debtags: more merges, each hardly cheaper). 4096 keeps the replicas closer and gives
+twice the barriers for mid-epoch evaluation at no measured cost; ~130 merges per epoch on
+Amazon-670K.
 ``momentum = 0.0``: chosen by measurement (``bench/bench_heterogeneous.py
 --ablation``, delicious, 3 seeds, ``cpu,cpu@0.5`` and ``cpu,cpu@0.5,cpu@0.25``): final P@1 with
 μ = 0 / 0.5 / 0.9 was 0.595 / 0.587 / 0.566 and 0.574 / 0.562 / 0.601 with SGD (lr 1), and

@@ -38,6 +38,12 @@ class Replica(Protocol):
     pair ``grad_batch(rows) -> (loss_sum, grads)`` and ``apply_grads(grads, lr)``; ``grads``
     follows :meth:`params`, its first entry row-sparse ``(rows int64 sorted, grad_rows)``
     (:meth:`xmc_engine.model.MLPReplica.grad_batch`).
+
+    The row-sparse merge (:func:`xmc_engine.scheduler.merge.merge_changed_rows`) needs the
+    optional pair ``changed_rows()`` (a boolean mask of the first parameter's rows that steps
+    changed since the parameters were last set, or ``None``) and ``set_params(params, rows=)``
+    (copy only those rows of the first parameter, the others in full); replicas without them
+    are merged densely.
     """
 
     backend: Any

@@ -313,7 +313,8 @@ class ParallelTrainer:
                 if self.log is not None:
                     self.log.write("nonfinite", epoch=epoch, period=acct.period, device=i,
                                    name=str(self.devices[i]), lr_scale=self.lr_scale[i])
-            merge_s += time.perf_counter() - t0
+            dt_merge = time.perf_counter() - t0
+            merge_s += dt_merge
             self.policy.end_period(progress, acct.updates, acct.samples, res["busy_s"])
             loss_sum += sum(res["loss"])
             rows = _tally_period(tot, acct, self.devices, res["busy_s"], res["idle_s"],
@@ -321,7 +322,8 @@ class ParallelTrainer:
             if self.log is not None:
                 extra = {k: v for k, v in info.items() if k != "weights"}
                 self.log.write("merge", epoch=epoch, period=acct.period, lr=lr_t,
-                               algorithm=self.policy.name, devices=rows, **extra)
+                               algorithm=self.policy.name, merge_s=dt_merge, devices=rows,
+                               **extra)
             logger.debug("epoch %d period %d: updates %s weights %s", epoch, acct.period,
                          acct.updates, info["weights"])
             periods += 1
