@@ -2,7 +2,9 @@
 
 Every merge period of ``S`` samples is split into equal quotas ``S / n``; every device uses the
 same batch size ``B`` and learning rate; the merge is the uniform average of the replicas,
-broadcast to all (DESIGN.md §4, baselines). The slowest device sets the pace.
+broadcast to all (DESIGN.md §4, baselines); like ``adaptive``'s, it reads and writes only the
+``W1`` rows changed in the period where it can (``sparse_merge``). The slowest device sets the
+pace.
 """
 
 from __future__ import annotations
