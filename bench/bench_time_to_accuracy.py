@@ -49,12 +49,10 @@ The committed results (``bench/results/tta/``; delicious and debian_debtags abou
     python bench/bench_time_to_accuracy.py --data debian_debtags --setup 2dev --setup homog \
         --seeds 0 1 2 3 4 $COMMON --hidden 256 --lr-decay 0 --lr-grid 0.025 0.05 0.1 0.2
 
-The synthetic results were made by an earlier version (dense merges every 8,192 samples,
-evaluation every 0.25 epoch, 2 seeds)::
+and the synthetic shape (about 25 minutes; the default lr grid)::
 
     python bench/bench_time_to_accuracy.py --data synthetic:20000:20000:10000 --setup 2dev \
-        --setup homog --seeds 0 1 --epochs 4 --tune-epochs 2 --optimizer adagrad \
-        --warmup-epochs 0 --eval-every 0.25 --hidden 128 --lr-decay 0 --no-libraries
+        --setup homog --seeds 0 1 2 $COMMON --hidden 128 --lr-decay 0 --no-libraries
 
 Tables and plots again from the saved runs, without training::
 
