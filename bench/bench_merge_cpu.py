@@ -10,6 +10,10 @@ plain NumPy way, in the same run.
   merge (``merge_rows`` + ``copy_rows`` per replica, what ``merge_changed_rows`` runs) over a
   random ``--touched`` fraction of the rows (0.59: debian_debtags, 4,096 samples per period).
 
+``--touched-in DATASET [DATASET ...]`` prints, for each dataset, the fraction of its features
+(rows of ``W1``) that a period of ``--period`` random training rows touches (mean of 5 periods),
+and records it: what the row-sparse merge saves on that data.
+
 Default shape: two replicas of the debian_debtags model at hidden 256 (29,261 features, 590
 labels: a 30 MB ``W1``). Usage::
 
@@ -36,6 +40,17 @@ def _ms(fn, repeats: int) -> float:
     return 1e3 * float(np.median(_common.timings(fn, repeats)))
 
 
+def touched_fraction(name: str, period: int, periods: int = 5) -> float:
+    """Mean fraction of ``name``'s features present in ``period`` random training rows."""
+    X = _common.load_dataset(name)[0]
+    rng = np.random.default_rng(0)
+    fracs = []
+    for _ in range(periods):
+        rows = np.sort(rng.choice(X.shape[0], min(period, X.shape[0]), replace=False))
+        fracs.append(np.unique(X[rows].indices).size / X.shape[1])
+    return float(np.mean(fracs))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n-features", type=int, default=29261)
@@ -45,6 +60,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--touched", type=float, default=0.59,
                    help="fraction of W1 rows changed in the period (row-sparse merge)")
+    p.add_argument("--touched-in", nargs="*", default=[], metavar="DATASET",
+                   help="measure the fraction of W1 rows a period touches on these datasets")
+    p.add_argument("--period", type=int, default=4096, help="samples per merge period")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "merge_cpu.json"))
     args = p.parse_args(argv)
 
@@ -87,6 +105,8 @@ def main(argv=None) -> int:
             be.copy_rows(a, central[0], rows)
 
     r["w1_merge_ms"] = {"row-sparse": _ms(sparse, args.repeats), "dense": _ms(dense, args.repeats)}
+    r["touched_fraction"] = {name: touched_fraction(name, args.period)
+                             for name in args.touched_in}
     mb = sum(int(np.prod(s)) for s in shapes) * 4 / 2**20
     print(f"{args.replicas} replicas of {mb:.1f} MiB (W1 {args.n_features} x {args.hidden})")
     for what in ("check_ms", "broadcast_ms", "w1_merge_ms"):
@@ -94,6 +114,8 @@ def main(argv=None) -> int:
         print(f"  {what[:-3]:10s} {a:12s} {ta:7.2f} ms   {b:12s} {tb:7.2f} ms   x{tb / ta:.1f}")
     print(f"  weighted sum            {r['weighted_merge_ms']:7.2f} ms")
     print(f"  (w1_merge: {args.touched:.0%} of the rows changed in the period)")
+    for name, frac in r["touched_fraction"].items():
+        print(f"  {name}: a period of {args.period} rows touches {frac:.1%} of the W1 rows")
     path = _common.write_json(args.out, {
         "benchmark": "merge_cpu", "command": " ".join(["bench_merge_cpu.py"] + sys.argv[1:]),
         "args": vars(args), "model_mib_per_replica": mb, "machine": _common.machine_info(),

@@ -266,9 +266,10 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
 
     Between two merges a step changes only the ``W1`` rows of its batch's features, so every
     other row of every replica still equals the central model's: merging it would write back the
-    value it has. On sparse data most rows are untouched in a period (debian_debtags at 4,096
-    samples per period: 59 % of the rows touched, rcv1sub1: 11 %), and a dense merge of the big
-    ``W1`` is most of a merge's time. Here one pass over the touched rows merges, checks for
+    value it has. On sparse data with many features many rows are untouched in a period
+    (4,096 samples touch 59 % of debian_debtags' rows and 36 % of rcv1sub1's; all of delicious'
+    500; ``bench/bench_merge_cpu.py --touched-in``), and a dense merge of the big ``W1`` is most
+    of a merge's time. Here one pass over the touched rows merges, checks for
     NaN/inf and updates the norm, and a second writes them back to the replicas
     (``bench/bench_merge_cpu.py`` times it against the dense merge).
 
