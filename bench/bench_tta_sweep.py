@@ -55,13 +55,22 @@ def parse_config(text: str) -> dict:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"--config is not JSON ({e}): {text!r}") from None
-    missing = [k for k in ("algorithm", "devices", "lr") if k not in cfg]
-    if not isinstance(cfg, dict) or missing:
+    if not isinstance(cfg, dict) or any(k not in cfg for k in ("algorithm", "devices", "lr")):
         raise argparse.ArgumentTypeError(f"--config needs algorithm, devices and lr: {text!r}")
     cfg.setdefault("params", {})
     cfg.setdefault("label", f"{cfg['algorithm']} {cfg['devices']} lr {cfg['lr']} "
                    + " ".join(f"{k}={v}" for k, v in cfg["params"].items()))
     return cfg
+
+
+def median_quartiles(times) -> tuple[float, float, float]:
+    """Median and quartiles of times to target; ``inf`` (never reached) counts as the slowest.
+
+    The quartiles take the nearest sample (no interpolation), so a quartile next to an ``inf``
+    is ``inf`` rather than NaN (``inf - inf``)."""
+    t = np.asarray(times, dtype=np.float64)
+    q1, q3 = np.quantile(t, [0.25, 0.75], method="nearest")
+    return float(np.median(t)), float(q1), float(q3)
 
 
 def main(argv=None) -> int:
@@ -103,13 +112,9 @@ def main(argv=None) -> int:
     print(f"{'configuration':58s} {'median s':>9s} {'quartiles s':>13s} {'median epoch':>12s} "
           f"{'final P@1':>9s}")
     for cfg, acc in zip(args.config, runs, strict=True):
-        t = np.array([x["time_to_target_s"] for x in acc])
         ep = np.array([np.inf if x["epoch_at_target"] is None else x["epoch_at_target"]
                        for x in acc])
-        # "nearest": no interpolation, so a seed that never reached the target (inf) gives inf
-        # rather than inf - inf = nan
-        med = float(np.median(t))
-        q1, q3 = (float(v) for v in np.quantile(t, [0.25, 0.75], method="nearest"))
+        med, q1, q3 = median_quartiles([x["time_to_target_s"] for x in acc])
         final = float(np.mean([x["final_P@1"] for x in acc]))
         rows.append({"config": cfg, "median_time_to_target_s": med, "quartiles_s": [q1, q3],
                      "median_epoch_at_target": float(np.median(ep)), "final_P@1": final,

@@ -1,5 +1,6 @@
-"""The pure helpers of the time-to-accuracy study (bench/_tta.py, bench/bench_time_to_accuracy.py):
-interpolated time to a target, the summary table's ratios, and the learning-rate choice."""
+"""The pure helpers of the time-to-accuracy study (bench/_tta.py, bench/bench_time_to_accuracy.py,
+bench/bench_tta_sweep.py): interpolated time to a target, the summary table's ratios, the
+learning-rate choice, and the sweep's configurations and statistics."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from _tta import summarise, time_to_target  # noqa: E402
 from bench_time_to_accuracy import pick_lr  # noqa: E402
+from bench_tta_sweep import median_quartiles, parse_config  # noqa: E402
 
 
 def test_time_to_target_interpolates_between_evaluations():
@@ -64,3 +66,24 @@ def test_target_is_a_fraction_of_the_best_methods_median_best():
     assert s["best_P@1"] == pytest.approx(0.85)
     assert s["target_P@1"] == pytest.approx(0.97 * 0.85)
     assert s["best_P@1_any_run"] == pytest.approx(0.9)
+
+
+def test_sweep_config_needs_algorithm_devices_and_lr():
+    cfg = parse_config('{"algorithm": "adaptive", "devices": "cpu,cpu", "lr": 0.1, '
+                       '"params": {"merge_period": 4096}}')
+    assert cfg["label"] == "adaptive cpu,cpu lr 0.1 merge_period=4096"
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="not JSON"):
+        parse_config("{algorithm: adaptive}")
+    with pytest.raises(argparse.ArgumentTypeError, match="needs algorithm, devices and lr"):
+        parse_config('{"algorithm": "adaptive"}')
+    with pytest.raises(argparse.ArgumentTypeError, match="needs algorithm, devices and lr"):
+        parse_config("3")
+
+
+def test_sweep_statistics_count_never_reached_as_slowest():
+    assert median_quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (3.0, 2.0, 4.0)
+    med, q1, q3 = median_quartiles([1.0, 2.0, math.inf, math.inf, math.inf])
+    assert med == math.inf and q1 == 2.0 and q3 == math.inf
+    assert median_quartiles([math.inf] * 3) == (math.inf, math.inf, math.inf)
