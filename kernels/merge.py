@@ -15,7 +15,7 @@ Versions
 --------
 ``*_cpu``      @njit, flattened prange loops (every array is viewed 1-D); the CPU only also has
                ``all_finite_cpu`` (the merge's NaN/inf check), ``copy_cpu`` (its broadcast) and
-               the row-sparse pair ``merge_rows_cpu`` / ``scatter_rows_cpu``, which merge and
+               the row-sparse pair ``merge_rows_cpu`` / ``copy_rows_cpu``, which merge and
                broadcast only the listed rows of ``W1`` (prange over rows).
 ``*_kernel``   @cuda.jit grid-stride loops over the flattened arrays.
 ``weighted_sum`` over n replicas is applied pairwise on both sides (out = p0 w0, then
@@ -153,16 +153,14 @@ def merge_rows_cpu(arrays, weights, rows, central):
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def scatter_rows_cpu(dsts, src, rows):
-    """``dst[r] = src[r]`` for every ``dst`` in the tuple ``dsts`` and ``r`` in ``rows`` (the
-    row-sparse merge's broadcast)."""
+def copy_rows_cpu(dst, src, rows):
+    """``dst[r] = src[r]`` for every ``r`` in ``rows`` (the row-sparse merge's broadcast, one
+    replica at a time)."""
     cols = src.shape[1]
     for j in prange(rows.shape[0]):
         r = rows[j]
-        for i in range(len(dsts)):
-            d = dsts[i]
-            for c in range(cols):
-                d[r, c] = src[r, c]
+        for c in range(cols):
+            dst[r, c] = src[r, c]
 
 
 @cuda_kernel

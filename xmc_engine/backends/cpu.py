@@ -342,7 +342,7 @@ class CPUBackend:
     @staticmethod
     def copy_rows(dst, src, rows) -> None:
         """``dst[r] = src[r]`` for ``r`` in ``rows`` (float32 2-D, C order; parallel)."""
-        merge.scatter_rows_cpu((dst,), src, np.asarray(rows, np.int64))
+        merge.copy_rows_cpu(dst, src, np.asarray(rows, np.int64))
 
     @staticmethod
     def momentum(wbar, z1, z2, mu, out):
