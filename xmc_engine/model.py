@@ -58,12 +58,11 @@ class ModelShape:
         return int(sum(np.prod(s) for s in self.param_shapes))
 
 
-def init_params(shape: ModelShape, seed: int = 0, avg_nnz: float = 32.0,
-                avg_sq_value: float = 1.0) -> list[np.ndarray]:
+def init_params(shape: ModelShape, seed: int = 0, avg_nnz: float = 32.0) -> list[np.ndarray]:
     """Seeded host initialisation (float32, C-contiguous).
 
-    ``W1`` is uniform with variance ``1 / (avg_nnz * avg_sq_value)`` so that a hidden
-    pre-activation has unit variance for a typical input row; dense layers use Glorot-uniform;
+    ``W1`` is uniform with variance ``1 / avg_nnz`` (``avg_nnz`` non-zeros per input row;
+    :func:`init_params_for_data` takes it from the data); dense layers use Glorot-uniform;
     biases start at zero.
     """
     rng = np.random.default_rng(seed)
@@ -73,7 +72,7 @@ def init_params(shape: ModelShape, seed: int = 0, avg_nnz: float = 32.0,
             params.append(np.zeros(s, dtype=np.float32))
             continue
         if name == "W1":
-            bound = np.sqrt(3.0 / max(avg_nnz * avg_sq_value, 1e-6))
+            bound = np.sqrt(3.0 / max(avg_nnz, 1e-6))
         else:
             bound = np.sqrt(6.0 / (s[0] + s[1]))
         params.append(rng.uniform(-bound, bound, size=s).astype(np.float32))
@@ -84,13 +83,13 @@ def init_params_for_data(shape: ModelShape, X, seed: int = 0) -> list[np.ndarray
     """:func:`init_params` with ``W1`` sized by the training rows ``X``: variance
     ``1 / avg_nnz`` (non-zeros per row), feature values not counted.
 
-    Scaling ``W1`` up for small feature values as well (``avg_sq_value``, the mean squared
-    value: unit pre-activation variance) made it large where the values are tf-idf weights, and
-    a step, Adagrad's above all (about ``lr`` per weight whatever the gradient), then moves it
-    slowly: debian_debtags (mean squared value 0.021), hidden 256, one device, 4 epochs, P@1
-    0.759 with it against 0.822 without (Adagrad lr 0.1), 0.53 against 0.74 at the best epoch
-    (SGD lr 1); rcv1sub1 0.527 against 0.582. Binary features (delicious, bibtex) are the same
-    either way.
+    Scaling ``W1`` up for small feature values as well (variance ``1 / (avg_nnz x mean squared
+    value)``: unit pre-activation variance, as before) made it large where the values are
+    tf-idf weights, and a step, Adagrad's above all (about ``lr`` per weight whatever the
+    gradient), then moves it slowly: debian_debtags (mean squared value 0.021), hidden 256, one
+    device, 4 epochs, P@1 0.759 with it against 0.822 without (Adagrad lr 0.1), 0.53 against
+    0.74 at the best epoch (SGD lr 1); rcv1sub1 0.527 against 0.582. Binary features
+    (delicious, bibtex) are the same either way.
     """
     avg_nnz = max(X.nnz / max(X.shape[0], 1), 1.0)
     return init_params(shape, seed, avg_nnz=avg_nnz)

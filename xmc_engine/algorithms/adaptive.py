@@ -30,9 +30,10 @@ reasoning (BMUF, Chen & Huo 2016: ``1 − 1/n``) suggested 0.5; on these runs it
 0.9 diverged with Adagrad. Checked again on the current engine (``bench/bench_tta_sweep.py``,
 ``cpu,cpu@0.5``, 10 seeds, Adagrad; ``bench/results/tta_sweep/*_momentum.json``): median time
 to the study's target with μ = 0 / 0.5 / 0.9 was 0.58 / 0.85 s / never on debian_debtags and
-0.42 / 0.45 s / never on delicious. μ = 0 also lets the merge stay row-sparse. ``boost = True`` with ``flag_rule = "norm_rise"``:
-the paper's method (its flag condition is unpublished; ours is defined in
-:class:`~xmc_engine.scheduler.merge.NormTrend`); ``"never"`` is the no-boost control.
+0.42 / 0.45 s / never on delicious. μ = 0 also lets the merge stay row-sparse.
+``boost = True`` with ``flag_rule = "norm_rise"``: the paper's method (its flag condition is
+unpublished; ours is defined in :class:`~xmc_engine.scheduler.merge.NormTrend`); ``"never"`` is
+the no-boost control.
 ``warmup_epochs = 1``: the paper warms up with equal batches for its first epochs; one epoch is
 enough for the ramp on the XC datasets (~60+ merges). ``lr_decay = 0.1``: halves ``lr`` after ten
 epochs past warm-up, in line with the 10–30 epochs XMC models train for. ``rule = "step"``: the
