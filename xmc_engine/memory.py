@@ -279,9 +279,8 @@ def _candidates(cfg, n_devices: int):
         ov = {**chunk, "batch_size": b}
         flags = f"--batch-size {b}"
         if cfg.algorithm == "adaptive":
-            ov["algorithm_params"] = {**cfg.algorithm_params, "batch_size": b,
-                                      "b_min": min(b, int(cfg.algorithm_params.get("b_min", 32))),
-                                      "b_max": b}
+            ov["algorithm_params"] = {**cfg.algorithm_params.to_dict(),
+                                      "b_min": min(b, cfg.algorithm_params.b_min), "b_max": b}
             flags += f" --algo-param b_max={b}"
         yield ov, flags + chunk_flag
     for n in range(n_devices - 1, 0, -1):

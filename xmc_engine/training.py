@@ -137,7 +137,9 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                   assignment: str = "shared"):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
     :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
-    starting from the host arrays ``params``, and the algorithm's policy."""
+    starting from the host arrays ``params``, and the algorithm's policy. ``log`` (a
+    :class:`~xmc_engine.runlog.RunLog` or ``None``) receives its records; ``comm`` and
+    ``assignment`` make it one node of a multi-node run."""
     from xmc_engine.algorithms import get_algorithm
     from xmc_engine.backends import get_backend
     from xmc_engine.scheduler import Schedule, Trainer
@@ -149,8 +151,9 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
         rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer)
         if cfg.threads is None and be.name == "cpu" and d.threads > 1:
             rep.calibrate_threads(cfg.batch_size, d.threads)
-            log.write("threads", device=str(d), threads=be.threads,
-                      note="calibrated: the faster of 1 and all of the device's threads")
+            if log is not None:
+                    log.write("threads", device=str(d), threads=be.threads,
+                          note="calibrated: the faster of 1 and all of the device's threads")
         replicas.append(rep)
     schedule = Schedule(cfg.lr, cfg.warmup_epochs, cfg.lr_decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from xmc_engine.config import AlgorithmConfig, algorithm_config
-from xmc_engine.errors import DivergenceError
+from xmc_engine.config import ALGORITHMS, AlgorithmConfig, algorithm_config
+from xmc_engine.errors import ConfigError, DivergenceError
 from xmc_engine.scheduler.merge import find_nonfinite, merge_changed_rows
 
 logger = logging.getLogger(__name__)
@@ -54,14 +54,25 @@ class Policy:
         The most devices the algorithm runs on (``None``: any number).
     supports_nodes : bool
         Whether it runs across MPI nodes (DESIGN.md §6).
+    max_steps_per_period : int or None
+        The most steps a device makes per period (``None``: as many as the queue grants).
+    cut_at_stops : bool
+        Whether a period may end early where the caller wants a barrier (``run_epoch``'s
+        ``stop_after``): only where no merge depends on the period's length (one device).
     """
 
     name = "base"
     static = False
     max_devices: int | None = None
     supports_nodes = False
+    max_steps_per_period: int | None = None
+    cut_at_stops = False
 
     def __init__(self, config: AlgorithmConfig | dict | None = None, **overrides):
+        expected = ALGORITHMS[self.name]
+        if isinstance(config, AlgorithmConfig) and not isinstance(config, expected):
+            raise ConfigError(f"algorithm {self.name!r} takes {expected.__name__} options, got "
+                              f"{type(config).__name__}")
         config = algorithm_config(self.name, config, source=f"{self.name} options")
         if overrides:
             config = algorithm_config(self.name, {**config.to_dict(), **overrides},

@@ -3,8 +3,9 @@
 The baseline "single" of DESIGN.md §4, run by the same loop as every other algorithm
 (:class:`xmc_engine.scheduler.Trainer`), so the shuffle, the learning-rate schedule and the
 accounting are the ones the multi-device algorithms use. Its period (``merge_period`` of
-:class:`~xmc_engine.config.SingleConfig`) only spaces the barriers where the trainer logs,
-evaluates and checkpoints; the model is the replica's own parameters.
+:class:`~xmc_engine.config.SingleConfig`) only spaces the trainer's barriers (log records); a
+period also ends at the first whole batch past an evaluation or checkpoint mark, as nothing
+depends on its length. The model is the replica's own parameters.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Single(Policy):
 
     name = "single"
     max_devices = 1
+    cut_at_stops = True
 
     def setup(self, replicas: Sequence, *, n_samples: int, batch_size: int, merge_period: int,
               warmup_epochs: float) -> None:
@@ -36,8 +38,8 @@ class Single(Policy):
         """Nothing to merge; a non-finite loss ends the run (there is no replica to fall back
         on)."""
         if ctx.nonfinite:
-            raise DivergenceError(f"the loss became non-finite (lr {ctx.lrs[0]:g}); lower the "
-                                  "learning rate")
+            raise DivergenceError(f"the loss became non-finite in epoch {ctx.epoch} period "
+                                  f"{ctx.period} (lr {ctx.lrs[0]:g}); lower the learning rate")
         return {"weights": [1.0], "nonfinite": []}
 
     def central_params(self) -> list:

@@ -114,6 +114,7 @@ class SyncSGD(Policy):
 
     name = "sync"
     static = True
+    max_steps_per_period = 1
 
     def period_samples(self, n_devices: int, batch_size: int) -> int:
         """One global batch: ``n B`` (``B`` when ``split_global_batch``)."""
@@ -150,8 +151,8 @@ class SyncSGD(Policy):
         """All-reduce the period's gradients, then every live device applies the same step."""
         if ctx.nonfinite:
             raise DivergenceError(f"sync: the loss became non-finite on devices "
-                                  f"{sorted(ctx.nonfinite)} (lr {max(ctx.lrs):g}); lower the "
-                                  "learning rate")
+                                  f"{sorted(ctx.nonfinite)} in epoch {ctx.epoch} period "
+                                  f"{ctx.period} (lr {max(ctx.lrs):g}); lower the learning rate")
         got = [g if i not in ctx.excluded else None for i, g in enumerate(self._grads)]
         self._grads = [None] * self.n_devices
         total = sum(g[0] for g in got if g is not None)

@@ -84,10 +84,13 @@ class BatchQueue:
         Seeds the epoch permutations (:func:`epoch_permutation`).
     static : bool
         Static equal quotas per period instead of the dynamic shared cursor.
+    max_takes : int or None
+        At most this many batches per device per period (``sync``: one, so that a period is
+        one step); rows a period leaves stay on the cursor for the next one.
     """
 
     def __init__(self, n_samples: int, n_devices: int, merge_period: int, *, seed: int = 0,
-                 static: bool = False):
+                 static: bool = False, max_takes: int | None = None):
         if n_samples < 1 or n_devices < 1 or merge_period < 1:
             raise ValueError(f"BatchQueue needs n_samples, n_devices, merge_period >= 1, got "
                              f"{n_samples}, {n_devices}, {merge_period}")
@@ -96,6 +99,7 @@ class BatchQueue:
         self.merge_period = int(merge_period)
         self.seed = int(seed)
         self.static = bool(static)
+        self.max_takes = None if max_takes is None else int(max_takes)
         self._lock = threading.Lock()
         self._perm = np.empty(0, dtype=np.int64)
         self._cursor = 0
@@ -168,8 +172,13 @@ class BatchQueue:
             self._taken -= n
         return n
 
-    def start_period(self, batch_sizes) -> PeriodAccount:
-        """Open the next merge period with per-device batch sizes ``b_i``; returns its account."""
+    def start_period(self, batch_sizes, cap: int | None = None) -> PeriodAccount:
+        """Open the next merge period with per-device batch sizes ``b_i``; returns its account.
+
+        ``cap`` (one device, dynamic mode) ends the period after the first whole batch that
+        reaches ``cap`` samples: a barrier where the caller wants one (an evaluation or a
+        checkpoint) without changing the batches.
+        """
         b = [int(x) for x in batch_sizes]
         if len(b) != self.n_devices or min(b) < 1:
             raise ValueError(f"need {self.n_devices} batch sizes >= 1, got {b}")
@@ -182,6 +191,10 @@ class BatchQueue:
             k, done = self.period + 1, self.n_samples - R
             self._last = k >= self.n_periods - 1
             budget = R if self._last else max(1, (k + 1) * self.n_samples // self.n_periods - done)
+        if cap is not None and not self.static:
+            capped = -(-max(int(cap), 1) // bmax) * bmax
+            if capped < budget:
+                budget, self._last = capped, False
         self._max_b = bmax
         self._taken = 0
         self.period += 1
@@ -210,6 +223,8 @@ class BatchQueue:
             bi = acct.batch_sizes[device_id] if b is None else int(b)
             left = acct.budget - self._taken
             if left <= 0:
+                return None
+            if self.max_takes is not None and acct.updates[device_id] >= self.max_takes:
                 return None
             if self.static:
                 n = min(bi, self._quota[device_id] - acct.samples[device_id])
@@ -306,7 +321,9 @@ class FixedAssignmentQueue:
     def give_back(self, device_id: int) -> int:
         raise ValueError("the fixed-assignment queue cannot drop a device")
 
-    def start_period(self, batch_sizes):
+    def start_period(self, batch_sizes, cap: int | None = None):
+        """Open the next of the ``n_periods`` periods (``cap`` is ignored: the periods are
+        fixed by the assignment)."""
         k = self.period + 1
         P = self.n_periods
         self._end = [(k + 1) * m // P for m in self.counts]

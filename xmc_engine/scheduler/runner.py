@@ -69,6 +69,8 @@ class MergeContext:
     run_on_devices : callable ``(fn) -> list``
         Runs ``fn(i)`` for every live device ``i`` in that device's worker (in parallel in the
         threaded mode, in order on the main thread in the simulated one); returns the results.
+    epoch, period : int
+        Where the run is (for messages and logs).
     """
 
     excluded: set = field(default_factory=set)
@@ -76,6 +78,8 @@ class MergeContext:
     lrs: list = field(default_factory=list)
     comm: Any = None
     run_on_devices: Callable[[Callable[[int], Any]], list] = lambda fn: []
+    epoch: int = 0
+    period: int = 0
 
     @property
     def multi_node(self) -> bool:
@@ -186,14 +190,15 @@ class Trainer:
         self.faults = FaultInjector.from_spec(faults)
         self.comm = comm
         period = policy.period_samples(n, self.batch_size)
-        if comm is not None and (comm.size > 1 or assignment != "shared"):
-            from xmc_engine.distributed import node_queue
+        if assignment != "shared" or (comm is not None and comm.size > 1):
+            from xmc_engine.distributed import LocalComm, node_queue
 
             self.queue, period, self.n_global = node_queue(
-                comm, policy, self.n_samples, n, period, assignment=assignment, seed=self.seed)
+                comm if comm is not None else LocalComm(), policy, self.n_samples, n, period,
+                assignment=assignment, seed=self.seed)
         else:
             self.queue = BatchQueue(self.n_samples, n, period, seed=self.seed,
-                                    static=policy.static)
+                                    static=policy.static, max_takes=policy.max_steps_per_period)
             self.n_global = self.n_samples
         init = self.replicas[0].params()
         for r in self.replicas[1:]:
@@ -292,7 +297,10 @@ class Trainer:
             done_before = self.n_samples - q.remaining
             self._rejoin(epoch)
             q.set_active(self.alive)
-            acct = q.start_period(self.policy.batch_sizes())
+            cap = None
+            if self.policy.cut_at_stops and stop_after is not None:
+                cap = stop_after - done_before
+            acct = q.start_period(self.policy.batch_sizes(), cap=cap)
             progress = epoch + (done_before + acct.budget) / self.n_samples
             lr_t = self.schedule(progress)
             lrs = [x * s for x, s in zip(self.policy.device_lrs(lr_t), self.lr_scale,
@@ -310,7 +318,8 @@ class Trainer:
                          if self.alive[i] and not math.isfinite(res["loss"][i])}
             ctx = MergeContext(excluded={i for i in range(n) if not self.alive[i]},
                                nonfinite=nonfinite, lrs=lrs, comm=self.comm,
-                               run_on_devices=self._run_on_devices)
+                               run_on_devices=self._run_on_devices, epoch=epoch,
+                               period=acct.period)
             info = self.policy.merge(self.replicas, acct.updates, ctx)
             self._trace("merge_end", -1)
             for i in info.get("nonfinite") or []:
