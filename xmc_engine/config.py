@@ -161,12 +161,19 @@ class AlgorithmConfig(ConfigMixin):
 
 @dataclass
 class SingleConfig(AlgorithmConfig):
-    """Options of ``single`` (one device): only the shared ones. ``merge_period`` is the
-    period between the trainer's barriers (log records, evaluation and checkpoint points)."""
+    """Options of ``single`` (one device).
+
+    Attributes
+    ----------
+    merge_period : int
+        Samples between the trainer's barriers: a log record, and where evaluations and
+        checkpoints may happen (the first barrier at or after each mark). Small enough for
+        fine-grained evaluation, large enough that a barrier costs nothing measurable.
+    """
 
     default_warmup_epochs: ClassVar[float] = 0.0
 
-    merge_period: int = 4096
+    merge_period: int = 1024
 
     def __post_init__(self):
         super().__post_init__()

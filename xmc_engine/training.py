@@ -350,7 +350,8 @@ class _Driver:
                 self._interrupted(epoch)
             if self.evaluator is not None and self.last_eval_samples != st["samples"]:
                 self.evaluate(st["samples"] / self.n)
-            if self.ckpts is not None and self.every is not None:
+            if (self.ckpts is not None and self.every is not None
+                    and self.last_ckpt_samples != st["samples"]):
                 self.checkpoint(epoch)
         finally:
             for sig, handler in previous.items():

@@ -56,9 +56,6 @@ class Policy:
         Whether it runs across MPI nodes (DESIGN.md §6).
     max_steps_per_period : int or None
         The most steps a device makes per period (``None``: as many as the queue grants).
-    cut_at_stops : bool
-        Whether a period may end early where the caller wants a barrier (``run_epoch``'s
-        ``stop_after``): only where no merge depends on the period's length (one device).
     """
 
     name = "base"
@@ -66,7 +63,6 @@ class Policy:
     max_devices: int | None = None
     supports_nodes = False
     max_steps_per_period: int | None = None
-    cut_at_stops = False
 
     def __init__(self, config: AlgorithmConfig | dict | None = None, **overrides):
         expected = ALGORITHMS[self.name]

@@ -3,9 +3,9 @@
 The baseline "single" of DESIGN.md §4, run by the same loop as every other algorithm
 (:class:`xmc_engine.scheduler.Trainer`), so the shuffle, the learning-rate schedule and the
 accounting are the ones the multi-device algorithms use. Its period (``merge_period`` of
-:class:`~xmc_engine.config.SingleConfig`) only spaces the trainer's barriers (log records); a
-period also ends at the first whole batch past an evaluation or checkpoint mark, as nothing
-depends on its length. The model is the replica's own parameters.
+:class:`~xmc_engine.config.SingleConfig`) spaces the trainer's barriers: a log record, and the
+points where evaluations and checkpoints happen (the first barrier at or after each mark, as on
+several devices). The model is the replica's own parameters.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ class Single(Policy):
 
     name = "single"
     max_devices = 1
-    cut_at_stops = True
 
     def setup(self, replicas: Sequence, *, n_samples: int, batch_size: int, merge_period: int,
               warmup_epochs: float) -> None:

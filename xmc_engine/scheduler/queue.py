@@ -172,13 +172,8 @@ class BatchQueue:
             self._taken -= n
         return n
 
-    def start_period(self, batch_sizes, cap: int | None = None) -> PeriodAccount:
-        """Open the next merge period with per-device batch sizes ``b_i``; returns its account.
-
-        ``cap`` (one device, dynamic mode) ends the period after the first whole batch that
-        reaches ``cap`` samples: a barrier where the caller wants one (an evaluation or a
-        checkpoint) without changing the batches.
-        """
+    def start_period(self, batch_sizes) -> PeriodAccount:
+        """Open the next merge period with per-device batch sizes ``b_i``; returns its account."""
         b = [int(x) for x in batch_sizes]
         if len(b) != self.n_devices or min(b) < 1:
             raise ValueError(f"need {self.n_devices} batch sizes >= 1, got {b}")
@@ -191,10 +186,6 @@ class BatchQueue:
             k, done = self.period + 1, self.n_samples - R
             self._last = k >= self.n_periods - 1
             budget = R if self._last else max(1, (k + 1) * self.n_samples // self.n_periods - done)
-        if cap is not None and not self.static:
-            capped = -(-max(int(cap), 1) // bmax) * bmax
-            if capped < budget:
-                budget, self._last = capped, False
         self._max_b = bmax
         self._taken = 0
         self.period += 1
@@ -321,9 +312,8 @@ class FixedAssignmentQueue:
     def give_back(self, device_id: int) -> int:
         raise ValueError("the fixed-assignment queue cannot drop a device")
 
-    def start_period(self, batch_sizes, cap: int | None = None):
-        """Open the next of the ``n_periods`` periods (``cap`` is ignored: the periods are
-        fixed by the assignment)."""
+    def start_period(self, batch_sizes):
+        """Open the next of the ``n_periods`` periods."""
         k = self.period + 1
         P = self.n_periods
         self._end = [(k + 1) * m // P for m in self.counts]

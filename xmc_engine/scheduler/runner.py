@@ -297,10 +297,7 @@ class Trainer:
             done_before = self.n_samples - q.remaining
             self._rejoin(epoch)
             q.set_active(self.alive)
-            cap = None
-            if self.policy.cut_at_stops and stop_after is not None:
-                cap = stop_after - done_before
-            acct = q.start_period(self.policy.batch_sizes(), cap=cap)
+            acct = q.start_period(self.policy.batch_sizes())
             progress = epoch + (done_before + acct.budget) / self.n_samples
             lr_t = self.schedule(progress)
             lrs = [x * s for x, s in zip(self.policy.device_lrs(lr_t), self.lr_scale,
@@ -337,7 +334,8 @@ class Trainer:
             rows = self._tally(tot, acct, res, info["weights"], lrs)
             if self.log is not None:
                 extra = {k: v for k, v in info.items() if k != "weights"}
-                self.log.write("merge", epoch=epoch, period=acct.period, lr=lr_t,
+                self.log.write("merge", epoch=epoch, period=acct.period, progress=progress,
+                               lr=lr_t,
                                algorithm=self.policy.name, merge_s=dt_merge, devices=rows,
                                **extra)
             periods += 1
