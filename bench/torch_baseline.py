@@ -53,6 +53,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from xmc_engine.scheduler.queue import epoch_permutation
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
@@ -91,11 +93,6 @@ class Batch(NamedTuple):
     n_rows: int
 
 
-def epoch_permutation(seed: int, epoch: int, n_samples: int) -> np.ndarray:
-    """The engine's shuffled order of epoch ``epoch`` (xmc_engine.training.epoch_permutation)."""
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(n_samples)
-
-
 def csr_to_batch(Xb, Yb) -> Batch:
     """Convert a CSR batch ``Xb`` (B, n_features) and ``Yb`` (B, n_labels) to a :class:`Batch`."""
     _require_torch()
@@ -124,11 +121,12 @@ def make_batches(X, Y, batch_size: int, seed: int, epoch: int, *, rows=None):
     X : scipy.sparse.csr_matrix (n_samples, n_features) float32, host
     Y : scipy.sparse.csr_matrix (n_samples, n_labels), host, binary
     batch_size : int, rows per batch (the last batch of the epoch may be smaller)
-    seed, epoch : int, select the permutation (see :func:`epoch_permutation`)
+    seed, epoch : int, select the permutation (the engine's
+        :func:`~xmc_engine.scheduler.queue.epoch_permutation`)
     rows : optional slice applied to each batch's row ids (used by DDP ranks for their share)
     """
     n = X.shape[0]
-    perm = epoch_permutation(seed, epoch, n)
+    perm = epoch_permutation(n, seed, epoch)
     for start in range(0, n, batch_size):
         idx = perm[start:start + batch_size]
         if rows is not None:
@@ -339,7 +337,7 @@ def check_against_engine(X, Y, *, hidden: int = 128, batch_size: int = 256, lr: 
     params = [be.asarray(p.copy()) for p in init]
     model = SparseMLP(X.shape[1], Y.shape[1], hidden, init=init)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    perm = epoch_permutation(seed, 0, X.shape[0])
+    perm = epoch_permutation(X.shape[0], seed, 0)
     loss_e = loss_t = float("nan")
     for s in range(n_steps):
         rows = perm[s * batch_size:(s + 1) * batch_size]
