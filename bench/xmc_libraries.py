@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.pecos_worker:
         return pecos_worker(args.pecos_worker, args.threads, args.seed)
+    meta = _common.result_metadata(machine_extra={"threads": args.threads})
     libs = args.library or ["napkinxc", "pecos"]
     results, skipped = [], []
     for name in args.data or list(DEFAULT_DATA):
@@ -222,13 +223,11 @@ def main(argv=None) -> int:
             r = {"dataset": name, **r, "n_train": X.shape[0], "n_test": X_test.shape[0]}
             print(_line(r), flush=True)
             results.append(r)
-    payload = {"benchmark": "xmc_libraries",
-               "machine": _common.machine_info(extra={"threads": args.threads}),
-               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    payload = {**meta, "benchmark": "xmc_libraries",
                "peak_rss_mib": _common.peak_rss_mib(),
                "peak_rss_mib_children": _common.peak_rss_mib(children=True),
                "results": results, "skipped": skipped}
-    _common.write_json(args.out, payload)
+    _common.write_result(args.out, payload)
     print(f"wrote {args.out}")
     return 0
 
