@@ -36,8 +36,8 @@ interpolation between evaluations, ``_tta.time_to_target``), the final P@1 / P@5
 to ``adaptive`` ("x adaptive"); then the time each method takes to reach PyTorch's best P@1 (the
 lowest over seeds of the single-process PyTorch run's best P@1) and the speed-up of the engine's
 ``single`` over PyTorch (issue "One-device trainer": target >= 2x on delicious). Results:
-``bench/results/tta/<dataset>_<setup>.json`` (with the machine record) and ``.png`` (P@1 against
-training time, ``_tta.plot_curves``).
+``bench/results/tta/<dataset>_<setup>.json`` (with command, git commit and machine) and ``.png``
+(P@1 against training time, ``_tta.plot_curves``).
 
 The committed results (``bench/results/tta/``; delicious and debian_debtags about 35 minutes on
 2 cores, the machine otherwise idle; ``--pecos-python`` adds PECOS beside napkinXC)::

@@ -4,7 +4,7 @@ data, machine and metrics as the engine (DESIGN.md §4 "Baselines", §5).
 For every (library, dataset) the script measures training time (``fit``, including tree
 building), prediction time (top-5 for the full test set) and P@1/3/5, nDCG@1/3/5 with the project's
 :class:`xmc_engine.metrics.TopKMetrics`, prints one line each and writes
-``bench/results/xmc_libraries.json`` together with the machine record.
+``bench/results/xmc_libraries.json`` with the command, git commit and machine.
 
 PECOS (``libpecos``) pins NumPy < 2, so it lives in its own virtualenv (``--pecos-python``,
 default ``/work/pecos-venv/bin/python`` when it exists). This file doubles as the PECOS worker:
