@@ -518,7 +518,7 @@ def run_dataset(name: str, args) -> dict | None:
     except _common.SkipBenchmark as e:
         print(f"SKIP {name}: {e}")
         return None
-    load0 = [round(x, 2) for x in os.getloadavg()]
+    meta = _common.result_metadata(machine_extra={"torch_threads": args.threads})
     check = check_against_engine(X, Y, hidden=args.hidden, batch_size=args.batch_size,
                                  lr=args.lr[0], seed=args.seed)
     if check is None:
@@ -555,12 +555,9 @@ def run_dataset(name: str, args) -> dict | None:
               f"({args.throughput_steps} steps of {args.batch_size}, warm-up excluded)")
     best = max(runs, key=lambda r: r["best"]["P@1"]) if runs else None
     payload = {
-        "benchmark": "torch_baseline", "dataset": name,
+        **meta, "benchmark": "torch_baseline", "dataset": name,
         "shape": {"n_train": X.shape[0], "n_test": X_test.shape[0], "n_features": X.shape[1],
                   "n_labels": Y.shape[1]},
-        "machine": _common.machine_info(extra={"torch_threads": args.threads,
-                                                "loadavg_at_start": load0}),
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "check_vs_engine": check, "runs": runs,
         "step_throughput_samples_per_s_by_threads": tput,
         "best": None if best is None else {"variant": best["variant"],
@@ -581,7 +578,7 @@ def main(argv=None) -> int:
         if payload is None:
             continue
         out = Path(args.out) if args.out else _common.RESULTS_DIR / f"torch_{name}.json"
-        _common.write_json(out, payload)
+        _common.write_result(out, payload)
         print(f"wrote {out}")
     return 0
 
