@@ -40,13 +40,13 @@ class Evaluator:
     """Top-k metrics of the current parameters on a held-out set (DESIGN.md §5)."""
 
     def __init__(self, cfg: TrainConfig, eval_set, label_counts, n_train: int, label_chunk):
-        from xmc_engine.metrics import jain_propensity
+        from xmc_engine.metrics import propensity_or_none
 
         self.X, self.Y = eval_set
         self.k = max(5, cfg.eval_k)
         self.label_chunk = label_chunk
-        self.propensity = jain_propensity(label_counts, n_samples=n_train,
-                                          A=cfg.propensity_a, B=cfg.propensity_b)
+        self.propensity = propensity_or_none(label_counts, n_train, A=cfg.propensity_a,
+                                             B=cfg.propensity_b)
 
     def __call__(self, be, params) -> dict[str, float]:
         from xmc_engine.metrics import TopKMetrics
@@ -307,9 +307,16 @@ class _Driver:
         arrays = dict(zip(self.shape.param_names, self.runner.host_params(), strict=True))
         arrays.update(self.runner.checkpoint_extra())
         meta = {k: self.state[k] for k in ("epoch", "batch", "samples", "train_time")}
-        path = self.ckpts.save(meta, arrays)
+        self._reset_ckpt_clock()  # a failed write is retried at the next checkpoint, not sooner
+        try:
+            path = self.ckpts.save(meta, arrays)
+        except OSError as exc:  # disk full, quota: the run goes on; the old checkpoints stay
+            last = self._last_checkpoint()
+            self.log.write("checkpoint_failed", error=str(exc), last_checkpoint=last, **meta)
+            logger.warning("checkpoint at %d samples failed (%s); training continues, the last "
+                           "good checkpoint is %s", meta["samples"], exc.strerror or exc, last)
+            return
         self.log.write("checkpoint", path=str(path), **meta)
-        self._reset_ckpt_clock()
 
     def _ckpt_due(self) -> bool:
         if self.every is None:
