@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from xmc_engine.cli.argtypes import positive_float
+
 
 def register(sub) -> None:
     """Add the ``datasets`` command group to the top-level subparsers."""
@@ -27,7 +29,8 @@ def register(sub) -> None:
     q.add_argument("--sha256", help="expected sha256 of the downloaded file")
     q.add_argument("--dest", type=Path, help="folder to unpack into "
                                              "(default XMC_DOWNLOAD_DIR/NAME)")
-    q.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds")
+    q.add_argument("--timeout", type=positive_float, default=10.0,
+                   help="network timeout in seconds")
     q.set_defaults(func=cmd_fetch)
 
     q = ds.add_parser("convert", help="convert XC / LIBSVM / .npz to XC text (by OUT suffix: "

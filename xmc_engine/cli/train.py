@@ -7,65 +7,36 @@ import argparse
 import contextlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
 from pathlib import Path
 
+from xmc_engine.cli.argtypes import finite_float, int_list, positive_int
 from xmc_engine.config import ALGORITHMS, TrainConfig
 from xmc_engine.errors import ConfigError, DataMismatchError, SaveError, XMCError
 from xmc_engine.runlog import LOG_NAME
 
 RUN_FILE = "run.json"  # in a run folder: the config and the data it was trained on
 
-def _int_list(s: str) -> list[int]:
-    """``"64,32"`` -> ``[64, 32]`` (argparse type of ``--hidden``)."""
-    try:
-        return [int(v) for v in s.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{s!r} is not a comma-separated list of integers (e.g. 128 or 64,32)") from None
-
-
-def _finite_float(s: str) -> float:
-    """A float that is neither NaN nor infinite (argparse type)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"{s!r} is not a finite number")
-    return v
-
-
-def _positive_int(s: str) -> int:
-    """An integer >= 1 (argparse type)."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{s!r} must be >= 1")
-    return v
-
-
 # CLI option -> TrainConfig field, with the type argparse converts to.
 _CONFIG_OPTIONS = {
-    "hidden": ("--hidden", _int_list, "hidden widths, comma-separated (default 128)"),
-    "epochs": ("--epochs", _finite_float, "training epochs (default 10)"),
+    "hidden": ("--hidden", int_list, "hidden widths, comma-separated (default 128)"),
+    "epochs": ("--epochs", finite_float, "training epochs (default 10)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 256)"),
-    "lr": ("--lr", _finite_float, "base learning rate (default 1.0)"),
-    "lr_warmup_epochs": ("--lr-warmup-epochs", _finite_float,
+    "lr": ("--lr", finite_float, "base learning rate (default 1.0)"),
+    "lr_warmup_epochs": ("--lr-warmup-epochs", finite_float,
                          "linear learning-rate warm-up, every algorithm (default: the "
                          "algorithm's own: 0 for single, 1 epoch multi-device)"),
-    "lr_decay": ("--lr-decay", _finite_float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
+    "lr_decay": ("--lr-decay", finite_float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "sgd (default) or adagrad"),
     "devices": ("--devices", str, "device spec, e.g. cpu | cpu,cpu@0.5 | cuda:0,cuda:0 | auto"),
     "algorithm": ("--algorithm", str, f"one of {', '.join(ALGORITHMS)}"),
     "seed": ("--seed", int, "random seed (default 0)"),
     "threads": ("--threads", int, "CPU threads (default: all cores)"),
-    "eval_every": ("--eval-every", _finite_float, "evaluate every N epochs (0: at the end)"),
+    "eval_every": ("--eval-every", finite_float, "evaluate every N epochs (0: at the end)"),
 }
 
 
@@ -119,7 +90,7 @@ def register(sub) -> None:
     r = sub.add_parser("predict", help="top-k labels and scores per row")
     r.add_argument("model_dir")
     r.add_argument("--data", required=True)
-    r.add_argument("--top-k", type=_positive_int, default=5,
+    r.add_argument("--top-k", type=positive_int, default=5,
                    help="labels per row (default 5; above the model's label count: all labels)")
     r.add_argument("--out", required=True, help="output file: one line per row, "
                    "'label:score label:score ...'")
@@ -141,7 +112,7 @@ DEFAULT_RUN = {"optimizer": "adagrad", "lr": 0.05, "epochs": 10}
 def config_from_args(args) -> TrainConfig:
     """Defaults < ``--config`` file < explicit options (the main job starts from DEFAULT_RUN)."""
     if args.config:
-        base = TrainConfig.from_json_file(args.config).to_dict()
+        base = read_config_file(args.config)
     elif getattr(args, "data", None) is None:
         base = dict(DEFAULT_RUN)
     else:
@@ -156,7 +127,64 @@ def config_from_args(args) -> TrainConfig:
         base["algorithm_params"] = params
     if base.get("epochs") is not None and float(base["epochs"]).is_integer():
         base["epochs"] = int(base["epochs"])
-    return TrainConfig.from_dict(base, source="command line")
+    return check_config(TrainConfig.from_dict(base, source="command line"), "command line")
+
+
+# Numeric TrainConfig fields; those in _MAY_BE_NONE may also be None (the algorithm's default).
+_NUMERIC_FIELDS = ("epochs", "batch_size", "lr", "lr_warmup_epochs", "lr_decay", "label_chunk",
+                   "seed", "threads", "eval_every", "eval_k", "propensity_a", "propensity_b")
+_MAY_BE_NONE = ("lr_warmup_epochs", "label_chunk", "threads")
+
+
+def check_config(cfg: TrainConfig, source: str) -> TrainConfig:
+    """Refuse, naming ``source``, values :meth:`TrainConfig.validate` lets through but a run
+    cannot use: a number that is not a finite real, propensity constants that are not > 0, a
+    device spec, optimizer or algorithm that is not a string. Returns ``cfg``."""
+    for name in _NUMERIC_FIELDS:
+        value = getattr(cfg, name)
+        if value is None and name in _MAY_BE_NONE:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)):
+            raise ConfigError(f"{source}: {name}={value!r}: need a finite number")
+    for name in ("propensity_a", "propensity_b"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: must be > 0")
+    for name in ("devices", "optimizer", "algorithm"):
+        if not isinstance(getattr(cfg, name), str):
+            raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: need a string")
+    return cfg
+
+
+def read_config_file(path) -> dict:
+    """The JSON object in config file ``path``, checked by :class:`TrainConfig`; refuses NaN,
+    infinities and numbers too large for a float, which JSON readers otherwise let through.
+
+    Raises
+    ------
+    ConfigError
+        Missing or unreadable file, invalid JSON, a non-finite number, or a config
+        :class:`TrainConfig` refuses; the message names the file.
+    """
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} is not a finite number")
+        return value
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a number JSON allows; use a finite number")
+
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(), parse_float=finite, parse_constant=no_constant)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config {path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+    except (ValueError, OSError) as exc:  # non-finite number, a folder, unreadable, not UTF-8
+        raise ConfigError(f"--config {path}: {exc}") from None
+    return check_config(TrainConfig.from_dict(d, source=str(path)), str(path)).to_dict()
 
 
 def _load_data(data, test):
@@ -207,7 +235,7 @@ def _read_run_file(run_dir: Path):
         raise ConfigError(f"{path}: invalid JSON ({exc.msg}); this run cannot be resumed") from None
     if not isinstance(run, dict) or not isinstance(run.get("data"), str):
         raise ConfigError(f"{path}: not a run file (no 'data' entry); this run cannot be resumed")
-    cfg = TrainConfig.from_dict(run.get("config"), source=str(path))
+    cfg = check_config(TrainConfig.from_dict(run.get("config"), source=str(path)), str(path))
     return cfg, run["data"], run.get("test"), run.get("checkpoint_every")
 
 
