@@ -16,11 +16,11 @@ import sys
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from xmc_engine.datasets import save_xc
 
 from tests._helpers import write_tiny_xc
 from xmc_engine.checkpoint import CheckpointManager
 from xmc_engine.cli import main
-from xmc_engine.datasets import save_xc
 from xmc_engine.runlock import LOCK_NAME, RunLock
 from xmc_engine.runlog import read_log
 
@@ -220,6 +220,14 @@ def test_second_train_on_a_busy_folder_stops_at_once(files, tmp_path, capsys):
     assert not run.exists()
 
 
+def test_a_finished_run_folder_is_not_reused_by_a_new_run(files, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli(capsys, "train", "--data", files, *TRAIN, "--out", run)[0] == 0
+    before = (run / "log.jsonl").read_bytes()
+    bad(capsys, "train", "--data", files, *TRAIN, "--out", run, needle=f"--resume {run}")
+    assert (run / "log.jsonl").read_bytes() == before  # not one record of another run added
+
+
 def _hold_lock(run):
     """A child process that holds ``run``'s lock until it is killed."""
     code = ("import sys; from xmc_engine.runlock import RunLock; RunLock(sys.argv[1]).acquire(); "
@@ -274,3 +282,49 @@ def test_other_bad_outputs_and_inputs(model, files, tmp_path, capsys):
     bad(capsys, "plot", tmp_path, needle="no log.jsonl")
     bad(capsys, "plot", model.parent, "--metric", "P@9", needle="check --metric")
     bad(capsys, "train", "--resume", model, needle="not a run folder")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs, all but ``free`` pages taken by a filler file (needs root); skipped where
+    it cannot be mounted."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode})")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def fill(mnt, leave: int):
+    """Fill ``mnt`` with ``mnt/filler`` but ``leave`` bytes; returns the filler."""
+    st = os.statvfs(mnt)
+    filler = mnt / "filler"
+    filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - leave))
+    return filler
+
+
+def test_a_real_full_disk_keeps_the_last_good_checkpoint_and_resume_finishes(files, small_disk,
+                                                                             capsys):
+    """On a tmpfs with room for about one checkpoint: the run ends with exit 1 naming the last
+    good checkpoint; once space is freed, --resume finishes the run from it."""
+    run = small_disk / "run"
+    filler = fill(small_disk, leave=24 * 1024)
+    code, _, err = cli(capsys, "train", "--data", files, *TRAIN, "--checkpoint-every", 100,
+                       "--out", run)
+    assert code == 1 and "Traceback" not in err, err
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    newest = CheckpointManager(run).paths()[0]
+    assert "No space left" in line and f"last good checkpoint is {newest}" in line
+    assert not (run / "model").exists()
+    filler.unlink()
+    code, out, err = cli(capsys, "train", "--resume", run)
+    assert code == 0, err
+    log = read_log(run)
+    (resumed,) = [r for r in log if r["event"] == "start" and r["resumed"]]
+    before = log[:log.index(resumed)]
+    assert [r["event"] for r in before].count("checkpoint_failed") >= 1
+    assert resumed["samples"] == [r for r in before if r["event"] == "checkpoint"][-1]["samples"]
+    assert log[-1]["event"] == "final" and (run / "model" / "params.npz").exists()

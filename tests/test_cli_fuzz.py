@@ -266,6 +266,34 @@ def test_unknown_extra_and_left_out_arguments(world, capsys, data):
     check(argv, out, capsys, label=kind)
 
 
+def _algorithm_fields() -> dict[str, list[str]]:
+    """The option names of every multi-device algorithm, from its config dataclass."""
+    import dataclasses
+
+    from xmc_engine.algorithms import ALGORITHMS
+
+    return {name: [f.name for f in dataclasses.fields(cfg_cls)]
+            for name, (_, cfg_cls) in ALGORITHMS.items()}
+
+
+@FUZZ
+@given(st.data())
+def test_algorithm_options(world, capsys, data):
+    """``--algo-param KEY=VALUE`` of every algorithm: an unknown key, or a known key with a
+    value of the wrong type or a non-finite number."""
+    fields = _algorithm_fields()
+    algorithm = data.draw(st.sampled_from(sorted(fields)), label="algorithm")
+    key = data.draw(st.sampled_from([*fields[algorithm], "bogus", "merge-period"]), label="key")
+    if key in fields[algorithm]:
+        value = data.draw(st.sampled_from(['"x"', "[1]", "{}", "NaN", "Infinity"]), label="value")
+    else:
+        value = "1"
+    out = fresh_out(world)
+    argv = [*base_argv(("train",), world, out), "--algorithm", algorithm, "--devices", "cpu,cpu",
+            "--algo-param", f"{key}={value}"]
+    check(argv, out, capsys, label="algorithm option")
+
+
 CONFIG_FIELDS = TrainConfig().to_dict()
 
 

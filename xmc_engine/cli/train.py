@@ -41,11 +41,14 @@ _CONFIG_OPTIONS = {
 
 
 def _algo_param(s: str):
+    """``KEY=VALUE`` -> ``(KEY, VALUE as JSON, else the string)``; NaN and infinities refused."""
     if "=" not in s:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
     key, value = s.split("=", 1)
     try:
-        return key, json.loads(value)
+        return key, json.loads(value, parse_float=finite_float, parse_constant=finite_float)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{s!r}: {exc}") from None
     except json.JSONDecodeError:
         return key, value
 
@@ -239,6 +242,16 @@ def _read_run_file(run_dir: Path):
     return cfg, run["data"], run.get("test"), run.get("checkpoint_every")
 
 
+def _stopped_before_training(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` stopped before it recorded any training: no log, or a log
+    with nothing but its ``start`` (and thread calibration) records."""
+    from xmc_engine.runlog import read_log
+
+    if not (run_dir / LOG_NAME).exists():
+        return True
+    return all(r.get("event") in ("start", "threads") for r in read_log(run_dir))
+
+
 def cmd_train(args) -> int:
     from xmc_engine import distributed
 
@@ -281,10 +294,14 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     from xmc_engine.estimator import XMCClassifier, parse_every
 
     say = print if comm.is_root else (lambda *a, **k: None)  # rank 0 alone reports
+    run_file = run_dir / RUN_FILE
     if args.resume:
         cfg, data, test, every = _read_run_file(run_dir)
     else:
         data, test, every = args.data or "synthetic", args.test, args.checkpoint_every
+        if comm.is_root and (run_file.exists() or (run_dir / LOG_NAME).exists()):
+            raise ConfigError(f"--out {run_dir} already holds a run; continue it with --resume "
+                              f"{run_dir}, or choose another --out")
     parse_every(every)  # a bad --checkpoint-every stops here, before any data is read
     say(f"data: {data}" + (f"  test: {test}" if test else ""), file=sys.stderr)
     t0 = time.perf_counter()
@@ -295,7 +312,6 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
         + (f" (rank 0's share of {comm.size})" if comm.size > 1 else ""), file=sys.stderr)
     if comm.is_root:
         check_training_data(data, test, Xtr, Ytr, Xte, Yte)
-    run_file = run_dir / RUN_FILE
     if comm.is_root and not args.resume:
         _write_json(run_file, {"config": cfg.to_dict(), "data": data, "test": test,
                                "checkpoint_every": every})
@@ -304,8 +320,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
         model.fit(Xtr, Ytr, eval_set=(Xte, Yte) if Xte is not None else None,
                   resume=bool(args.resume))
     except XMCError:
-        if not args.resume and comm.is_root and not (run_dir / LOG_NAME).exists():
-            run_file.unlink(missing_ok=True)  # refused before training began: leave no run
+        if not args.resume and comm.is_root and _stopped_before_training(run_dir):
+            for name in (RUN_FILE, LOG_NAME):  # refused (a bad option): leave no run behind
+                (run_dir / name).unlink(missing_ok=True)
         raise
     if not comm.is_root:
         return 0
