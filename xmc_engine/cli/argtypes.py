@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def int_list(s: str) -> list[int]:
@@ -43,3 +44,13 @@ def positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{s!r} must be >= 1")
     return v
+
+
+def user_path(s: str) -> str:
+    """A path or name with a leading ``~`` / ``~user`` expanded; refused when it names no user
+    (``pathlib`` would raise ``RuntimeError`` on it later)."""
+    expanded = os.path.expanduser(s)
+    if expanded.startswith("~"):
+        raise argparse.ArgumentTypeError(
+            f"{s!r}: no home folder for {expanded.split(os.sep, 1)[0]!r}; give the full path")
+    return expanded

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from xmc_engine.cli.argtypes import positive_float
+from xmc_engine.cli.argtypes import positive_float, user_path
 
 
 def register(sub) -> None:
@@ -19,7 +19,7 @@ def register(sub) -> None:
     q.set_defaults(func=cmd_list)
 
     q = ds.add_parser("info", help="counts and label statistics of a dataset or file")
-    q.add_argument("target", metavar="PATH_OR_NAME")
+    q.add_argument("target", type=user_path, metavar="PATH_OR_NAME")
     q.add_argument("--no-cache", action="store_true", help="parse without the binary cache")
     q.set_defaults(func=cmd_info)
 
@@ -35,7 +35,7 @@ def register(sub) -> None:
 
     q = ds.add_parser("convert", help="convert XC / LIBSVM / .npz to XC text (by OUT suffix: "
                                       ".txt, .txt.xz, .txt.gz, .txt.bz2) or .npz")
-    q.add_argument("input", type=Path, metavar="IN")
+    q.add_argument("input", type=user_path, metavar="IN")
     q.add_argument("output", type=Path, metavar="OUT")
     q.add_argument("--input-format", choices=["auto", "xc", "libsvm", "npz"], default="auto")
     q.add_argument("--one-based", action="store_true",

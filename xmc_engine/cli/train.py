@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from xmc_engine.cli.argtypes import finite_float, int_list, positive_int
+from xmc_engine.cli.argtypes import finite_float, int_list, positive_int, user_path
 from xmc_engine.config import ALGORITHMS, TrainConfig
 from xmc_engine.errors import ConfigError, DataMismatchError, SaveError, XMCError
 from xmc_engine.runlog import LOG_NAME
@@ -68,13 +68,15 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model (no arguments: the built-in synthetic default)",
                        description="Train an XMC model. With no arguments: the built-in "
                        "synthetic dataset on the CPU, about 10 s on 2 cores.")
-    p.add_argument("--data", default=None,
+    p.add_argument("--data", type=user_path, default=None,
                    help="training data: a file, a dataset folder or a registered name "
                    "(default: synthetic)")
-    p.add_argument("--test", default=None, help="test file (default: the dataset's test split)")
+    p.add_argument("--test", type=user_path, default=None,
+                   help="test file (default: the dataset's test split)")
     add_config_arguments(p, _CONFIG_OPTIONS, "merge_period=4096, rule=proportional")
     p.add_argument("--out", default=None, help="run folder (default runs/<time>)")
-    p.add_argument("--config", default=None, help="read the config from this JSON file")
+    p.add_argument("--config", type=user_path, default=None,
+                   help="read the config from this JSON file")
     p.add_argument("--print-config", action="store_true", help="print the full config and exit")
     p.add_argument("--checkpoint-every", default=None,
                    help="checkpoint every N samples (20000) or seconds (60s)")
@@ -86,13 +88,14 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="metrics of a saved model on a dataset")
-    e.add_argument("model_dir")
-    e.add_argument("--data", required=True, help="file, folder or name (its test split)")
+    e.add_argument("model_dir", type=user_path)
+    e.add_argument("--data", type=user_path, required=True,
+                   help="file, folder or name (its test split)")
     e.set_defaults(func=cmd_evaluate)
 
     r = sub.add_parser("predict", help="top-k labels and scores per row")
-    r.add_argument("model_dir")
-    r.add_argument("--data", required=True)
+    r.add_argument("model_dir", type=user_path)
+    r.add_argument("--data", type=user_path, required=True)
     r.add_argument("--top-k", type=positive_int, default=5,
                    help="labels per row (default 5; above the model's label count: all labels)")
     r.add_argument("--out", required=True, help="output file: one line per row, "
@@ -142,7 +145,8 @@ _MAY_BE_NONE = ("lr_warmup_epochs", "label_chunk", "threads")
 def check_config(cfg: TrainConfig, source: str) -> TrainConfig:
     """Refuse, naming ``source``, values :meth:`TrainConfig.validate` lets through but a run
     cannot use: a number that is not a finite real, propensity constants that are not > 0, a
-    device spec, optimizer or algorithm that is not a string. Returns ``cfg``."""
+    negative or fractional seed (NumPy refuses it), a device spec, optimizer or algorithm that
+    is not a string. Returns ``cfg``."""
     for name in _NUMERIC_FIELDS:
         value = getattr(cfg, name)
         if value is None and name in _MAY_BE_NONE:
@@ -153,6 +157,8 @@ def check_config(cfg: TrainConfig, source: str) -> TrainConfig:
     for name in ("propensity_a", "propensity_b"):
         if not getattr(cfg, name) > 0:
             raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: must be > 0")
+    if not (isinstance(cfg.seed, numbers.Integral) and cfg.seed >= 0):
+        raise ConfigError(f"{source}: seed={cfg.seed!r}: need an integer >= 0")
     for name in ("devices", "optimizer", "algorithm"):
         if not isinstance(getattr(cfg, name), str):
             raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: need a string")
