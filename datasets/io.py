@@ -38,7 +38,8 @@ from . import _parse
 
 logger = logging.getLogger(__name__)
 
-_OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
+#: file suffix -> opener of a compressed file (text mode with ``"rt"``)
+OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
 _INDEX_MAX = 2**31 - 1
 NPZ_FORMAT = "xmc-engine/xy-csr/1"
 
@@ -47,7 +48,7 @@ NPZ_FORMAT = "xmc-engine/xy-csr/1"
 def compression_of(path) -> str | None:
     """``"xz"``, ``"gz"``, ``"bz2"`` from the file suffix, or ``None`` for plain text."""
     suffix = Path(path).suffix.lower()
-    return suffix[1:] if suffix in _OPENERS else None
+    return suffix[1:] if suffix in OPENERS else None
 
 
 def read_bytes(path) -> bytes:
@@ -61,7 +62,7 @@ def read_bytes(path) -> bytes:
         When the file does not exist.
     """
     path = Path(path)
-    opener = _OPENERS.get(path.suffix.lower())
+    opener = OPENERS.get(path.suffix.lower())
     if opener is None:
         return path.read_bytes()
     try:
@@ -77,7 +78,7 @@ def read_bytes(path) -> bytes:
 def read_head(path, n_bytes: int = 4096) -> bytes:
     """The first ``n_bytes`` of the decompressed file (for sniffing the format)."""
     path = Path(path)
-    opener = _OPENERS.get(path.suffix.lower(), open)
+    opener = OPENERS.get(path.suffix.lower(), open)
     try:
         with opener(path, "rb") as fh:
             return fh.read(n_bytes)
@@ -232,7 +233,7 @@ def save_xc(path, X, Y) -> Path:
     n_labels = Y.shape[1]
     body = _format_rows(X, Y)
     header = f"{n_samples} {n_features} {n_labels}\n".encode()
-    opener = _OPENERS.get(path.suffix.lower())
+    opener = OPENERS.get(path.suffix.lower())
 
     def write(tmp):
         if opener is None:
