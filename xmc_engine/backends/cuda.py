@@ -44,32 +44,6 @@ _PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
 
 _live_lock = threading.Lock()
 _live: weakref.WeakSet = weakref.WeakSet()  # every CUDABackend alive: the streams fence() orders
-_peer_lock = threading.Lock()
-_peer: dict[tuple[int, int], bool] = {}  # (reading device, owning device) -> peer access enabled
-
-
-def peer_access(cupy, dst: int, src: int) -> bool:
-    """Whether device ``dst`` can read device ``src``'s memory directly; enables it once.
-
-    Asks ``cudaDeviceCanAccessPeer`` and, when allowed, calls ``cudaDeviceEnablePeerAccess``
-    with ``dst`` current (explicitly: not as a side effect of CuPy's first copy). The answer is
-    cached per pair; ``False`` means copies go through the host.
-    """
-    if dst == src:
-        return True
-    with _peer_lock:
-        if (dst, src) not in _peer:
-            rt = cupy.cuda.runtime
-            ok = bool(rt.deviceCanAccessPeer(dst, src))
-            if ok:
-                with cupy.cuda.Device(dst):
-                    try:
-                        rt.deviceEnablePeerAccess(src)
-                    except rt.CUDARuntimeError as e:
-                        if e.status != _PEER_ALREADY_ENABLED:
-                            raise
-            _peer[(dst, src)] = ok
-        return _peer[(dst, src)]
 
 
 class CUDABackend:
@@ -115,6 +89,7 @@ class CUDABackend:
         self.device_id = int(device_id)
         self._local = threading.local()
         self._ws: dict[str, Any] = {}
+        self._peer: dict[int, bool] = {}  # owning device -> this device reads it directly
         with cupy.cuda.Device(self.device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         if launch is None:
@@ -186,14 +161,49 @@ class CUDABackend:
             launcher(*[conv(a) for a in args], stream=self._nb_stream,
                      **{k: conv(v) for k, v in kwargs.items()})
 
+    def _peer_access(self, src: int) -> bool:
+        """Whether this device can read device ``src``'s memory directly; enables it once.
+
+        Asks ``cudaDeviceCanAccessPeer`` and, when allowed, calls ``cudaDeviceEnablePeerAccess``
+        with this device current (explicitly: not as a side effect of CuPy's first copy).
+        ``False`` means copies from ``src`` go through the host.
+        """
+        if src == self.device_id:
+            return True
+        if src not in self._peer:
+            rt = self.xp.cuda.runtime
+            ok = bool(rt.deviceCanAccessPeer(self.device_id, src))
+            if ok:
+                with self.xp.cuda.Device(self.device_id):
+                    try:
+                        rt.deviceEnablePeerAccess(src)
+                    except rt.CUDARuntimeError as e:  # another backend of this device did it
+                        if e.status != _PEER_ALREADY_ENABLED:
+                            raise
+            self._peer[src] = ok
+        return self._peer[src]
+
+    def _download(self, a) -> np.ndarray:
+        """Host copy of another device's array, after all work queued on that device's streams
+        (the host fallback of a copy between GPUs without peer access)."""
+        dev = a.device.id
+        with _live_lock:
+            owners = [b for b in _live if b.device_id == dev]
+        for b in owners:
+            b.synchronize()  # synchronize!
+        with self.xp.cuda.Device(dev):
+            stream = self.xp.cuda.Stream(non_blocking=True)
+            out = a.get(stream=stream)
+            stream.synchronize()  # synchronize!
+        return out
+
     def _is_device(self, a) -> bool:
         return isinstance(a, self.xp.ndarray)
 
     def _readable(self, a, tag: str):
         """``a`` itself when this device can read it (its own or a peer-accessible device's
         array), else a copy here through the host (workspace ``tag``)."""
-        src = a.device.id
-        if src == self.device_id or peer_access(self.xp, self.device_id, src):
+        if self._peer_access(a.device.id):
             return a
         local = self.workspace(tag, a.shape, a.dtype)
         self.copy_into(local, a)
@@ -249,12 +259,10 @@ class CUDABackend:
             self.fence()
             if src.device.id == self.device_id:
                 dst[...] = src
-            elif peer_access(self.xp, self.device_id, src.device.id):
+            elif self._peer_access(src.device.id):
                 dst.data.copy_from_device_async(src.data, src.nbytes, stream=self.stream)
-            else:
-                with self.xp.cuda.Device(src.device.id):
-                    host = src.get()  # synchronize! (no peer access: through the host)
-                dst.set(host, stream=self.stream)
+            else:  # no peer access: through the host
+                dst.set(self._download(src), stream=self.stream)
 
     def csr_parts(self, X):
         """SciPy CSR (or a ``batches.CSRBatch``, or a CuPy CSR) -> ``(indptr, indices,
