@@ -103,7 +103,9 @@ class SchedulerBackend(Protocol):
     def fence(self) -> None:
         """Order this backend's next work after the work queued so far on every other
         backend's stream (recorded events on CUDA; nothing to do on the host). The merges call
-        it before they read other replicas' arrays; the copies do it themselves."""
+        it before they read other replicas' arrays with ``xp`` arithmetic; the backend's own
+        copies and merge launchers do it themselves, and also order the other streams' next
+        work after their reads."""
 
     # -- merges (arXiv 2110.07029 §III-B; :mod:`xmc_engine.scheduler.merge`) ---------------------
     def all_finite(self, a) -> bool:

@@ -14,7 +14,9 @@ for numba (``cuda.external_stream``). A worker thread enters it once for its lif
 
 Work on one stream is ordered by the stream. A read of an array another backend's stream wrote
 (a merge reading the replicas, a replica copying the merged model back) first makes this stream
-wait on an event recorded on every other live stream (:meth:`fence`; no host wait). Values read
+wait on an event recorded on every other live stream (:meth:`fence`), and afterwards makes every
+other stream wait on an event recorded after the read, so that no owner overwrites what is still
+being read (no host wait either way; the reads that end in a host wait need neither). Values read
 on the host wait for this stream (the lines that end with ``# synchronize!``). Copies between
 GPUs are peer copies when ``cudaDeviceCanAccessPeer`` says so (peer access is enabled
 explicitly, once per pair) and go through the host otherwise.
@@ -146,6 +148,20 @@ class CUDABackend:
             with self.xp.cuda.Device(self.device_id):
                 self.stream.wait_event(ev)
 
+    def _release(self):
+        """Make every other live backend's stream wait for the work queued so far on this one:
+        after this stream read another stream's arrays, their owner must not overwrite them
+        before the read is done (write-after-read)."""
+        with _live_lock:
+            others = [b for b in _live if b is not self and b.stream is not self.stream]
+        if not others:
+            return
+        with self.xp.cuda.Device(self.device_id):
+            ev = self.stream.record()
+        for b in others:
+            with self.xp.cuda.Device(b.device_id):
+                b.stream.wait_event(ev)
+
     def _numba_launch(self, launcher, *args, **kwargs):
         nb = self._numba.as_cuda_array
         nd = self.xp.ndarray
@@ -263,6 +279,7 @@ class CUDABackend:
                 dst.data.copy_from_device_async(src.data, src.nbytes, stream=self.stream)
             else:  # no peer access: through the host
                 dst.set(self._download(src), stream=self.stream)
+            self._release()
 
     def csr_parts(self, X):
         """SciPy CSR (or a ``batches.CSRBatch``, or a CuPy CSR) -> ``(indptr, indices,
@@ -446,6 +463,7 @@ class CUDABackend:
             self.fence()
             arrays = [self._readable(a, f"merge_src{i}") for i, a in enumerate(arrays)]
             self._launch(merge.weighted_sum_launch, list(arrays), weights, out)
+            self._release()
         return out
 
     def merge_rows(self, arrays, weights, rows, out) -> tuple[bool, float]:
@@ -471,6 +489,7 @@ class CUDABackend:
             self.fence()
             r = self.xp.asarray(np.asarray(rows, np.int64))
             dst[r] = self._readable(src, "copy_rows_src")[r]
+            self._release()
 
     def momentum(self, wbar, z1, z2, mu, out):
         with self.activate():
@@ -482,6 +501,7 @@ class CUDABackend:
             self.fence()
             self._launch(merge.elastic_launch, x, self._readable(center, "elastic_center"),
                          alpha, diff_out)
+            self._release()
         return diff_out
 
     # ------------------------------------------------------------------ optimiser
