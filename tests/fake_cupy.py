@@ -14,7 +14,7 @@ device's memory without enabled peer access.
 Kernels: ``numba.cuda`` kernels need a real GPU or the simulator, which has to be switched on
 before numba is imported (a separate process, ``tests/test_kernels_cuda.py``). Here the backend's
 ``launch`` hook runs NumPy versions of the launchers instead (:func:`launch`), written from
-:mod:`xmc_engine.kernels.reference`; a launch counts as a write of every array it is given.
+:mod:`xmc_engine.kernels.reference`; :data:`KERNELS` names the arguments each launch writes.
 
 Use: :func:`install` (a pytest fixture wraps it) puts the stand-in into ``sys.modules`` as
 ``cupy``, ``cupy.cuda``, ``cupy.cublas`` and ``cupyx.scipy.sparse``.
@@ -490,40 +490,46 @@ def _assign(*targets):
     return put
 
 
+#: launcher name -> (NumPy version, positions of the arguments it writes; the others are read)
 KERNELS = {
-    "sparse_forward_launch": lambda ip, ix, d, W1, b1, out: _assign(out)(
-        [reference.sparse_forward(ip, ix, d, W1, b1)]),
-    "sparse_backward_update_launch": lambda ip, ix, d, dZ1, W1, b1, lr: _assign(W1, b1)(
-        reference.sparse_backward_update(ip, ix, d, dZ1, W1, b1, lr)),
-    "sparse_grad_launch": _sparse_grad,
-    "sparse_rows_update_launch": lambda W1, rows, g, lr: _assign(W1)(
-        [reference.sparse_rows_update(W1, rows, g, lr)]),
-    "relu_backward_launch": lambda dH, H: _assign(dH)([reference.relu_backward(dH, H)]),
-    "column_sum_launch": lambda Z, out, alpha: _assign(out)([out + alpha * Z.sum(axis=0)]),
-    "softmax_xent_launch": _softmax_xent,
-    "softmax_chunk_stats_launch": _chunk_stats,
-    "softmax_chunk_grad_launch": _chunk_grad,
-    "topk_launch": lambda sc, k, ci, cv, idx, val: _assign(idx, val)(reference.topk(sc, k)),
-    "topk_merge_launch": _topk_merge,
-    "weighted_sum_launch": lambda arrays, w, out: _assign(out)(
-        [reference.weighted_sum(arrays, w)]),
-    "momentum_launch": lambda wb, z1, z2, mu, out: _assign(out)(
-        [reference.momentum(wb, z1, z2, mu)]),
-    "elastic_launch": lambda x, c, alpha, diff: _assign(x, diff)(reference.elastic(x, c, alpha)),
-    "adagrad_dense_launch": lambda w, g, acc, lr, eps: _assign(w, acc)(
-        reference.adagrad_dense(w, g, acc, lr, eps)),
-    "adagrad_rows_launch": _adagrad_rows,
+    "sparse_forward_launch": (lambda ip, ix, d, W1, b1, out: _assign(out)(
+        [reference.sparse_forward(ip, ix, d, W1, b1)]), (5,)),
+    "sparse_backward_update_launch": (lambda ip, ix, d, dZ1, W1, b1, lr: _assign(W1, b1)(
+        reference.sparse_backward_update(ip, ix, d, dZ1, W1, b1, lr)), (4, 5)),
+    "sparse_grad_launch": (_sparse_grad, (4, 5)),
+    "sparse_rows_update_launch": (lambda W1, rows, g, lr: _assign(W1)(
+        [reference.sparse_rows_update(W1, rows, g, lr)]), (0,)),
+    "relu_backward_launch": (lambda dH, H: _assign(dH)([reference.relu_backward(dH, H)]), (0,)),
+    "column_sum_launch": (lambda Z, out, alpha: _assign(out)([out + alpha * Z.sum(axis=0)]),
+                          (1,)),
+    "softmax_xent_launch": (_softmax_xent, (0, 4)),
+    "softmax_chunk_stats_launch": (_chunk_stats, (0, 5, 6, 7)),
+    "softmax_chunk_grad_launch": (_chunk_grad, (0,)),
+    "topk_launch": (lambda sc, k, ci, cv, idx, val: _assign(idx, val)(reference.topk(sc, k)),
+                    (2, 3, 4, 5)),
+    "topk_merge_launch": (_topk_merge, (4, 5)),
+    "weighted_sum_launch": (lambda arrays, w, out: _assign(out)(
+        [reference.weighted_sum(arrays, w)]), (2,)),
+    "momentum_launch": (lambda wb, z1, z2, mu, out: _assign(out)(
+        [reference.momentum(wb, z1, z2, mu)]), (4,)),
+    "elastic_launch": (lambda x, c, alpha, diff: _assign(x, diff)(reference.elastic(x, c, alpha)),
+                       (0, 3)),
+    "adagrad_dense_launch": (lambda w, g, acc, lr, eps: _assign(w, acc)(
+        reference.adagrad_dense(w, g, acc, lr, eps)), (0, 2)),
+    "adagrad_rows_launch": (_adagrad_rows, (0, 3)),
 }
 
 
 def launch(launcher, *args, **kwargs):
     """The ``launch`` hook of a :class:`CUDABackend` over the stand-in: the NumPy version of
-    ``launcher``, on host memory, counted as a write of every array argument on the current
-    stream."""
+    ``launcher`` on host memory, recorded as reads and writes on the current stream."""
     name = launcher.__name__
+    fn, written = KERNELS[name]
     LEDGER.launches.append(name)
-    LEDGER.touch(_fakes(args) + _fakes(list(kwargs.values())), True, name)
-    KERNELS[name](*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+    reads = [a for k, a in enumerate(args) if k not in written] + list(kwargs.values())
+    LEDGER.touch(_fakes(reads), False, name)
+    LEDGER.touch(_fakes([args[k] for k in written]), True, name)
+    fn(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
 
 
 # ------------------------------------------------------------------------------- installing

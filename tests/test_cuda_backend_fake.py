@@ -18,7 +18,12 @@ import scipy.sparse as sps
 from tests import fake_cupy
 from xmc_engine.backends import Backend, get_backend
 from xmc_engine.model import MLPReplica, ModelShape, init_params
-from xmc_engine.scheduler.merge import central_momentum, sq_norms, weighted_merge
+from xmc_engine.scheduler.merge import (
+    central_momentum,
+    reduce_gradients,
+    sq_norms,
+    weighted_merge,
+)
 
 F32 = np.float32
 
@@ -146,6 +151,56 @@ def test_two_workers_with_merges_equal_the_cpu(ledger, data, devices):
     clean(ledger)
     waits = [c for c in ledger.calls if c[0] == "wait"]
     assert waits, "the merge and the broadcast wait on recorded events"
+
+
+@pytest.mark.parametrize("devices", [(0, 0), (0, 1)])
+def test_sync_steps_reduce_on_the_device_and_equal_the_cpu(ledger, data, devices):
+    """Synchronous SGD: each worker's gradient, the all-reduce on the first device (peer reads,
+    no host round trip of the values), the same step on every replica."""
+    X, Y = data
+    params = init_params(ModelShape(X.shape[1], Y.shape[1], (12,)), seed=7)
+    results = {}
+    for kind in ("cpu", "cuda"):
+        bes = ([get_backend("cpu", threads=1) for _ in devices] if kind == "cpu"
+               else [cuda(d) for d in devices])
+        reps = [MLPReplica(be, X, Y, params) for be in bes]
+        for step in range(4):
+            grads = [r.grad_batch(np.arange(12 * (2 * step + i), 12 * (2 * step + i) + 8 + i))
+                     for i, r in enumerate(reps)]
+            total = reduce_gradients([g for _, g in grads], [8 / 17, 9 / 17], bes[0])
+            for r in reps:
+                r.apply_grads(total, 0.4)
+        results[kind] = [host(r.backend, r.params()) for r in reps]
+    for got, want in zip(results["cuda"], results["cpu"], strict=True):
+        assert_same(got, want)
+    assert_same(results["cuda"][1], results["cuda"][0])
+    clean(ledger)
+    assert not [c for c in ledger.calls if c[0] == "synchronize" and c[1].null]
+
+
+CROSS_STREAM_READS = {
+    "copy_into": lambda be, a, out: be.copy_into(out, a),
+    "weighted_sum": lambda be, a, out: be.weighted_sum([a, out], [0.5, 0.5], out),
+    "copy_rows": lambda be, a, out: be.copy_rows(out, a, np.array([0, 2])),
+    "elastic": lambda be, a, out: be.elastic(out, a, 0.5, be.zeros(out.shape)),
+    "merge_rows": lambda be, a, out: be.merge_rows([a], [1.0], np.array([1]), out),
+    "all_finite": lambda be, a, out: be.all_finite(a),
+}
+
+
+@pytest.mark.parametrize("op", sorted(CROSS_STREAM_READS))
+@pytest.mark.parametrize("devices", [(0, 0), (1, 0)])
+def test_a_read_of_another_streams_array_is_ordered_both_ways(ledger, op, devices):
+    """Backend 0 writes ``a`` and does not synchronise; backend 1 reads it (its stream must wait
+    for the write), then backend 0 writes ``a`` again (its stream must wait for the read)."""
+    b0, b1 = cuda(devices[0]), cuda(devices[1])
+    a = b0.asarray(np.ones((3, 4), F32))
+    b0.axpy(a, a, 1.0)  # a = 2, queued on b0's stream
+    out = b1.zeros((3, 4))
+    CROSS_STREAM_READS[op](b1, a, out)
+    b0.axpy(a, a, 1.0)  # a = 4: must not overtake b1's read
+    clean(ledger)
+    assert b0.to_host(a)[0, 0] == 4.0
 
 
 def test_worker_context_is_the_backends_device_and_stream(ledger):

@@ -244,3 +244,37 @@ def test_cpu_copy_into_copies_small_and_large_arrays(shape):
     d64 = np.zeros(shape, np.float64)  # other dtypes: np.copyto's conversion
     be.copy_into(d64, src)
     np.testing.assert_array_equal(d64, src.astype(np.float64))
+
+
+# -- the all-reduce of synchronous SGD ------------------------------------------------------------
+def sparse_grads(seed, n_rows, dtype):
+    """Gradients in grad_batch's layout: W1 over a random subset of 9 rows, two dense arrays."""
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(9, size=n_rows, replace=False)).astype(np.int64)
+    return [(rows, rng.standard_normal((n_rows, 3)).astype(dtype)),
+            rng.standard_normal(3).astype(dtype), rng.standard_normal((3, 4)).astype(dtype)]
+
+
+@pytest.mark.parametrize("backend", ["host", "cpu"])
+def test_reduce_gradients_is_the_weighted_sum_over_the_union_of_rows(backend):
+    from xmc_engine.backends import get_backend
+    from xmc_engine.scheduler.merge import reduce_gradients
+
+    be = HostBackend() if backend == "host" else get_backend("cpu", threads=1)
+    dtype = np.float64 if backend == "host" else np.float32
+    grads = [sparse_grads(0, 4, dtype), None, sparse_grads(1, 6, dtype), sparse_grads(2, 2, dtype)]
+    weights = [0.5, 0.2, 0.3, 0.0]  # device 1 has no gradient, device 3 weight 0
+    out = reduce_gradients(grads, weights, be)
+    dense_w1 = np.zeros((9, 3))
+    for g, wi in zip(grads, weights, strict=True):
+        if g is not None:
+            dense_w1[g[0][0]] += wi * g[0][1]
+    rows = np.union1d(grads[0][0][0], grads[2][0][0])  # device 3's rows: weight 0, left out
+    np.testing.assert_array_equal(out[0][0], rows)
+    np.testing.assert_allclose(out[0][1], dense_w1[rows], rtol=1e-6)
+    for k in (1, 2):
+        np.testing.assert_allclose(out[k], 0.5 * grads[0][k] + 0.3 * grads[2][k], rtol=1e-5,
+                                   atol=1e-6)
+    assert all(o.dtype == dtype for o in [out[0][1], out[1], out[2]])
+    with pytest.raises(ValueError, match="no device"):
+        reduce_gradients([None, grads[0]], [0.5, 0.0], be)

@@ -201,7 +201,8 @@ class CUDABackend:
 
     def _download(self, a) -> np.ndarray:
         """Host copy of another device's array, after all work queued on that device's streams
-        (the host fallback of a copy between GPUs without peer access)."""
+        (:meth:`to_host` of such an array, and the host fallback of a copy between GPUs without
+        peer access)."""
         dev = a.device.id
         with _live_lock:
             owners = [b for b in _live if b.device_id == dev]
@@ -227,17 +228,27 @@ class CUDABackend:
 
     # ------------------------------------------------------------------ arrays and transfers
     def asarray(self, a, dtype=None):
-        """Host or device array -> CuPy array on this device (async H2D on this stream)."""
+        """Host or device array -> CuPy array on this device (async H2D on this stream).
+
+        A device array of this device is returned as it is (converted when ``dtype`` differs),
+        with this stream ordered after the other streams' pending writes (:meth:`fence`); one of
+        another device is copied here."""
         with self.activate():
-            if self._is_device(a) and a.device.id != self.device_id:
-                out = self.empty(a.shape, a.dtype if dtype is None else dtype)
-                self.copy_into(out, a)
-                return out
+            if self._is_device(a):
+                if a.device.id != self.device_id:
+                    out = self.empty(a.shape, a.dtype if dtype is None else dtype)
+                    self.copy_into(out, a)
+                    return out
+                self.fence()
             return self.xp.ascontiguousarray(self.xp.asarray(a, dtype=dtype))
 
     def to_host(self, a):
+        """-> ``numpy.ndarray``, after this stream (an array of another device: after all of
+        that device's streams)."""
         if not self._is_device(a):
             return np.asarray(a)
+        if a.device.id != self.device_id:
+            return self._download(a)
         with self.activate():
             out = a.get(stream=self.stream)
             self.stream.synchronize()  # synchronize!

@@ -30,6 +30,7 @@ __all__ = [
     "l2_norm",
     "merge_changed_rows",
     "merge_weights",
+    "reduce_gradients",
     "sq_norms",
     "weighted_merge",
 ]
@@ -271,3 +272,50 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     for r in replicas:
         r.set_params(central, rows=rows)
     return delta
+
+
+def reduce_gradients(grads: Sequence[list | None], weights: Sequence[float], backend) -> list:
+    """Weighted sum of per-device gradients on ``backend``'s device: the all-reduce of
+    synchronous SGD, with no trip through the host on GPUs (peer reads, :meth:`fence`).
+
+    Parameters
+    ----------
+    grads : list (n_devices) of gradient lists or ``None``
+        In the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch`, on any device: entry 0
+        row-sparse ``(rows int64 (n_rows_i,) sorted unique, grad_rows (n_rows_i, h))``, the
+        others dense. ``None`` (a device without rows this step) is skipped.
+    weights : sequence of float, shape (n_devices,)
+        ``b_i / sum_j b_j``, each device's share of the global batch (the result is then the
+        gradient of the mean loss over the global batch). Weight 0 is skipped.
+    backend : SchedulerBackend
+        Where the sum is made and lives.
+
+    Returns
+    -------
+    list
+        Same layout, fresh arrays on ``backend``: ``W1`` over the sorted union of the devices'
+        rows (a row a device did not touch contributes 0), dense entries ``sum_i w_i g_i``.
+        Only the row numbers travel to the host (to form the union). Returns after the sum is
+        done (the devices may reuse their gradient buffers at once).
+    """
+    used = [i for i, g in enumerate(grads) if g is not None and weights[i] != 0.0]
+    if not used:
+        raise ValueError("reduce_gradients: no device contributed a gradient")
+    w = [float(weights[i]) for i in used]
+    with backend.activate():
+        backend.fence()
+        row_sets = [np.asarray(backend.to_host(grads[i][0][0]), dtype=np.int64) for i in used]
+        rows = np.unique(np.concatenate(row_sets))
+        first = grads[used[0]][0][1]
+        g1 = backend.zeros((rows.shape[0], *first.shape[1:]), first.dtype)
+        for r, i, wi in zip(row_sets, used, w, strict=True):
+            # rows are unique within a device, so fancy-index += is an exact scatter-add
+            at = backend.asarray(np.searchsorted(rows, r))
+            g1[at] += first.dtype.type(wi) * backend.asarray(grads[i][0][1])
+        out = [(backend.asarray(rows), g1)]
+        for k in range(1, len(grads[used[0]])):
+            like = grads[used[0]][k]
+            out.append(backend.weighted_sum([grads[i][k] for i in used], w,
+                                            backend.empty(like.shape, like.dtype)))
+        backend.synchronize()  # synchronize! the sum has read every device's buffers
+    return out
