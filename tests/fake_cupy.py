@@ -38,6 +38,11 @@ class Event:
     stream: FakeStream
     seq: int
 
+    def synchronize(self):
+        """The host waits for the work queued on the stream before the event."""
+        LEDGER.calls.append(("event.synchronize", self.stream, self.seq))
+        LEDGER.synced[self.stream] = max(LEDGER.synced.get(self.stream, 0), self.seq)
+
 
 @dataclass
 class Access:
@@ -543,6 +548,7 @@ def install(monkeypatch, n_devices: int = 2, peer: bool = True) -> Ledger:
 
     cuda = types.ModuleType("cupy.cuda")
     cuda.Device, cuda.Stream, cuda.runtime = Device, FakeStream, runtime
+    cuda.alloc_pinned_memory = bytearray  # page-locked host memory: plain bytes here
     cublas = types.ModuleType("cupy.cublas")
     cublas.gemm = _gemm
     cupy = types.ModuleType("cupy")

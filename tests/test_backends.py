@@ -175,6 +175,15 @@ def test_topk_merge_ops_and_copies(backend_name):
     np.testing.assert_array_equal(be.to_host(c), s)
 
 
+def test_upload_returns_equal_arrays(backend_name):
+    be = get_backend(backend_name)
+    arrays = [np.arange(5, dtype=np.int64), np.ones(3, F32), np.zeros(0, np.int32)]
+    out = be.upload(arrays)
+    for got, want in zip(out, arrays, strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(be.to_host(got), want)
+
+
 def test_cpu_thread_budget_is_per_thread():
     import threading
 

@@ -296,3 +296,21 @@ def test_fit_with_two_workers_on_one_gpu_orders_every_access(stand_in_cuda):
     est = XMCClassifier(devices="cuda:0,cuda:0@0.5", algorithm="adaptive", **FIT).fit(X, Y)
     assert all(np.isfinite(np.asarray(p)).all() for p in est.params_)
     clean(stand_in_cuda)
+
+
+def test_upload_packs_a_batch_into_alternating_pinned_buffers(ledger):
+    be = cuda(0)
+    rng = np.random.default_rng(0)
+    batches = [[rng.integers(0, 9, n).astype(np.int64), rng.standard_normal(n).astype(F32),
+                np.arange(n % 3, dtype=np.int32)] for n in (5, 0, 7)]
+    records = []
+    for arrays in batches:
+        out = be.upload(arrays)
+        records.append([c for c in ledger.calls if c[0] == "record"][-1])
+        for got, want in zip(out, arrays, strict=True):
+            assert got.dtype == want.dtype and got.device_id == 0
+            np.testing.assert_array_equal(be.to_host(got), want)
+    waited = [c for c in ledger.calls if c[0] == "event.synchronize"]
+    # the third upload reuses the first one's buffer: it waits for that copy's event first
+    assert ("event.synchronize", be.stream, records[0][2]) in waited
+    clean(ledger)

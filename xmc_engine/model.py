@@ -224,15 +224,15 @@ class MLPReplica:
             apply_grads(self.backend, self._params, grads, lr)
 
 
-def _hidden_forward(be, params, Xb):
-    """Hidden activations of a host CSR batch: list of (B, hidden[k]) arrays on the backend.
+def _hidden_forward(be, params, x_parts, n_rows: int):
+    """Hidden activations of a batch given as CSR parts on the backend: list of
+    (n_rows, hidden[k]) arrays.
 
     Call it with the backend active (:meth:`~xmc_engine.backends.base.SchedulerBackend.activate`):
     the activations are then allocated on the backend's stream."""
-    indptr, indices, data = be.csr_parts(Xb)
     W1, b1 = params[0], params[1]
-    H = be.empty((Xb.shape[0], W1.shape[1]))
-    be.sparse_forward(indptr, indices, data, W1, b1, H)
+    H = be.empty((n_rows, W1.shape[1]))
+    be.sparse_forward(*x_parts, W1, b1, H)
     acts = [H]
     for k in range((len(params) - 4) // 2):
         W, b = params[2 + 2 * k], params[3 + 2 * k]
@@ -240,12 +240,15 @@ def _hidden_forward(be, params, Xb):
         Hk += b
         be.xp.maximum(Hk, 0, out=Hk)
         acts.append(Hk)
-    return (indptr, indices, data), acts
+    return acts
 
 
-def _label_parts(be, Yb):
-    """``(indptr, indices)`` of a host label batch on the backend (its values are not used)."""
-    return be.asarray(Yb.indptr), be.asarray(Yb.indices)
+def _upload_batch(be, Xb, Yb) -> tuple:
+    """``((indptr, indices, data), (y_indptr, y_indices))`` of a host batch on the backend, in
+    one transfer (the labels' values are not used)."""
+    ip, ix, d, yp, yi = be.upload([Xb.indptr, Xb.indices, np.asarray(Xb.data, np.float32),
+                                   Yb.indptr, Yb.indices])
+    return (ip, ix, d), (yp, yi)
 
 
 def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None) -> float:
@@ -266,8 +269,8 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
         for the backend's stream
     """
     with be.activate():  # every array of the step is allocated on the backend's stream
-        (indptr, indices, data), acts = _hidden_forward(be, params, Xb)
-        y_indptr, y_indices = _label_parts(be, Yb)
+        (indptr, indices, data), (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
+        acts = _hidden_forward(be, params, (indptr, indices, data), Xb.shape[0])
         W2, b2 = params[-2], params[-1]
         dH = be.empty(acts[-1].shape)
         loss = be.output_layer_step(acts[-1], W2, b2, y_indptr, y_indices, lr, dH,
@@ -293,8 +296,8 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
     ``sparse_grad``. ``grads`` layout: :meth:`MLPReplica.grad_batch`.
     """
     with be.activate():
-        (indptr, indices, data), acts = _hidden_forward(be, params, Xb)
-        y_indptr, y_indices = _label_parts(be, Yb)
+        (indptr, indices, data), (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
+        acts = _hidden_forward(be, params, (indptr, indices, data), Xb.shape[0])
         W2, b2 = params[-2], params[-1]
         loss, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
                                                   label_chunk=label_chunk)
@@ -383,7 +386,7 @@ def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = 4096,
     for start in range(0, n, row_chunk):
         stop = min(n, start + row_chunk)
         with be.activate():
-            _, acts = _hidden_forward(be, params, X[start:stop])
+            acts = _hidden_forward(be, params, be.csr_parts(X[start:stop]), stop - start)
             idx, val = be.predict_scores_topk(acts[-1], params[-2], params[-1], k_eff,
                                               label_chunk=label_chunk)
             labels[start:stop] = be.to_host(idx)

@@ -143,6 +143,11 @@ class Backend(SchedulerBackend, Protocol):
         """A SciPy CSR batch (or a :class:`xmc_engine.batches.CSRBatch`) -> ``(indptr, indices,
         data float32)`` arrays on this backend."""
 
+    def upload(self, arrays: Sequence[np.ndarray]) -> list:
+        """Host arrays -> arrays of this backend, in one transfer (a step's batch: CSR parts of
+        ``X`` and the label pointers). On CUDA through a double-buffered pinned staging buffer,
+        asynchronous on this stream; on the host the arrays themselves."""
+
     def workspace(self, name: str, shape, dtype=F32):
         """A reusable scratch array ``name`` of ``shape`` (reallocated only when it grows): the
         output layer's logits and chunk buffers, kept between steps."""

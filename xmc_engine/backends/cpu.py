@@ -156,6 +156,11 @@ class CPUBackend:
             np.copyto(dst, src)
 
     @staticmethod
+    def upload(arrays):
+        """Host arrays are this backend's arrays: returned as they are."""
+        return list(arrays)
+
+    @staticmethod
     def csr_parts(X):
         """SciPy CSR (or a :class:`~xmc_engine.batches.CSRBatch`) -> ``(indptr, indices,
         data float32)`` NumPy arrays."""

@@ -43,6 +43,7 @@ from xmc_engine.kernels import (
 
 _F32 = np.float32
 _PEER_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+_ALIGN = 16  # bytes: every array packed into an upload starts at a multiple of this
 
 _live_lock = threading.Lock()
 _live: weakref.WeakSet = weakref.WeakSet()  # every CUDABackend alive: the streams fence() orders
@@ -92,6 +93,9 @@ class CUDABackend:
         self._local = threading.local()
         self._ws: dict[str, Any] = {}
         self._peer: dict[int, bool] = {}  # owning device -> this device reads it directly
+        # two pinned staging buffers for upload(), each with the event of its last copy
+        self._staging: list[list] = [[None, None], [None, None]]
+        self._next_staging = 0
         with cupy.cuda.Device(self.device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)
         if launch is None:
@@ -291,6 +295,35 @@ class CUDABackend:
             else:  # no peer access: through the host
                 dst.set(self._download(src), stream=self.stream)
             self._release()
+
+    def upload(self, arrays):
+        """Host arrays -> CuPy arrays on this device with one asynchronous copy on this stream.
+
+        The arrays are packed into a pinned staging buffer (two alternate, so that packing the
+        next batch overlaps the copy of this one; a buffer is reused only after the event of
+        its previous copy), copied to one device block and returned as views of it.
+        """
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        slot = self._staging[self._next_staging]
+        self._next_staging ^= 1
+        buf, done = slot
+        if done is not None:
+            done.synchronize()  # synchronize! (the previous copy out of this buffer)
+        if buf is None or buf.size < total:
+            mem = self.xp.cuda.alloc_pinned_memory(max(total, 1 << 16))
+            buf = slot[0] = np.frombuffer(mem, np.uint8, max(total, 1 << 16))
+        for a, off in zip(arrays, offsets, strict=True):
+            buf[off:off + a.nbytes] = a.view(np.uint8).reshape(-1)
+        with self.activate():
+            block = self.xp.empty(max(total, 1), np.uint8)
+            block.set(buf[:max(total, 1)], stream=self.stream)
+            slot[1] = self.stream.record()
+            return [block[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+                    for a, off in zip(arrays, offsets, strict=True)]
 
     def csr_parts(self, X):
         """SciPy CSR (or a ``batches.CSRBatch``, or a CuPy CSR) -> ``(indptr, indices,
