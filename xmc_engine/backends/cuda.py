@@ -115,10 +115,12 @@ class CUDABackend:
     # ------------------------------------------------------------------ context and ordering
     @contextmanager
     def activate(self):
-        """This backend's device and stream current for CuPy, cuBLAS and numba.
+        """This backend's device and stream current for CuPy and cuBLAS (numba launches are
+        given the stream explicitly).
 
         Re-entrant per thread: nested entries (a method called inside a worker's context) cost
-        one attribute read. Allocations inside land in the pool arena of this stream.
+        one attribute read. Allocations inside land in the pool arena of this stream, so a
+        block freed by a step is handed out again only in this stream's order.
         """
         if getattr(self._local, "active", False):
             yield
@@ -137,6 +139,7 @@ class CUDABackend:
             yield
 
     def synchronize(self):
+        """Wait for all work queued on this backend's stream."""
         self.stream.synchronize()  # synchronize!
 
     def fence(self):
