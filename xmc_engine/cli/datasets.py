@@ -60,10 +60,10 @@ def cmd_list(args) -> int:
 
 def cmd_info(args) -> int:
     from xmc_engine.datasets import describe, load_dataset
-    from xmc_engine.datasets.registry import _lookup
+    from xmc_engine.datasets.registry import find_dataset_info
 
     target = args.target
-    info = None if Path(target).expanduser().exists() else _lookup(target)
+    info = None if Path(target).expanduser().exists() else find_dataset_info(target)
     if info is not None:
         print(f"{info.name} ({info.kind})  {info.note}")
         print(f"  expected: train {_n(info.n_train)}  test {_n(info.n_test)}  "

