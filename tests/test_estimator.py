@@ -85,10 +85,11 @@ def test_chunked_equals_plain(toy):
 
 
 @pytest.mark.parametrize("bad, msg", [
-    (lambda X, Y: (X.toarray(), Y), "scipy.sparse"),
-    (lambda X, Y: (X, Y[:-1]), "rows"),
-    (lambda X, Y: (X, Y * 2), "binary"),
-    (lambda X, Y: (X.astype(np.complex64), Y), "dtype"),
+    (lambda X, Y: (X.toarray()[0], Y), "X must be 2-D"),
+    (lambda X, Y: (X, Y[:-1]), "Y has 499 rows but X has 500"),
+    (lambda X, Y: (X, Y * 2), "Y row 0: value 2.0 is not 0 or 1"),
+    (lambda X, Y: (X.astype(np.complex64), Y), "X must have a real numeric dtype"),
+    (lambda X, Y: (X, np.ones(X.shape[0])), "MultiLabelBinarizer"),
 ])
 def test_bad_input_is_value_error(toy, bad, msg):
     Xtr, Ytr, _, _ = toy
