@@ -209,36 +209,37 @@ class XMCClassifier:
         ValueError
             For an unknown parameter or algorithm option.
         """
-        nested = {}
+        plain, nested = {}, {}
         for key, value in params.items():
             name, sep, option = key.partition("__")
             if name not in PARAM_DEFAULTS or (sep and name != NESTED):
                 raise ValueError(f"invalid parameter {key!r} for XMCClassifier; valid: "
                                  f"{', '.join(PARAM_DEFAULTS)} and {NESTED}__<option>")
-            if sep:
-                nested[option] = value
-            else:
-                setattr(self, name, value)
+            (nested if sep else plain)[option if sep else name] = value
         if nested:
-            known = _option_defaults(self.algorithm)
+            algorithm = plain.get("algorithm", self.algorithm)
+            known = _option_defaults(algorithm)
             unknown = sorted(set(nested) - set(known))
             if known and unknown:
                 names = ", ".join(f"{NESTED}__{u}" for u in unknown)
-                raise ValueError(f"invalid parameter(s) {names}: algorithm {self.algorithm!r} "
+                raise ValueError(f"invalid parameter(s) {names}: algorithm {algorithm!r} "
                                  f"has the options {', '.join(sorted(known))}")
-            current = self.algorithm_params if isinstance(self.algorithm_params, dict) else {}
-            self.algorithm_params = {**current, **nested}
+            current = plain.get(NESTED, self.algorithm_params)
+            plain[NESTED] = {**(current if isinstance(current, dict) else {}), **nested}
+        for name, value in plain.items():
+            setattr(self, name, value)
         return self
 
     def __sklearn_tags__(self):
-        """scikit-learn's tags: a multi-label classifier of 2-D (sparse or dense) input and a
-        2-D indicator target; no 1-D class vectors."""
+        """scikit-learn's tags: a multi-label classifier of 2-D (sparse or dense) input that
+        needs a 2-D 0/1 indicator target (``single_output=False``); a multi-class class vector
+        is refused (``multi_class=False``: binarise it first)."""
         from sklearn.utils import ClassifierTags, InputTags, Tags, TargetTags
 
         return Tags(estimator_type="classifier",
                     target_tags=TargetTags(required=True, two_d_labels=True, multi_output=True,
                                            single_output=False),
-                    classifier_tags=ClassifierTags(multi_label=True),
+                    classifier_tags=ClassifierTags(multi_class=False, multi_label=True),
                     input_tags=InputTags(sparse=True))
 
     def __repr__(self) -> str:

@@ -35,10 +35,8 @@ from xmc_engine.errors import ConfigError
 __all__ = ["check_X", "check_Y", "check_k", "parse_every"]
 
 
-def _as_csr(M, name: str, what: str) -> sp.csr_matrix:
+def _as_csr(M, name: str, what: str, hint_1d: str = "") -> sp.csr_matrix:
     """``M`` as a SciPy ``csr_matrix`` of a real dtype, sharing memory where possible."""
-    if M is None:
-        raise ValueError(f"{name} is None; expected a 2-D {what} matrix")
     if type(M).__module__.startswith("cupyx") and hasattr(M, "get"):
         M = M.get()
     if sp.issparse(M):
@@ -56,18 +54,23 @@ def _as_csr(M, name: str, what: str) -> sp.csr_matrix:
             raise ValueError(f"{name} cannot be read as a 2-D {what} matrix: {exc}") from None
         if dense.ndim != 2:
             raise ValueError(f"{name} must be 2-D (n_samples, n_{what}s), got shape "
-                             f"{dense.shape}")
-        if dense.dtype == object or not _real_dtype(dense.dtype):
-            raise ValueError(f"{name} must hold real numbers, got dtype {dense.dtype}")
+                             f"{dense.shape}{hint_1d if dense.ndim == 1 else ''}")
+        if dense.dtype == object:  # numbers boxed as Python objects
+            try:
+                dense = dense.astype(np.float64)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name} holds a value that is not a number: {exc}") from None
+        _check_dtype(dense.dtype, name)
         M = sp.csr_matrix(dense)
-    if not _real_dtype(M.dtype):
-        raise ValueError(f"{name} must have a real numeric dtype, got {M.dtype}")
+    _check_dtype(M.dtype, name)
     return M
 
 
-def _real_dtype(dtype) -> bool:
-    return dtype == np.bool_ or (np.issubdtype(dtype, np.number)
-                                 and not np.issubdtype(dtype, np.complexfloating))
+def _check_dtype(dtype, name: str) -> None:
+    if np.issubdtype(dtype, np.complexfloating):
+        raise ValueError(f"Complex data not supported: {name} has dtype {dtype}")
+    if not (dtype == np.bool_ or np.issubdtype(dtype, np.number)):
+        raise ValueError(f"{name} must hold real numbers, got dtype {dtype}")
 
 
 def _row_of(M: sp.csr_matrix, position: int) -> int:
@@ -99,13 +102,19 @@ def check_X(X, n_features: int | None = None, name: str = "X", *,
     ValueError
         Naming ``name`` and the offending shape, dtype, row or value.
     """
-    X = _as_csr(X, name, "feature")
+    if X is None:
+        raise ValueError(f"{name} is None; expected a 2-D feature matrix")
+    X = _as_csr(X, name, "feature", hint_1d="; Reshape your data with X.reshape(1, -1) for a "
+                "single sample")
     if X.shape[0] < min_samples:
-        raise ValueError(f"{name} has {X.shape[0]} rows; need at least {min_samples}")
+        raise ValueError(f"{name} has {X.shape[0]} sample(s) (shape={X.shape}) while a minimum "
+                         f"of {min_samples} is required.")
     if n_features is not None and X.shape[1] != n_features:
-        raise ValueError(f"{name} has {X.shape[1]} features, the model expects {n_features}")
+        raise ValueError(f"{name} has {X.shape[1]} features, but XMCClassifier is expecting "
+                         f"{n_features} features as input")
     if n_features is None and X.shape[1] < 1:
-        raise ValueError(f"{name} has 0 features (shape {X.shape}); need at least 1")
+        raise ValueError(f"{name} has 0 feature(s) (shape={X.shape}) while a minimum of 1 is "
+                         "required.")
     with np.errstate(over="ignore"):  # beyond float32's range shows as inf below
         X = X.astype(np.float32, copy=False)
     if not X.has_canonical_format or (X.nnz and not X.data.all()):
@@ -143,11 +152,12 @@ def check_Y(Y, n_samples: int, n_labels: int | None = None, name: str = "Y", *,
     ValueError
         Naming ``name`` and the offending shape, row or value.
     """
-    if Y is not None and not sp.issparse(Y) and np.ndim(Y) == 1:
-        raise ValueError(f"{name} must be a 2-D (n_samples, n_labels) 0/1 indicator matrix, got "
-                         f"shape {np.shape(Y)}; encode class labels with "
-                         "sklearn.preprocessing.MultiLabelBinarizer (or LabelBinarizer)")
-    Y = _as_csr(Y, name, "label")
+    if Y is None:
+        raise ValueError(f"training requires y to be passed, but the target y is None ({name}: "
+                         "a 2-D 0/1 label indicator matrix)")
+    Y = _as_csr(Y, name, "label", hint_1d=" (class values or a continuous target?); a 0/1 "
+                "indicator matrix is needed: encode class labels with "
+                "sklearn.preprocessing.MultiLabelBinarizer (or LabelBinarizer)")
     if Y.shape[0] != n_samples:
         raise ValueError(f"{name} has {Y.shape[0]} rows but {x_name} has {n_samples}")
     if n_labels is not None and Y.shape[1] != n_labels:
@@ -157,8 +167,9 @@ def check_Y(Y, n_samples: int, n_labels: int | None = None, name: str = "Y", *,
     bad = np.flatnonzero((Y.data != 0) & (Y.data != 1))
     if bad.size:
         value = Y.data[bad[0]]
-        raise ValueError(f"{name} row {_row_of(Y, int(bad[0]))}: value {value} is not 0 or 1 "
-                         f"({name} must be a 0/1 label indicator matrix)")
+        raise ValueError(f"{name} row {_row_of(Y, int(bad[0]))}: value {value} is not 0 or 1; "
+                         f"{name} must be a 0/1 label indicator matrix, not class values or a "
+                         "continuous target")
     Y = Y.astype(np.float32)  # a copy: the caller's matrix stays as it was
     Y.sum_duplicates()
     Y.eliminate_zeros()
