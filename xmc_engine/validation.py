@@ -8,19 +8,20 @@ modified; a copy is made only when something has to change.
 Accepted and normalised
 -----------------------
 ``X`` (features)
-    Any SciPy sparse matrix or array (any format), a CuPy CSR matrix (copied to the host), or a
-    dense 2-D array-like of real numbers or booleans (a NumPy array, a list of lists), converted
-    to CSR. Integer, boolean and ``float64`` values become ``float32``; duplicate entries of a
-    row are summed (SciPy's convention); explicit zeros are dropped; indices are sorted.
-    Refused: ``None``, 1-D or 3-D input, complex, object or string values, NaN or infinity
-    (also values beyond the ``float32`` range), a malformed CSR structure (indices out of
-    range, decreasing ``indptr``).
+    Any SciPy sparse matrix or array (any format, 32- or 64-bit indices), a CuPy CSR matrix
+    (copied to the host), or a dense 2-D array-like of real numbers or booleans (a NumPy array,
+    an object array of numbers, a list of lists), converted to CSR. Integer, boolean and
+    ``float64`` values become ``float32``; duplicate entries of a row are summed (SciPy's
+    convention); explicit zeros are dropped; indices are sorted.
+    Refused: ``None``, 1-D or 3-D input, ragged lists, complex or string values, NaN or
+    infinity (also values beyond the ``float32`` range), a malformed CSR structure (indices out
+    of range, decreasing ``indptr``), no rows (when training) or no columns.
 ``Y`` (labels)
     The same containers, holding a 0/1 indicator matrix of shape ``(n_samples, n_labels)``;
     booleans count as 0/1. A label stored twice in a row is one label. Rows without a label are
     allowed (they add nothing to the loss). Refused: any value other than 0 and 1, 1-D class
     vectors (encode them with ``sklearn.preprocessing.MultiLabelBinarizer`` first), a row count
-    other than ``X``'s.
+    other than ``X``'s, no columns.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _as_csr(M, name: str, what: str, hint_1d: str = "") -> sp.csr_matrix:
 
 
 def _check_dtype(dtype, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``dtype`` is a real number or boolean type."""
     if np.issubdtype(dtype, np.complexfloating):
         raise ValueError(f"Complex data not supported: {name} has dtype {dtype}")
     if not (dtype == np.bool_ or np.issubdtype(dtype, np.number)):
@@ -161,9 +163,11 @@ def check_Y(Y, n_samples: int, n_labels: int | None = None, name: str = "Y", *,
     if Y.shape[0] != n_samples:
         raise ValueError(f"{name} has {Y.shape[0]} rows but {x_name} has {n_samples}")
     if n_labels is not None and Y.shape[1] != n_labels:
-        raise ValueError(f"{name} has {Y.shape[1]} labels, the model expects {n_labels}")
+        raise ValueError(f"{name} has {Y.shape[1]} labels, but XMCClassifier is expecting "
+                         f"{n_labels} labels")
     if n_labels is None and Y.shape[1] < 1:
-        raise ValueError(f"{name} has 0 labels (shape {Y.shape}); need at least 1")
+        raise ValueError(f"{name} has 0 label(s) (shape={Y.shape}) while a minimum of 1 is "
+                         "required.")
     bad = np.flatnonzero((Y.data != 0) & (Y.data != 1))
     if bad.size:
         value = Y.data[bad[0]]
