@@ -46,6 +46,8 @@ def _signature_default(f: dataclasses.Field):
     tuple, and ``None`` (the config's own default, taken in ``fit``) for other mutable ones."""
     if f.default is not dataclasses.MISSING:
         return f.default
+    if f.default_factory is dataclasses.MISSING:  # a required field: fit will say so
+        return None
     value = f.default_factory()
     return tuple(value) if isinstance(value, list) else None
 
@@ -57,14 +59,14 @@ PARAM_DEFAULTS = {f.name: _signature_default(f) for f in CONFIG_FIELDS}
 PARAM_DEFAULTS.update(log_dir=None, checkpoint_every=None)
 
 
-def _option_defaults(algorithm) -> dict:
-    """Options of ``algorithm`` with their defaults (the fields of its config dataclass);
-    empty when the name is not a registered algorithm."""
+def _option_defaults(algorithm) -> dict | None:
+    """Options of ``algorithm`` with their defaults (the fields of its config dataclass), or
+    ``None`` when the name is not a registered algorithm (its options are not known here)."""
     from xmc_engine.algorithms import ALGORITHMS
 
     entry = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
     if entry is None:
-        return {}
+        return None
     out = {}
     for f in dataclasses.fields(entry[1]):
         if f.default is not dataclasses.MISSING:
@@ -166,11 +168,6 @@ class XMCClassifier:
             setattr(self, name, params.get(name, default))
 
     # -- the scikit-learn parameter protocol ----------------------------------------------------
-    @classmethod
-    def _get_param_names(cls) -> list[str]:
-        """Parameter names, in signature order (scikit-learn's hook)."""
-        return list(PARAM_DEFAULTS)
-
     def get_params(self, deep: bool = True) -> dict:
         """Parameters of this estimator.
 
@@ -186,7 +183,7 @@ class XMCClassifier:
         """
         params = {name: getattr(self, name) for name in PARAM_DEFAULTS}
         if deep:
-            options = _option_defaults(self.algorithm)
+            options = _option_defaults(self.algorithm) or {}
             if isinstance(self.algorithm_params, dict):
                 options.update(self.algorithm_params)
             params.update({f"{NESTED}__{key}": value for key, value in options.items()})
@@ -219,8 +216,8 @@ class XMCClassifier:
         if nested:
             algorithm = plain.get("algorithm", self.algorithm)
             known = _option_defaults(algorithm)
-            unknown = sorted(set(nested) - set(known))
-            if known and unknown:
+            unknown = sorted(set(nested) - set(known or {}))
+            if known is not None and unknown:
                 names = ", ".join(f"{NESTED}__{u}" for u in unknown)
                 raise ValueError(f"invalid parameter(s) {names}: algorithm {algorithm!r} "
                                  f"has the options {', '.join(sorted(known))}")
