@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xmc_engine import XMCClassifier
+from xmc_engine.errors import DatasetFormatError
 
 KW = dict(hidden=4, epochs=1, batch_size=4, threads=1, seed=0, eval_every=0)
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
@@ -250,3 +251,9 @@ def test_prediction_on_zero_rows():
     assert model.predict(X[:0]).shape == (0, 2)
     assert model.predict_proba(X[:0]).shape == (0, 2)
     assert model.decision_function(X[:0], k=5).shape == (0, 2)
+
+
+def test_dataset_format_error_is_exported_by_the_data_layer():
+    from xmc_engine.datasets import DatasetFormatError as exported
+
+    assert exported is DatasetFormatError and issubclass(exported, ValueError)
