@@ -75,6 +75,18 @@ def _check_dtype(dtype, name: str) -> None:
         raise ValueError(f"{name} must hold real numbers, got dtype {dtype}")
 
 
+def _check_columns(M: sp.csr_matrix, name: str, expected: int | None, what: str) -> None:
+    """``M`` has ``expected`` columns (the fitted model's) or, with ``expected=None``, one or
+    more; ``ValueError`` naming ``name`` otherwise."""
+    n = M.shape[1]
+    if expected is not None and n != expected:
+        raise ValueError(f"{name} has {n} {what}s, but XMCClassifier is expecting {expected} "
+                         f"{what}s as input")
+    if expected is None and n < 1:
+        raise ValueError(f"{name} has 0 {what}(s) (shape={M.shape}) while a minimum of 1 is "
+                         "required.")
+
+
 def _row_of(M: sp.csr_matrix, position: int) -> int:
     """Row of the ``position``-th stored entry of CSR ``M``."""
     return int(np.searchsorted(M.indptr, position, side="right") - 1)
@@ -111,12 +123,7 @@ def check_X(X, n_features: int | None = None, name: str = "X", *,
     if X.shape[0] < min_samples:
         raise ValueError(f"{name} has {X.shape[0]} sample(s) (shape={X.shape}) while a minimum "
                          f"of {min_samples} is required.")
-    if n_features is not None and X.shape[1] != n_features:
-        raise ValueError(f"{name} has {X.shape[1]} features, but XMCClassifier is expecting "
-                         f"{n_features} features as input")
-    if n_features is None and X.shape[1] < 1:
-        raise ValueError(f"{name} has 0 feature(s) (shape={X.shape}) while a minimum of 1 is "
-                         "required.")
+    _check_columns(X, name, n_features, "feature")
     with np.errstate(over="ignore"):  # beyond float32's range shows as inf below
         X = X.astype(np.float32, copy=False)
     if not X.has_canonical_format or (X.nnz and not X.data.all()):
@@ -162,12 +169,7 @@ def check_Y(Y, n_samples: int, n_labels: int | None = None, name: str = "Y", *,
                 "sklearn.preprocessing.MultiLabelBinarizer (or LabelBinarizer)")
     if Y.shape[0] != n_samples:
         raise ValueError(f"{name} has {Y.shape[0]} rows but {x_name} has {n_samples}")
-    if n_labels is not None and Y.shape[1] != n_labels:
-        raise ValueError(f"{name} has {Y.shape[1]} labels, but XMCClassifier is expecting "
-                         f"{n_labels} labels")
-    if n_labels is None and Y.shape[1] < 1:
-        raise ValueError(f"{name} has 0 label(s) (shape={Y.shape}) while a minimum of 1 is "
-                         "required.")
+    _check_columns(Y, name, n_labels, "label")
     bad = np.flatnonzero((Y.data != 0) & (Y.data != 1))
     if bad.size:
         value = Y.data[bad[0]]
