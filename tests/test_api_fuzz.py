@@ -19,6 +19,8 @@ than 0/1 (2, -1, 0.5, NaN), mismatched rows, empty matrices (0 rows for ``fit``,
 labels), 1-D and 3-D input, complex and string values, ragged lists, ``None``, a malformed CSR
 structure, a feature or label count other than the model's at prediction and evaluation, and
 top-k or threshold values out of range. Prediction on 0 rows is accepted and returns 0 rows.
+Bad parameter values (wrong type or range) are stored by ``__init__`` and refused by ``fit``
+with a ``ConfigError`` (a ``ValueError``) naming the parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xmc_engine import XMCClassifier
-from xmc_engine.errors import DatasetFormatError
+from xmc_engine.errors import ConfigError, DatasetFormatError
 
 KW = dict(hidden=4, epochs=1, batch_size=4, threads=1, seed=0, eval_every=0)
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
@@ -257,3 +259,17 @@ def test_dataset_format_error_is_exported_by_the_data_layer():
     from xmc_engine.datasets import DatasetFormatError as exported
 
     assert exported is DatasetFormatError and issubclass(exported, ValueError)
+
+
+@pytest.mark.parametrize("param, value", [
+    ("lr", "fast"), ("lr", 0.0), ("epochs", 0), ("batch_size", 0), ("hidden", "wide"),
+    ("hidden", [8, 0]), ("optimizer", "adam"), ("algorithm", "magic"),
+    ("algorithm_params", [("merge_period", 8)]), ("eval_k", 0), ("checkpoint_every", "soon"),
+])
+def test_bad_parameter_values_fail_in_fit_naming_the_parameter(param, value):
+    """``__init__`` stores any value (scikit-learn's contract); ``fit`` refuses a bad one with a
+    ``ConfigError`` (a ``ValueError``) that names it, before touching the data."""
+    model = XMCClassifier(**{**KW, param: value})
+    assert getattr(model, param) is value
+    with pytest.raises(ConfigError, match=param):
+        model.fit(np.eye(3, dtype=np.float32), np.eye(3, dtype=np.float32))
