@@ -67,7 +67,7 @@ LOG_NAME = "gpu_check.log"
 LIBRARIES = (*_common.DEFAULT_LIBRARIES, "cupy-cuda13x", "cupy-cuda12x", "numba-cuda")
 SECTION_ORDER = ("kernels", "fit_single", "throughput", "sync", "adaptive")
 #: hard time limit of each section's child process, seconds (capped by what is left of --budget)
-SECTION_LIMITS_S = {"kernels": 100, "fit_single": 90, "throughput": 110, "sync": 80,
+SECTION_LIMITS_S = {"kernels": 100, "fit_single": 120, "throughput": 110, "sync": 80,
                     "adaptive": 80}
 #: a section starts only with at least this many seconds of the budget left
 MIN_START_S = 15.0
@@ -580,18 +580,20 @@ def gpu_info(device: str) -> dict | None:
     """Name, SMs, memory and versions of the GPU under test (``None`` on the CPU)."""
     if device == "cpu":
         return None
-    import cupy
+    try:
+        import cupy
 
-    idx = int(device.split(":", 1)[1])
-    props = cupy.cuda.runtime.getDeviceProperties(idx)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    return {"name": name, "sm_count": props["multiProcessorCount"],
-            "total_mem_GiB": round(props["totalGlobalMem"] / 2**30, 1),
-            "compute_capability": f"{props['major']}.{props['minor']}",
-            "n_devices": cupy.cuda.runtime.getDeviceCount(),
-            "driver": cupy.cuda.runtime.driverGetVersion(),
-            "runtime": cupy.cuda.runtime.runtimeGetVersion(), "cupy": cupy.__version__,
-            "CUPY_TF32": os.environ.get("CUPY_TF32")}
+        rt = cupy.cuda.runtime
+        props = rt.getDeviceProperties(int(device.split(":", 1)[1]))
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        return {"name": name, "sm_count": props["multiProcessorCount"],
+                "total_mem_GiB": round(props["totalGlobalMem"] / 2**30, 1),
+                "compute_capability": f"{props['major']}.{props['minor']}",
+                "n_devices": rt.getDeviceCount(), "driver": rt.driverGetVersion(),
+                "runtime": rt.runtimeGetVersion(), "cupy": cupy.__version__,
+                "CUPY_TF32": os.environ.get("CUPY_TF32")}
+    except Exception as e:  # noqa: BLE001 - the record must not stop the check
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def git_commit() -> str | None:
@@ -814,14 +816,9 @@ def run_fit_section(ctx: Context, section: str) -> None:
     t = time.perf_counter()
     clf = engine_fit(X, Y, **params)
     rec = _fit_record(clf, time.perf_counter() - t, engine_evaluate(clf, Xt, Yt))
-    if section == "fit_single" and spec.startswith("cuda"):
-        rec["gpu_inference"] = engine_evaluate(clf, Xt, Yt, on_gpu=True)
     ctx.put("device_run", rec)
     troubles = history_troubles(clf.history_)
     ctx.check("trained cleanly", not troubles, events=troubles)
-    if section == "fit_single" and "gpu_inference" in rec:
-        d = abs(rec["gpu_inference"]["P@1"] - rec["P@1"])
-        ctx.check("P@1 of GPU inference == CPU inference", d <= 0.005, diff=d)
     if section in args.cpu_p1:
         cpu_p1, source = args.cpu_p1[section], "--cpu-p1"
     else:
@@ -834,6 +831,17 @@ def run_fit_section(ctx: Context, section: str) -> None:
     diff = abs(rec["P@1"] - cpu_p1)
     ctx.check(f"|P@1 - CPU P@1| <= {tol}", diff <= tol, p1=rec["P@1"], cpu_p1=cpu_p1,
               cpu_source=source, diff=diff)
+    if section == "fit_single" and spec.startswith("cuda"):
+        # Last, so that a failure of the GPU inference path leaves the training checks intact.
+        try:
+            gpu = engine_evaluate(clf, Xt, Yt, on_gpu=True)
+        except Exception as e:  # noqa: BLE001 - recorded as a failed check
+            ctx.check("GPU inference ran", False, error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc())
+        else:
+            ctx.put("gpu_inference", gpu)
+            d = abs(gpu["P@1"] - rec["P@1"])
+            ctx.check("|P@1 of GPU inference - CPU inference| <= 0.005", d <= 0.005, diff=d)
 
 
 def section_fit_single(ctx: Context) -> None:
