@@ -351,11 +351,6 @@ def child_command(script: Path, argv: list[str], name: str, limit_s: float,
             "--child-limit", f"{limit_s:.1f}"]
 
 
-def read_child_result(path: Path) -> dict | None:
-    """The outcome a child wrote (its last flush if it did not finish), or ``None``."""
-    return _common.read_json(path)
-
-
 def _pump(stream, sink) -> None:
     for line in stream:
         sink(line)
@@ -387,13 +382,16 @@ def make_child_executor(script: Path, argv: list[str], tmpdir: Path, sink,
             rc = proc.wait()
             killed = True
         pump.join(timeout=10)
-        out = read_child_result(result) or {}
+        out = _common.read_json(result) or {}  # the last flush if the child did not finish
+        if out.get("status") in ("passed", "failed", "skipped"):
+            if killed or rc != 0:
+                out["exit"] = (f"killed after {limit_s + grace_s:.0f} s" if killed
+                               else f"exit status {rc}") + " after reporting"
+            return out
         figures = out.get("figures", {})
         if killed:
             return {"status": "failed", "figures": figures,
                     "reason": f"time limit: killed after {limit_s + grace_s:.0f} s"}
-        if out.get("status") in ("passed", "failed", "skipped"):
-            return out
         return {"status": "failed", "figures": figures,
                 "reason": f"the child process ended with exit status {rc} before reporting"}
     return execute
@@ -411,6 +409,13 @@ def child_main(args) -> int:
     outcome = run_section_here(section, ctx)
     if outcome.get("traceback"):
         logger.info("%s", outcome["traceback"].rstrip())
+    # Worker threads the engine left running would hold the interpreter at exit: record them
+    # (the process then ends through os._exit in __main__).
+    lingering = [t.name for t in threading.enumerate()
+                 if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if lingering:
+        outcome["lingering_threads"] = lingering
+        logger.info("threads still running after the section: %s", lingering)
     _common.write_json(args.child_out, outcome)
     return 0
 
@@ -430,7 +435,7 @@ class Tee:
             self._file.flush()
 
     def flush(self) -> None:
-        pass
+        """Nothing to do: every write is flushed (logging's handler calls this)."""
 
     def close(self) -> None:
         self._file.close()
@@ -1111,4 +1116,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: a non-daemon thread left by the engine (recorded in the report) must not
+    # keep the process, and so the time budget, waiting.
+    os._exit(rc)

@@ -167,15 +167,19 @@ json.dump({"status": "running", "figures": {"partial": 1}}, open(out, "w"))
 if mode == "hang":
     time.sleep(60)
 json.dump({"status": "passed", "figures": {"done": 1}}, open(out, "w"))
+if mode == "stuck":
+    time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("mode, status, reason, figures", [
-    ("ok", "passed", None, {"done": 1}),
-    ("hang", "failed", "time limit: killed after 2 s", {"partial": 1}),
-    ("crash", "failed", "the child process ended with exit status 3 before reporting", {}),
+@pytest.mark.parametrize("mode, status, reason, figures, exit_note", [
+    ("ok", "passed", None, {"done": 1}, None),
+    ("hang", "failed", "time limit: killed after 2 s", {"partial": 1}, None),
+    ("crash", "failed", "the child process ended with exit status 3 before reporting", {}, None),
+    ("stuck", "passed", None, {"done": 1}, "killed after 2 s after reporting"),
 ])
-def test_a_child_reports_or_is_killed_or_crashes(tmp_path, mode, status, reason, figures):
+def test_a_child_reports_or_is_killed_or_crashes(tmp_path, mode, status, reason, figures,
+                                                 exit_note):
     script = tmp_path / "child.py"
     script.write_text(FAKE_CHILD)
     lines = []
@@ -185,7 +189,7 @@ def test_a_child_reports_or_is_killed_or_crashes(tmp_path, mode, status, reason,
     out = execute(gc.Section("kernels", None, 100), 1.5)
     assert time.monotonic() - t < 30
     assert out["status"] == status and out.get("reason") == reason
-    assert out["figures"] == figures
+    assert out["figures"] == figures and out.get("exit") == exit_note
     assert lines[0] == "child kernels limit 1.5\n"
 
 
