@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--period", type=int, default=4096, help="samples per merge period")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "merge_cpu.json"))
     args = p.parse_args(argv)
+    meta = _common.result_metadata()
 
     from xmc_engine.backends import get_backend
     from xmc_engine.scheduler.merge import find_nonfinite, sq_norms, weighted_merge
@@ -116,9 +117,8 @@ def main(argv=None) -> int:
     print(f"  (w1_merge: {args.touched:.0%} of the rows changed in the period)")
     for name, frac in r["touched_fraction"].items():
         print(f"  {name}: a period of {args.period} rows touches {frac:.1%} of the W1 rows")
-    path = _common.write_json(args.out, {
-        "benchmark": "merge_cpu", "command": " ".join(["bench_merge_cpu.py"] + sys.argv[1:]),
-        "args": vars(args), "model_mib_per_replica": mb, "machine": _common.machine_info(),
+    path = _common.write_result(args.out, {
+        **meta, "benchmark": "merge_cpu", "args": vars(args), "model_mib_per_replica": mb,
         **r})
     print(f"wrote {path}")
     return 0

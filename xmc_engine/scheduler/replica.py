@@ -67,6 +67,7 @@ class HostBackend:
 
     name = "cpu"
     device_id = None
+    threads = None
     xp = np
 
     def asarray(self, a):
