@@ -63,8 +63,8 @@ logger = logging.getLogger("gpu_check")
 
 REPORT_NAME = "gpu_check.json"
 LOG_NAME = "gpu_check.log"
-#: library versions recorded with the machine (distribution names; missing ones are null)
-LIBRARIES = (*_common.DEFAULT_LIBRARIES, "cupy-cuda13x", "cupy-cuda12x", "numba-cuda")
+#: GPU libraries whose versions are recorded beside the machine's (distribution names)
+GPU_LIBRARIES = ("cupy-cuda13x", "cupy-cuda12x", "numba-cuda")
 SECTION_ORDER = ("kernels", "fit_single", "throughput", "sync", "adaptive")
 #: hard time limit of each section's child process, seconds (capped by what is left of --budget)
 SECTION_LIMITS_S = {"kernels": 100, "fit_single": 120, "throughput": 110, "sync": 80,
@@ -177,7 +177,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fit-steps", type=_positive(int), default=100,
                    help="steps of the one-epoch 'single' fit in 'throughput'")
     p.add_argument("--commit", default=None,
-                   help="git commit of the checkout (default: git rev-parse HEAD, if it works)")
+                   help="git commit of the code under test, for a copied checkout without git "
+                        "(default: git rev-parse HEAD, with -dirty for uncommitted changes)")
     p.add_argument("--child", choices=SECTION_ORDER, help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--child-limit", type=float, help=argparse.SUPPRESS)
@@ -275,20 +276,17 @@ def run_section_here(section: Section, ctx: Context) -> dict:
     return {"status": "passed", "figures": ctx.figures}
 
 
-def new_report(args, argv: list[str], machine: dict) -> dict:
-    """The report skeleton (the command, commit, budget and machine); every section of
+def new_report(args, metadata: dict) -> dict:
+    """The report skeleton: ``metadata`` (:func:`_common.result_metadata`: command, git commit,
+    machine; ``--commit`` replaces the commit), the device and budget, and every section of
     ``args.sections`` ``pending``."""
-    return {
-        "script": "bench/gpu_check.py",
-        "command": ["python", "bench/gpu_check.py", *argv],
-        "commit": args.commit,
-        "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": args.device,
-        "budget_s": args.budget,
-        "machine": machine,
-        "finished": False,
-        "sections": {s: {"status": "pending"} for s in args.sections},
-    }
+    report = {**metadata,
+              "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "device": args.device, "budget_s": args.budget, "finished": False,
+              "sections": {s: {"status": "pending"} for s in args.sections}}
+    if args.commit is not None:
+        report["git_commit"] = args.commit
+    return report
 
 
 def summarise(report: dict) -> dict:
@@ -599,15 +597,6 @@ def gpu_info(device: str) -> dict | None:
                 "CUPY_TF32": os.environ.get("CUPY_TF32")}
     except Exception as e:  # noqa: BLE001 - the record must not stop the check
         return {"error": f"{type(e).__name__}: {e}"}
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_common.REPO_DIR,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 # ------------------------------------------------------------------------------- kernels
@@ -1074,21 +1063,23 @@ def main(argv=None) -> int:
     if args.child is not None:
         _setup_logging(sys.stdout, f"[{args.child}] ")
         return child_main(args)
-    if args.commit is None:
-        args.commit = git_commit()
     args.out.mkdir(parents=True, exist_ok=True)
     tee = Tee(args.out / LOG_NAME)
     _setup_logging(tee)
     report_path = args.out / REPORT_NAME
 
     def write(report):
-        _common.write_json(report_path, report)
+        _common.write_result(report_path, report)
+
+    def metadata(gpu):
+        extra = {"gpu": gpu, "gpu_libraries": _common.library_versions(GPU_LIBRARIES)}
+        return _common.result_metadata(machine_extra=extra, argv=[__file__, *argv])
 
     try:
         if args.device != "cpu" and not engine_cuda_available():
             reason = ("no CUDA device: bench/gpu_check.py needs a GPU with CuPy "
                       "(xmc_engine.backends.cuda_available() is False)")
-            report = new_report(args, argv, _common.machine_info(LIBRARIES))
+            report = new_report(args, metadata(None))
             for rec in report["sections"].values():
                 rec.update(status="skipped", reason=reason)
             report.update(status="skipped", reason=reason, finished=True,
@@ -1096,8 +1087,7 @@ def main(argv=None) -> int:
             write(report)
             logger.info("SKIPPED: %s; wrote %s", reason, report_path)
             return 0
-        report = new_report(args, argv, _common.machine_info(
-            LIBRARIES, extra={"gpu": gpu_info(args.device)}))
+        report = new_report(args, metadata(gpu_info(args.device)))
         write(report)
         logger.info("gpu_check on %s: sections %s, budget %.0f s -> %s", args.device,
                     ",".join(args.sections), args.budget, report_path)

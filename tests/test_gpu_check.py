@@ -94,7 +94,8 @@ def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path):
     sections = [gc.Section("kernels", broken, 10), gc.Section("fit_single", wrong, 10),
                 gc.Section("sync", skipped, 10), gc.Section("adaptive", fine, 10)]
     args = _args(tmp_path, "--sections", "kernels,fit_single,sync,adaptive")
-    report = gc.new_report(args, ["--device", "cpu"], {"host": "test"})
+    report = gc.new_report(args, {"command": "python bench/gpu_check.py", "git_commit": None,
+                                  "machine": {}})
     path = tmp_path / "r.json"
     seen = []
 
@@ -135,7 +136,7 @@ def test_the_budget_caps_each_limit_and_skips_the_rest_with_a_reason(tmp_path):
 
     sections = [gc.Section(n, None, 60) for n in ("kernels", "fit_single", "throughput", "sync")]
     args = _args(tmp_path, "--sections", "kernels,fit_single,throughput,sync")
-    report = gc.new_report(args, [], {})
+    report = gc.new_report(args, {})
     writes = []
     gc.run_sections(sections, execute, report, writes.append, budget_s=120, min_start_s=25,
                     clock=lambda: now[0])
@@ -148,7 +149,7 @@ def test_the_budget_caps_each_limit_and_skips_the_rest_with_a_reason(tmp_path):
     assert report["summary"]["skipped"] == ["throughput", "sync"]
     now[0] = 0.0
     limits.clear()
-    gc.run_sections(sections[:1], execute, gc.new_report(args, [], {}), writes.append,
+    gc.run_sections(sections[:1], execute, gc.new_report(args, {}), writes.append,
                     budget_s=40, clock=lambda: now[0])
     assert limits == [40]  # a section gets no more than what is left
 
@@ -208,10 +209,14 @@ def test_child_command_forwards_the_arguments(tmp_path):
 def test_without_cuda_it_says_why_and_exits_0_with_a_skipped_report(tmp_path, monkeypatch,
                                                                       capsys):
     monkeypatch.setitem(sys.modules, "cupy", None)  # importing cupy now fails
-    assert gc.main(["--out", str(tmp_path), "--sections", "kernels,sync"]) == 0
+    argv = ["--out", str(tmp_path), "--sections", "kernels,sync", "--commit", "abc123"]
+    assert gc.main(argv) == 0
     assert "SKIPPED: no CUDA device" in capsys.readouterr().out
     r = json.loads((tmp_path / gc.REPORT_NAME).read_text())
     assert r["status"] == "skipped" and r["finished"] is True
+    assert r["git_commit"] == "abc123"
+    assert r["command"].startswith("python bench/gpu_check.py --out ")
+    assert "numba-cuda" in r["machine"]["gpu_libraries"]
     assert set(r["sections"]) == {"kernels", "sync"}
     assert all(s["status"] == "skipped" and "no CUDA device" in s["reason"]
                for s in r["sections"].values())
