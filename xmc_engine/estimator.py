@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_engine.config import TrainConfig
+from xmc_engine.config import ALGORITHMS, EVAL_ROWS, TrainConfig
 from xmc_engine.errors import CheckpointError, ConfigError
 from xmc_engine.model import ModelShape, predict_topk
 from xmc_engine.validation import check_k, check_X, check_Y, parse_every
@@ -60,20 +60,13 @@ PARAM_DEFAULTS.update(log_dir=None, checkpoint_every=None)
 
 
 def _option_defaults(algorithm) -> dict | None:
-    """Options of ``algorithm`` with their defaults (the fields of its config dataclass), or
-    ``None`` when the name is not a registered algorithm (its options are not known here)."""
-    from xmc_engine.algorithms import ALGORITHMS
-
-    entry = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
-    if entry is None:
+    """Options of ``algorithm`` with their defaults (the fields of its options dataclass,
+    :data:`xmc_engine.config.ALGORITHMS`), or ``None`` when the name is not an algorithm (``fit``
+    refuses it)."""
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if cls is None:
         return None
-    out = {}
-    for f in dataclasses.fields(entry[1]):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            out[f.name] = f.default_factory()
-    return out
+    return dataclasses.asdict(cls())
 
 
 def _equal(a, b) -> bool:
@@ -322,13 +315,13 @@ class XMCClassifier:
 
         return get_backend(getattr(self, "_backend_name", "cpu"), threads=self.threads)
 
-    def _topk(self, X: sp.csr_matrix, k: int, row_chunk: int = 4096):
+    def _topk(self, X: sp.csr_matrix, k: int, row_chunk: int = EVAL_ROWS):
         """:meth:`predict_topk` on an already validated ``X``."""
         be = self._inference_backend()
         params = [be.asarray(p) for p in self.params_]
         return predict_topk(be, params, X, k, row_chunk=row_chunk, label_chunk=self.label_chunk)
 
-    def predict_topk(self, X, k: int = 5, *, row_chunk: int = 4096):
+    def predict_topk(self, X, k: int = 5, *, row_chunk: int = EVAL_ROWS):
         """Top-``k`` labels and scores per row.
 
         Parameters

@@ -25,10 +25,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_engine.batches import RowGather
+from xmc_engine.config import EVAL_ROWS, OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZERS = ("sgd", "adagrad")
+
 ADAGRAD_EPS = 1e-10
 
 
@@ -83,13 +84,10 @@ def init_params_for_data(shape: ModelShape, X, seed: int = 0) -> list[np.ndarray
     """:func:`init_params` with ``W1`` sized by the training rows ``X``: variance
     ``1 / avg_nnz`` (non-zeros per row), feature values not counted.
 
-    Scaling ``W1`` up for small feature values as well (variance ``1 / (avg_nnz x mean squared
-    value)``: unit pre-activation variance, as before) made it large where the values are
-    tf-idf weights, and a step, Adagrad's above all (about ``lr`` per weight whatever the
-    gradient), then moves it slowly: debian_debtags (mean squared value 0.021), hidden 256, one
-    device, 4 epochs, P@1 0.759 with it against 0.822 without (Adagrad lr 0.1), 0.53 against
-    0.74 at the best epoch (SGD lr 1); rcv1sub1 0.527 against 0.582. Binary features
-    (delicious, bibtex) are the same either way.
+    Why not unit pre-activation variance (``1 / (avg_nnz x mean squared value)``): with tf-idf
+    features the values are small, the weights would come out large, and a step (Adagrad's above
+    all, about ``lr`` per weight whatever the gradient) then moves them slowly; binary features
+    are the same either way. Measured: ``bench/RESULTS.md``, "Quality on small real datasets".
     """
     avg_nnz = max(X.nnz / max(X.shape[0], 1), 1.0)
     return init_params(shape, seed, avg_nnz=avg_nnz)
@@ -369,7 +367,7 @@ def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,
     return best
 
 
-def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = 4096,
+def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,
                  label_chunk: int | None = None):
     """Top-``k`` labels and scores for every row of ``X``, computed in row chunks.
 
