@@ -323,7 +323,9 @@ class _Driver:
                     stop = min(self._next_stop(), total)
                     stop_after = self.epoch_samples + max(stop - st["samples"], 1)
                 try:
-                    res = tr.run_epoch(epoch, stop_after=stop_after)
+                    # several nodes stop together, at the end of an epoch (collectives)
+                    res = tr.run_epoch(epoch, stop_after=stop_after, should_stop=(
+                        None if self.multi_node else self.stop_requested))
                 except DivergenceError as exc:
                     self._diverged(exc)
                 n = self.n if self.multi_node else res["samples"]  # every node did an epoch
