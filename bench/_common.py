@@ -1,5 +1,9 @@
 """Shared helpers for the benchmark scripts: machine record, peak RSS, data paths, JSON results.
 
+Every result JSON carries :func:`result_metadata` (the command, the engine's git commit and the
+machine) and is written with :func:`write_result`, which refuses a payload without it, so that a
+table in ``bench/RESULTS.md`` can always name how, where and on which code it was measured.
+
 Nothing here imports the engine's heavy parts or any optional library at module import time, so
 every ``bench/*.py`` script can import it (``sys.path`` includes ``bench/`` when a script runs).
 """
@@ -14,6 +18,8 @@ import math
 import os
 import platform
 import resource
+import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -101,7 +107,7 @@ def machine_info(libraries=DEFAULT_LIBRARIES, extra: dict | None = None) -> dict
         "usable_cores": usable_cores(),
         "mem_total_gib": _mem_total_gib(),
         "gpu": None,
-        "loadavg_1_5_15": _loadavg(),
+        "loadavg_1_5_15": loadavg(),
         "libraries": library_versions(libraries),
         "blas": blas_info(),
         "env": {k: v for k, v in os.environ.items()
@@ -113,7 +119,7 @@ def machine_info(libraries=DEFAULT_LIBRARIES, extra: dict | None = None) -> dict
     return info
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     """1/5/15-minute load averages: a shared machine's contention, recorded with each result."""
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -232,6 +238,89 @@ def write_json(path, payload: dict) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+#: Keys every result JSON carries (:func:`result_metadata`, checked by :func:`write_result`).
+RESULT_KEYS = ("command", "git_commit", "machine")
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The shell command that ran this script: ``python``, the script, its arguments, quoted.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The script's argument vector; ``sys.argv`` by default. A script path inside the
+        repository is written relative to its root, so the command can be pasted there.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        script = Path(argv[0])
+        with contextlib.suppress(ValueError, OSError):
+            script = script.resolve().relative_to(REPO_DIR)
+        argv[0] = str(script)
+    return shlex.join(["python", *argv])
+
+
+def git_commit(repo=REPO_DIR) -> str | None:
+    """``git rev-parse HEAD`` of ``repo``, with ``-dirty`` appended when its code has changes.
+
+    Only tracked files count, and not those under ``bench/results/`` (results written by an
+    earlier run do not change the code being measured). ``None`` when ``repo`` is not the root
+    of a git work tree (a copied checkout, or one nested inside another project's repository)
+    or git is not installed.
+    """
+    repo = Path(repo).resolve()
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True,
+                                  text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != repo:
+        return None
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return None
+    changes = git("status", "--porcelain", "--untracked-files=no", "--",
+                  ".", ":(exclude)bench/results")
+    return head + "-dirty" if changes else head
+
+
+def result_metadata(machine_extra: dict | None = None, argv: list[str] | None = None) -> dict:
+    """The record every result JSON opens with: ``command``, ``git_commit`` and ``machine``.
+
+    Call it once when the benchmark starts (the load average and the commit are those the
+    measurement ran under) and spread it into the payload: ``{**result_metadata(), ...}``.
+
+    Parameters
+    ----------
+    machine_extra : dict, optional
+        Extra entries of the machine record (thread counts, load at start).
+    argv : list of str, optional
+        The script's argument vector (:func:`command_line`); ``sys.argv`` by default.
+    """
+    return {"command": command_line(argv), "git_commit": git_commit(),
+            "machine": machine_info(extra=machine_extra)}
+
+
+def write_result(path, payload: dict) -> Path:
+    """Write a benchmark result with :func:`write_json` after checking it has its metadata.
+
+    Raises
+    ------
+    ValueError
+        If ``payload`` lacks one of :data:`RESULT_KEYS`; build it with :func:`result_metadata`.
+    """
+    missing = [k for k in RESULT_KEYS if k not in payload]
+    if missing:
+        raise ValueError(f"result for {path} lacks {missing}: start the payload with "
+                         "{**_common.result_metadata(), ...}")
+    return write_json(path, payload)
 
 
 def read_json(path) -> dict | None:

@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "gather.json"))
     args = p.parse_args(argv)
+    meta = _common.result_metadata()
     rows = []
     for name in args.data or ["delicious", "debian_debtags"]:
         try:
@@ -96,9 +97,8 @@ def main(argv=None) -> int:
         except _common.SkipBenchmark as e:
             print(f"SKIP {name}: {e}")
     if rows:
-        path = _common.write_json(args.out, {
-            "benchmark": "gather", "command": " ".join(["bench_gather.py"] + sys.argv[1:]),
-            "machine": _common.machine_info(), "rows": rows})
+        path = _common.write_result(args.out, {
+            **meta, "benchmark": "gather", "rows": rows})
         print(f"wrote {path}")
     return 0
 

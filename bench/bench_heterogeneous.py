@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS_DIR, machine_info, write_json  # noqa: E402
+from _common import RESULTS_DIR, result_metadata, write_result  # noqa: E402
 from _tta import (  # noqa: E402
     Method,
     data_tag,
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"machine": machine_info(), "args": vars(args), "datasets": {}}
+    results = {**result_metadata(), "args": vars(args), "datasets": {}}
     for name in args.data or ["delicious"]:
         data = load_data(name)
         if data[2] is None:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             plot_curves(runs, png, title=f"{tag}: {SETUPS[setup]}")
             results["datasets"][tag][setup] = {"devices": SETUPS[setup], "summary": summary,
                                                "runs": runs, "plot": png.name}
-            write_json(out / "heterogeneous.json", results)
+            write_result(out / "heterogeneous.json", results)
     print(f"\nwrote {out / 'heterogeneous.json'}")
     return 0
 

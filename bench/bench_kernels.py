@@ -3,7 +3,7 @@
 Self-contained: measures sgemm GFLOP/s at the sizes used and memory bandwidth (a large copy),
 checks every kernel against kernels/reference.py, warms up, then times each kernel (best of
 ``--repeat``) against its baseline and prints one line per configuration with the ratio.
-Writes ``bench/results/kernels.json`` (machine info included).
+Writes ``bench/results/kernels.json`` (with the command, git commit and machine).
 
     python bench/bench_kernels.py                # 2 threads, the sizes of the targets
     python bench/bench_kernels.py --quick        # small sizes, a smoke run
@@ -12,12 +12,14 @@ Writes ``bench/results/kernels.json`` (machine info included).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -43,8 +45,6 @@ def parse_args(argv=None):
 
 
 def best_time(fn, repeat, warmup=2):
-    import _common  # bench/ is on sys.path when a script in it runs
-
     return min(_common.timings(fn, repeat, warmup))
 
 
@@ -65,32 +65,6 @@ def interleaved(fns, repeat, warmup=2, before=None):
             fn()
             ts[k].append(time.perf_counter() - t0)
     return {k: (min(v), sorted(v)[len(v) // 2]) for k, v in ts.items()}
-
-
-def machine_info():
-    import numba
-    import numpy as np
-    import scipy
-    from threadpoolctl import threadpool_info
-
-    cpu = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0],
-        "numpy": np.__version__, "scipy": scipy.__version__, "numba": numba.__version__,
-        "numba_threading_layer": numba.threading_layer(),
-        "loadavg_at_start": os.getloadavg(),
-        "blas": [{k: d.get(k) for k in ("internal_api", "version", "architecture",
-                                         "num_threads", "filepath")} for d in threadpool_info()],
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS", "OMP_", "MKL_",
-                                                                     "NUMBA_"))},
-    }
 
 
 def main(argv=None):
@@ -145,11 +119,13 @@ def main(argv=None):
                          "H.T@Z": gemm_flops / g3 / 1e9},
         "copy_GBps": bw, "three_gemms_ms": (g1 + g2 + g3) * 1e3,
     }
-    results["machine"] = machine_info()
-    m = results["machine"]
-    print(f"# {m['cpu']}, {m['cores']} cores, numpy {m['numpy']}, scipy {m['scipy']}, "
-          f"numba {m['numba']} ({m['numba_threading_layer']}), threads={a.threads}, "
-          f"load average {m['loadavg_at_start'][0]:.1f} (other processes share the cores)")
+    results.update(_common.result_metadata(
+        machine_extra={"numba_threading_layer": numba.threading_layer()}))
+    m, v = results["machine"], results["machine"]["libraries"]
+    print(f"# {m['cpu_model']}, {m['usable_cores']} cores, numpy {v['numpy']}, "
+          f"scipy {v['scipy']}, numba {v['numba']} ({m['numba_threading_layer']}), "
+          f"threads={a.threads}, load average {m['loadavg_1_5_15'][0]:.1f} "
+          "(other processes share the cores)")
     for b in m["blas"]:
         print(f"# BLAS: {b['internal_api']} {b['version']} kernel={b['architecture']} "
               f"threads={b['num_threads']}")
@@ -356,8 +332,7 @@ def main(argv=None):
         med=(T["k"][1], T["np"][1]))
     results["loadavg_at_end"] = os.getloadavg()
 
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(results, indent=2))
+    _common.write_result(a.out, results)
     print(f"# wrote {a.out}")
     return results
 

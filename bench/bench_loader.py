@@ -5,7 +5,7 @@ folder so that both loaders read the same plain text): check that our ``load_xc`
 ``napkinxc.datasets.load_libsvm_file``, then time both (best of ``--repeat``), then time a first
 load through the cache (parse + cache write) against cached loads. Also times the cache key's
 sampled hash against a full-file blake2b. Prints one line per file and writes
-``bench/results/loader.json`` with the machine description.
+``bench/results/loader.json`` with the command, git commit and machine.
 
 Run: ``python bench/bench_loader.py [--files PATH ...] [--repeat 3]``.
 """
@@ -14,41 +14,22 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import lzma
 import os
-import platform
+import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 from xmc_engine.datasets import load_xc
 from xmc_engine.datasets.cache import source_key
 
-from xmc_engine import _env
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
 
 DEFAULT = ["imdb/train.txt.xz", "debian_debtags/train.txt.xz", "rcv1sub1/train.txt.xz"]
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {}
-    for pkg in ("numpy", "scipy", "numba", "napkinxc"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(),
-                platform=platform.platform(), versions=versions)
 
 
 def best_of(fn, repeat: int) -> float:
@@ -93,19 +74,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--files", nargs="*", type=Path, help="XC files (default: largest local)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "loader.json")
+    ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "loader.json")
     ap.add_argument("--skip-napkinxc", action="store_true")
     args = ap.parse_args(argv)
 
     files = args.files
     if not files:
-        root = _env.data_dir()
-        if root is None:
-            ap.error("no data folder found: pass --files or set XMC_DATA_DIR")
+        root = _common.data_dir()
         files = [root / f for f in DEFAULT if (root / f).exists()]
-    info = machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores, python {info['python']}, "
-          + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+        if not files:
+            ap.error(f"none of {DEFAULT} found in {root}: pass --files or set XMC_DATA_DIR")
+    meta = _common.result_metadata()
+    info = meta["machine"]
+    print(f"machine: {info['cpu_model']}, {info['usable_cores']} cores, python {info['python']}, "
+          + ", ".join(f"{k} {info['libraries'][k]}" for k in ("numpy", "scipy", "numba",
+                                                              "napkinxc")))
     results = []
     with tempfile.TemporaryDirectory(prefix="xmc-bench-") as tmp:
         tmp = Path(tmp)
@@ -150,9 +133,8 @@ def main(argv=None) -> int:
                      f"blake2b {full * 1e3:.2f} ms ({row['bytes'] / 2**20:.1f} MiB)")
             print(line, flush=True)
             results.append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(machine=info, repeat=args.repeat, results=results),
-                                   indent=2) + "\n")
+    _common.write_result(args.out, {**meta, "benchmark": "loader", "repeat": args.repeat,
+                                    "results": results})
     print(f"wrote {args.out}")
     return 0
 

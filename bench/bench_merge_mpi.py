@@ -55,10 +55,12 @@ def worker(args) -> None:
     """One rank (under mpiexec): check, warm up, time; rank 0 writes the JSON lines."""
     from mpi4py import MPI
 
+    from xmc_engine.backends import get_backend
     from xmc_engine.distributed import MPIComm
     from xmc_engine.scheduler.merge import central_momentum
 
     comm = MPIComm(timeout=600)
+    be = get_backend("cpu")
     mpi = comm.comm
     rows = []
     for n_labels in args.labels:
@@ -81,7 +83,7 @@ def worker(args) -> None:
             t0 = time.perf_counter()
             comm.combine(w, float(10 + comm.rank))
             t1 = time.perf_counter()
-            central_momentum(w, z1, z2, 0.5, out)
+            central_momentum(w, z1, z2, 0.5, out, be)
             t2 = time.perf_counter()
             mpi.Barrier()
             t3 = time.perf_counter()
@@ -160,6 +162,7 @@ def main() -> None:
     mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
     if not Path(mpiexec).exists():
         raise SystemExit("mpiexec not found: pip install 'xmc-engine[mpi]'")
+    meta = _common.result_metadata(machine_extra={"mpi": _mpi_version()})
     rows = []
     for ranks in args.ranks:
         with tempfile.TemporaryDirectory() as tmp:
@@ -186,12 +189,11 @@ def main() -> None:
               f"{r['ranks']:>5} {r['combine_s'] * 1e3:>8.1f}m {r['momentum_s'] * 1e3:>8.1f}m "
               f"{r['merge_s'] * 1e3:>8.1f}m {r['blocking_allreduce_s'] * 1e3:>8.1f}m "
               f"{st * 1e3:>8.1f}m {r['merge_over_step']:>10.2f}")
-    payload = {"benchmark": "merge_mpi", "machine": _common.machine_info(
-                   extra={"mpi": _mpi_version()}),
+    payload = {**meta, "benchmark": "merge_mpi",
                "settings": {"hidden": HIDDEN, "features": args.features, "repeat": args.repeat,
                             "batch": 128, "step_threads": 1, "times": "median, slowest rank"},
                "results": rows}
-    print(f"wrote {_common.write_json(args.out, payload)}")
+    print(f"wrote {_common.write_result(args.out, payload)}")
 
 
 def _mpi_version() -> str | None:

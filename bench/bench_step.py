@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS_DIR, machine_info, peak_rss_mib, write_json  # noqa: E402
+from _common import RESULTS_DIR, peak_rss_mib, result_metadata, write_result  # noqa: E402
 
 SHAPES = {
     # name: (data source, batch size)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         print(json.dumps(res))
         return 0
 
-    results = {"machine": machine_info(), "args": vars(args), "shapes": {}}
+    results = {**result_metadata(), "args": vars(args), "shapes": {}}
     for name in args.shape or list(SHAPES):
         source, batch = SHAPES[name]
         runs = {"engine": [], "torch": []}
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
             print(f"  engine / torch throughput: {ratio:.2f}x")
         print(f"  3 bare GEMMs {e['gemm3_ms']:.2f} ms = {100 * e['gemm_fraction']:.0f}% of the "
               f"engine's step (ceiling fraction)")
-        write_json(args.out, results)
+        write_result(args.out, results)
     print(f"wrote {args.out}")
     return 0
 

@@ -36,8 +36,8 @@ interpolation between evaluations, ``_tta.time_to_target``), the final P@1 / P@5
 to ``adaptive`` ("x adaptive"); then the time each method takes to reach PyTorch's best P@1 (the
 lowest over seeds of the single-process PyTorch run's best P@1) and the speed-up of the engine's
 ``single`` over PyTorch (issue "One-device trainer": target >= 2x on delicious). Results:
-``bench/results/tta/<dataset>_<setup>.json`` (with the machine record) and ``.png`` (P@1 against
-training time, ``_tta.plot_curves``).
+``bench/results/tta/<dataset>_<setup>.json`` (with command, git commit and machine) and ``.png``
+(P@1 against training time, ``_tta.plot_curves``).
 
 The committed results (``bench/results/tta/``; delicious and debian_debtags about 35 minutes on
 2 cores, the machine otherwise idle; ``--pecos-python`` adds PECOS beside napkinXC)::
@@ -486,7 +486,6 @@ def main(argv=None) -> int:
     if args.from_results:
         return from_results(out)
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
     warmed = False
     for name in args.data or list(DEFAULT_DATA):
         try:
@@ -510,13 +509,11 @@ def main(argv=None) -> int:
             warmed = True
         for setup in args.setup or ["2dev"]:
             print(f"-- {tag} {setup} ({SETUPS[setup]})", flush=True)
-            load0 = _common._loadavg()
+            meta = _common.result_metadata(machine_extra={"torch_threads_per_process": 1})
             res = run_setup(tag, data, setup, args, cache)
             png = out / f"{tag}_{setup}.png"
             payload = {
-                "benchmark": "time_to_accuracy", "command": command, "args": vars(args),
-                "machine": _common.machine_info(extra={"loadavg_at_start": load0,
-                                                       "torch_threads_per_process": 1}),
+                **meta, "benchmark": "time_to_accuracy", "args": vars(args),
                 "shape": {"n_train": data[0].shape[0], "n_test": data[2].shape[0],
                           "n_features": data[0].shape[1], "n_labels": data[1].shape[1]},
                 "budget": {"epochs": args.epochs, "batch_size": args.batch_size,
@@ -525,7 +522,7 @@ def main(argv=None) -> int:
                 "libraries": libraries, "plot": png.name,
             }
             draw(payload, png)
-            path = _common.write_json(out / f"{tag}_{setup}.json", payload)
+            path = _common.write_result(out / f"{tag}_{setup}.json", payload)
             print(f"wrote {path} and {png.name}", flush=True)
     return 0
 

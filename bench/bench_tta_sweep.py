@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="results JSON (default: "
                    "bench/results/tta_sweep/<dataset>.json)")
     args = p.parse_args(argv)
+    meta = _common.result_metadata()
 
     data = _tta.load_data(args.data)
     out = Path(args.out or _common.RESULTS_DIR / "tta_sweep" / f"{_tta.data_tag(args.data)}.json")
@@ -121,10 +122,9 @@ def main(argv=None) -> int:
                      "runs": acc})
         print(f"{cfg['label'][:58]:58s} {med:9.3f} {q1:6.2f}-{q3:<6.2f} {np.median(ep):12.2f} "
               f"{final:9.4f}", flush=True)
-    path = _common.write_json(out, {
-        "benchmark": "tta_sweep", "command": " ".join(["bench_tta_sweep.py"] + sys.argv[1:]),
-        "args": {k: v for k, v in vars(args).items() if k != "config"},
-        "machine": _common.machine_info(), "rows": rows})
+    path = _common.write_result(out, {
+        **meta, "benchmark": "tta_sweep",
+        "args": {k: v for k, v in vars(args).items() if k != "config"}, "rows": rows})
     print(f"wrote {path}")
     return 0
 

@@ -53,6 +53,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from xmc_engine.scheduler.queue import epoch_permutation
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
@@ -91,11 +93,6 @@ class Batch(NamedTuple):
     n_rows: int
 
 
-def epoch_permutation(seed: int, epoch: int, n_samples: int) -> np.ndarray:
-    """The engine's shuffled order of epoch ``epoch`` (xmc_engine.training.epoch_permutation)."""
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(n_samples)
-
-
 def csr_to_batch(Xb, Yb) -> Batch:
     """Convert a CSR batch ``Xb`` (B, n_features) and ``Yb`` (B, n_labels) to a :class:`Batch`."""
     _require_torch()
@@ -124,11 +121,12 @@ def make_batches(X, Y, batch_size: int, seed: int, epoch: int, *, rows=None):
     X : scipy.sparse.csr_matrix (n_samples, n_features) float32, host
     Y : scipy.sparse.csr_matrix (n_samples, n_labels), host, binary
     batch_size : int, rows per batch (the last batch of the epoch may be smaller)
-    seed, epoch : int, select the permutation (see :func:`epoch_permutation`)
+    seed, epoch : int, select the permutation (the engine's
+        :func:`~xmc_engine.scheduler.queue.epoch_permutation`)
     rows : optional slice applied to each batch's row ids (used by DDP ranks for their share)
     """
     n = X.shape[0]
-    perm = epoch_permutation(seed, epoch, n)
+    perm = epoch_permutation(n, seed, epoch)
     for start in range(0, n, batch_size):
         idx = perm[start:start + batch_size]
         if rows is not None:
@@ -339,7 +337,7 @@ def check_against_engine(X, Y, *, hidden: int = 128, batch_size: int = 256, lr: 
     params = [be.asarray(p.copy()) for p in init]
     model = SparseMLP(X.shape[1], Y.shape[1], hidden, init=init)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    perm = epoch_permutation(seed, 0, X.shape[0])
+    perm = epoch_permutation(X.shape[0], seed, 0)
     loss_e = loss_t = float("nan")
     for s in range(n_steps):
         rows = perm[s * batch_size:(s + 1) * batch_size]
@@ -520,7 +518,7 @@ def run_dataset(name: str, args) -> dict | None:
     except _common.SkipBenchmark as e:
         print(f"SKIP {name}: {e}")
         return None
-    load0 = [round(x, 2) for x in os.getloadavg()]
+    meta = _common.result_metadata(machine_extra={"torch_threads": args.threads})
     check = check_against_engine(X, Y, hidden=args.hidden, batch_size=args.batch_size,
                                  lr=args.lr[0], seed=args.seed)
     if check is None:
@@ -557,12 +555,9 @@ def run_dataset(name: str, args) -> dict | None:
               f"({args.throughput_steps} steps of {args.batch_size}, warm-up excluded)")
     best = max(runs, key=lambda r: r["best"]["P@1"]) if runs else None
     payload = {
-        "benchmark": "torch_baseline", "dataset": name,
+        **meta, "benchmark": "torch_baseline", "dataset": name,
         "shape": {"n_train": X.shape[0], "n_test": X_test.shape[0], "n_features": X.shape[1],
                   "n_labels": Y.shape[1]},
-        "machine": _common.machine_info(extra={"torch_threads": args.threads,
-                                                "loadavg_at_start": load0}),
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "check_vs_engine": check, "runs": runs,
         "step_throughput_samples_per_s_by_threads": tput,
         "best": None if best is None else {"variant": best["variant"],
@@ -583,7 +578,7 @@ def main(argv=None) -> int:
         if payload is None:
             continue
         out = Path(args.out) if args.out else _common.RESULTS_DIR / f"torch_{name}.json"
-        _common.write_json(out, payload)
+        _common.write_result(out, payload)
         print(f"wrote {out}")
     return 0
 

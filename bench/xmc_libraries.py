@@ -4,7 +4,7 @@ data, machine and metrics as the engine (DESIGN.md §4 "Baselines", §5).
 For every (library, dataset) the script measures training time (``fit``, including tree
 building), prediction time (top-5 for the full test set) and P@1/3/5, nDCG@1/3/5 with the project's
 :class:`xmc_engine.metrics.TopKMetrics`, prints one line each and writes
-``bench/results/xmc_libraries.json`` together with the machine record.
+``bench/results/xmc_libraries.json`` with the command, git commit and machine.
 
 PECOS (``libpecos``) pins NumPy < 2, so it lives in its own virtualenv (``--pecos-python``,
 default ``/work/pecos-venv/bin/python`` when it exists). This file doubles as the PECOS worker:
@@ -198,6 +198,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.pecos_worker:
         return pecos_worker(args.pecos_worker, args.threads, args.seed)
+    meta = _common.result_metadata(machine_extra={"threads": args.threads})
     libs = args.library or ["napkinxc", "pecos"]
     results, skipped = [], []
     for name in args.data or list(DEFAULT_DATA):
@@ -222,13 +223,11 @@ def main(argv=None) -> int:
             r = {"dataset": name, **r, "n_train": X.shape[0], "n_test": X_test.shape[0]}
             print(_line(r), flush=True)
             results.append(r)
-    payload = {"benchmark": "xmc_libraries",
-               "machine": _common.machine_info(extra={"threads": args.threads}),
-               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    payload = {**meta, "benchmark": "xmc_libraries",
                "peak_rss_mib": _common.peak_rss_mib(),
                "peak_rss_mib_children": _common.peak_rss_mib(children=True),
                "results": results, "skipped": skipped}
-    _common.write_json(args.out, payload)
+    _common.write_result(args.out, payload)
     print(f"wrote {args.out}")
     return 0
 

@@ -7,14 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from xmc_engine.algorithms import (
-    AdaptiveConfig,
-    AdaptiveSGD,
-    AverageConfig,
-    ModelAveraging,
-    get_algorithm,
-)
+from xmc_engine.algorithms import POLICIES, AdaptiveSGD, ModelAveraging, get_algorithm
+from xmc_engine.config import ALGORITHMS, AdaptiveConfig, AverageConfig, TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError
+from xmc_engine.scheduler import MergeContext
 from xmc_engine.scheduler.replica import FakeReplica
 
 
@@ -39,19 +35,23 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="flag_rule"):
         AdaptiveConfig(flag_rule="sometimes")
     with pytest.raises(ConfigError, match="b_min"):
-        AdaptiveConfig(batch_size=16)
+        AdaptiveConfig(b_min=64, b_max=32)
     with pytest.raises(ConfigError, match="boost"):
         AdaptiveConfig.from_dict({"boost": 1})
     with pytest.raises(ConfigError, match="JSON"):
         AdaptiveConfig.from_json("{not json")
-    assert AdaptiveConfig.from_dict({"warmup_epochs": 2}).warmup_epochs == 2.0
+    with pytest.raises(ConfigError, match="unknown key.*warmup_epochs"):
+        AdaptiveConfig.from_dict({"warmup_epochs": 2})  # the run's schedule, one place
 
 
 def test_registry():
+    assert POLICIES.keys() == ALGORITHMS.keys()
+    for name, cls in POLICIES.items():
+        assert cls.name == name and isinstance(get_algorithm(name).config, ALGORITHMS[name])
     a = get_algorithm("adaptive", merge_period=1000)
-    assert isinstance(a, AdaptiveSGD) and a.merge_period == 1000 and not a.static
-    b = get_algorithm("average", {"batch_size": 32})
-    assert isinstance(b, ModelAveraging) and b.static and b.config.batch_size == 32
+    assert isinstance(a, AdaptiveSGD) and a.period_samples(2, 128) == 1000 and not a.static
+    b = get_algorithm("average", {"merge_period": 32})
+    assert isinstance(b, ModelAveraging) and b.static and b.config.merge_period == 32
     c = get_algorithm("adaptive", AdaptiveConfig(momentum=0.0), rule="proportional")
     assert c.config.momentum == 0.0 and c.config.rule == "proportional"
     with pytest.raises(ConfigError, match="unknown algorithm"):
@@ -67,6 +67,11 @@ def fakes(n, n_samples=100):
     return reps
 
 
+def setup(pol, reps, batch_size=128, warmup_epochs=1.0):
+    pol.setup(reps, n_samples=100, batch_size=batch_size, merge_period=4096,
+              warmup_epochs=warmup_epochs)
+
+
 def set_all(reps, seed):
     rng = np.random.default_rng(seed)
     vals = []
@@ -80,9 +85,9 @@ def set_all(reps, seed):
 def test_adaptive_merge_weights_and_broadcast():
     reps = fakes(3)
     pol = get_algorithm("adaptive", momentum=0.0, boost=False)
-    pol.setup(reps, 100)
+    setup(pol, reps)
     vals = set_all(reps, 1)
-    info = pol.merge(reps, [3, 2, 1])
+    info = pol.merge(reps, [3, 2, 1], MergeContext())
     p = np.array([3, 2, 1]) / 6
     assert info["weights"] == pytest.approx(list(p))
     for k, a in enumerate(pol.central_params()):
@@ -94,9 +99,9 @@ def test_adaptive_merge_weights_and_broadcast():
 def test_adaptive_merge_boost_always():
     reps = fakes(3)
     pol = get_algorithm("adaptive", momentum=0.0, flag_rule="always")
-    pol.setup(reps, 100)
+    setup(pol, reps)
     set_all(reps, 1)
-    info = pol.merge(reps, [3, 2, 1])
+    info = pol.merge(reps, [3, 2, 1], MergeContext())
     q = np.array([3 * 1.1, 2, 0.9]) / 6
     assert info["weights"] == pytest.approx(list(q / q.sum())) and info["flag"] == 1
 
@@ -106,11 +111,11 @@ def test_adaptive_momentum_recursion():
     reps = fakes(2)
     pol = get_algorithm("adaptive", momentum=mu, boost=False)
     z0 = [a.copy() for a in reps[0].params()]
-    pol.setup(reps, 100)
+    setup(pol, reps)
     hist = [z0, z0]
     for t in range(4):
         vals = set_all(reps, 10 + t)
-        pol.merge(reps, [1, 3])
+        pol.merge(reps, [1, 3], MergeContext())
         wbar = [0.25 * a + 0.75 * b for a, b in zip(vals[0], vals[1], strict=True)]
         expect = [w + mu * (z1 - z2) for w, z1, z2 in zip(wbar, hist[-1], hist[-2], strict=True)]
         for a, e in zip(pol.central_params(), expect, strict=True):
@@ -124,65 +129,68 @@ def test_adaptive_momentum_recursion():
 def test_nonfinite_replica_dropped_and_reset_all_nonfinite_raises():
     reps = fakes(3)
     pol = get_algorithm("adaptive", momentum=0.0, boost=False)
-    pol.setup(reps, 100)
+    setup(pol, reps)
     vals = set_all(reps, 2)
     reps[1].params()[0][0, 0] = np.nan
-    info = pol.merge(reps, [1, 5, 1])
+    info = pol.merge(reps, [1, 5, 1], MergeContext())
     assert info["nonfinite"] == [1] and info["weights"] == pytest.approx([0.5, 0.0, 0.5])
     np.testing.assert_allclose(reps[1].params()[1], 0.5 * (vals[0][1] + vals[2][1]))
     for r in reps:
         r.params()[1][0] = np.inf
     with pytest.raises(DivergenceError):
-        pol.merge(reps, [1, 1, 1])
+        pol.merge(reps, [1, 1, 1], MergeContext())
 
 
 def test_average_merge_is_uniform():
     reps = fakes(4)
     pol = get_algorithm("average")
-    pol.setup(reps, 100)
+    setup(pol, reps)
     vals = set_all(reps, 3)
-    info = pol.merge(reps, [9, 1, 1, 1])
+    info = pol.merge(reps, [9, 1, 1, 1], MergeContext())
     assert info["weights"] == pytest.approx([0.25] * 4)
     np.testing.assert_allclose(pol.central_params()[0], np.mean([v[0] for v in vals], axis=0))
     assert pol.batch_sizes() == [128] * 4
-    lr, lrs = pol.learning_rates(0.1, 3.0)
-    assert lrs == [lr] * 4
+    assert pol.device_lrs(0.1) == [0.1] * 4
 
 
 def test_adaptive_state_dict_round_trip():
     reps = fakes(2)
-    pol = get_algorithm("adaptive", warmup_epochs=0)
-    pol.setup(reps, 100)
+    pol = get_algorithm("adaptive")
+    setup(pol, reps, warmup_epochs=0)
     pol.controller.batch_sizes = [160, 96]
     pol.trend.observe(1.0)
     pol.trend.observe(2.0)
     state = json.loads(json.dumps(pol.state_dict()))
-    other = get_algorithm("adaptive", warmup_epochs=0)
-    other.setup(fakes(2), 100)
+    other = get_algorithm("adaptive")
+    setup(other, fakes(2), warmup_epochs=0)
     other.load_state_dict(state)
     assert other.batch_sizes() == [160, 96] and other.trend.flag == 1
 
 
-def test_trainer_schedule_reaches_every_algorithm():
-    """``lr_warmup_epochs`` / ``lr_decay`` of the trainer are the schedule of every algorithm
-    (``algorithm_params`` wins); ``lr_warmup_epochs=None`` keeps the algorithm's own warm-up."""
-    from xmc_engine.algorithms import get_algorithm
-    from xmc_engine.config import TrainConfig
-    from xmc_engine.parallel import algorithm_options
-
-    for name in ("adaptive", "average", "sync", "easgd", "crossbow"):
-        default = get_algorithm(name).config.warmup_epochs
-        assert default == 1.0
-        opts = algorithm_options(TrainConfig(algorithm=name, devices="cpu,cpu"))
-        assert "warmup_epochs" not in opts
-        assert get_algorithm(name, opts).config.warmup_epochs == default
-        opts = algorithm_options(TrainConfig(algorithm=name, devices="cpu,cpu",
-                                             lr_warmup_epochs=0.0, lr_decay=0.5))
-        assert get_algorithm(name, opts).config.warmup_epochs == 0.0
-        assert get_algorithm(name, opts).config.lr_decay == 0.5
-        opts = algorithm_options(TrainConfig(algorithm=name, devices="cpu,cpu",
-                                             lr_warmup_epochs=0.0,
-                                             algorithm_params={"warmup_epochs": 2}))
-        assert get_algorithm(name, opts).config.warmup_epochs == 2.0
-    with pytest.raises(Exception, match="lr_warmup_epochs"):
+def test_one_schedule_for_every_algorithm():
+    """``lr_warmup_epochs`` / ``lr_decay`` are the run's schedule, whatever the algorithm;
+    ``lr_warmup_epochs=None`` takes the algorithm's own warm-up (none on one device, one epoch
+    on several), defined once on its options class."""
+    for name in ALGORITHMS:
+        cfg = TrainConfig(algorithm=name)
+        assert cfg.warmup_epochs == (0.0 if name == "single" else 1.0)
+        assert TrainConfig(algorithm=name, lr_warmup_epochs=0.25).warmup_epochs == 0.25
+    with pytest.raises(ConfigError, match="lr_warmup_epochs"):
         TrainConfig(lr_warmup_epochs=-1.0)
+    with pytest.raises(ConfigError, match="lr_decay: option.* of the run.*--lr-decay"):
+        TrainConfig(algorithm="adaptive", algorithm_params={"lr_decay": 0.5})
+
+
+def test_train_config_types_and_nested_options():
+    cfg = TrainConfig.from_dict({"algorithm": "adaptive",
+                                 "algorithm_params": {"merge_period": 2048}})
+    assert isinstance(cfg.algorithm_params, AdaptiveConfig)
+    assert cfg.algorithm_params.merge_period == 2048
+    back = TrainConfig.from_json(cfg.to_json())
+    assert back == cfg and back.to_dict()["algorithm_params"]["merge_period"] == 2048
+    with pytest.raises(ConfigError, match="TrainConfig.lr must be float"):
+        TrainConfig.from_dict({"lr": "fast"})
+    with pytest.raises(ConfigError, match="algorithm_params.*momentum must be float"):
+        TrainConfig.from_dict({"algorithm": "adaptive", "algorithm_params": {"momentum": "x"}})
+    with pytest.raises(ConfigError, match="label_chunk"):
+        TrainConfig(label_chunk=0)

@@ -8,23 +8,17 @@ import json
 import numpy as np
 import pytest
 
+from tests._trainer import make_trainer
 from tests.test_estimator import tiny_data
 from xmc_engine import XMCClassifier
-from xmc_engine.algorithms import (
-    EASGD,
-    Crossbow,
-    CrossbowConfig,
-    EASGDConfig,
-    SyncConfig,
-    SyncSGD,
-    get_algorithm,
-)
+from xmc_engine.algorithms import EASGD, Crossbow, SyncSGD, get_algorithm
 from xmc_engine.backends import get_backend
+from xmc_engine.config import CrossbowConfig, EASGDConfig, SyncConfig
 from xmc_engine.devices import parse_devices
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import MLPReplica, ModelShape, init_params
-from xmc_engine.scheduler import FakeReplica, ParallelTrainer
-from xmc_engine.scheduler.sync import allreduce_grads
+from xmc_engine.scheduler import FakeReplica, MergeContext
+from xmc_engine.scheduler.merge import reduce_gradients
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +43,12 @@ def test_config_json_round_trip_and_unknown_keys(cls):
     c = cls()
     assert cls.from_json(c.to_json()) == c
     d = json.loads(c.to_json())
-    d["batch_size"] = 64
-    assert cls.from_dict(d).batch_size == 64
+    d["rejoin_after"] = 2
+    assert cls.from_dict(d).rejoin_after == 2
     with pytest.raises(ConfigError, match="unknown key"):
-        cls.from_dict({"batchsize": 3})
-    with pytest.raises(ConfigError, match="batch_size"):
-        cls.from_dict({"batch_size": "big"})
+        cls.from_dict({"batch_size": 3})  # the run's, not the algorithm's
+    with pytest.raises(ConfigError, match="rejoin_after"):
+        cls.from_dict({"rejoin_after": "soon"})
 
 
 def test_config_validation_and_registry():
@@ -62,9 +56,9 @@ def test_config_validation_and_registry():
         EASGDConfig(beta=1.5)
     with pytest.raises(ConfigError, match="momentum"):
         CrossbowConfig(momentum=1.0)
-    with pytest.raises(ConfigError, match="period_steps"):
-        SyncConfig(period_steps=0)
-    assert isinstance(get_algorithm("sync", batch_size=8), SyncSGD)
+    with pytest.raises(ConfigError, match="tau"):
+        EASGDConfig(tau=0)
+    assert isinstance(get_algorithm("sync", lr_scaling=True), SyncSGD)
     assert isinstance(get_algorithm("easgd", {"tau": 2}), EASGD)
     assert isinstance(get_algorithm("crossbow"), Crossbow)
     assert get_algorithm("crossbow", CrossbowConfig(momentum=0.5), tau=2).config.tau == 2
@@ -116,7 +110,7 @@ def test_allreduce_sparse_union_and_weights():
         dense.append((full, b))
         grads.append([(rows, g1), b])
     w = [0.5, 0.25, 0.25]
-    out = allreduce_grads(grads + [None], w + [0.0])
+    out = reduce_gradients(grads + [None], w + [0.0], get_backend("cpu", threads=1))
     rows, g1 = out[0]
     np.testing.assert_array_equal(rows, [0, 1, 3, 5, 7, 9])
     ref = sum(wi * f for wi, (f, _) in zip(w, dense, strict=True))
@@ -137,8 +131,9 @@ class RecordingMLP(MLPReplica):
         return super().grad_batch(rows)
 
 
-def _trainer(reps, spec, pol, n_samples, mode="simulated"):
-    return ParallelTrainer(reps, parse_devices(spec, cores=2), pol, n_samples, seed=3, mode=mode)
+def _trainer(reps, spec, pol, n_samples, mode="simulated", **schedule):
+    return make_trainer(reps, parse_devices(spec, cores=2), pol, n_samples, seed=3, mode=mode,
+                        **schedule)
 
 
 def test_sync_fake_replicas_hand_computation():
@@ -147,11 +142,12 @@ def test_sync_fake_replicas_hand_computation():
     reps = [FakeReplica(n, sleep=False, seed=0, shapes=((3, 2), (2,))) for _ in range(2)]
     w = [np.array(p) for p in reps[0].params()]
     targets = reps[0]._targets
-    pol = get_algorithm("sync", batch_size=4, period_steps=2, warmup_epochs=0, lr_decay=0)
-    with _trainer(reps, "cpu,cpu@0.5", pol, n) as tr:
-        res = tr.run_epoch(0, 0.2)
+    pol = get_algorithm("sync")
+    with _trainer(reps, "cpu,cpu@0.5", pol, n, lr=0.2, batch_size=4, warmup_epochs=0,
+                  lr_decay=0) as tr:
+        res = tr.run_epoch(0)
     h0, h1 = reps[0].history, reps[1].history
-    assert len(h0) == len(h1) == res["updates"] == 5 and res["samples"] == n
+    assert len(h0) == len(h1) == 5 and res["updates"] == 2 * 5 and res["samples"] == n
     for (r0, _), (r1, _) in zip(h0, h1, strict=True):
         glob = np.concatenate([r0, r1])
         w = [x - 0.2 * (x - t[glob].mean(axis=0)) for x, t in zip(w, targets, strict=True)]
@@ -169,10 +165,11 @@ def test_sync_n_devices_equals_one_device_on_global_batch(toy, mode):
     X, Y = X[:150], Y[:150]
     reps = [mlp(X, Y, cls=RecordingMLP) for _ in range(3)]
     ref = mlp(X, Y)
-    pol = get_algorithm("sync", batch_size=8, period_steps=2, warmup_epochs=0, lr_decay=0)
-    with _trainer(reps, "cpu,cpu@0.5,cpu", pol, X.shape[0], mode=mode) as tr:
-        tr.run_epoch(0, 0.5)
-        tr.run_epoch(1, 0.5)
+    pol = get_algorithm("sync")
+    with _trainer(reps, "cpu,cpu@0.5,cpu", pol, X.shape[0], mode=mode, lr=0.5, batch_size=8,
+                  warmup_epochs=0, lr_decay=0) as tr:
+        tr.run_epoch(0)
+        tr.run_epoch(1)
     steps = list(zip(*(r.steps for r in reps), strict=True))
     assert len(steps) == 2 * 7  # 150 rows per epoch in global batches of 24 (last one 6)
     for step in steps:
@@ -184,17 +181,18 @@ def test_sync_n_devices_equals_one_device_on_global_batch(toy, mode):
 
 def test_sync_split_global_batch_and_lr_scaling():
     reps = [FakeReplica(30, sleep=False) for _ in range(2)]
-    pol = get_algorithm("sync", batch_size=6, split_global_batch=True, period_steps=2)
-    with _trainer(reps, "cpu,cpu", pol, 30) as tr:
-        tr.run_epoch(0, 0.1)
-        assert pol.batch_sizes() == [3, 3] and tr.queue.merge_period == 12
+    pol = get_algorithm("sync", split_global_batch=True)
+    with _trainer(reps, "cpu,cpu", pol, 30, batch_size=6) as tr:
+        tr.run_epoch(0)
+        assert pol.batch_sizes() == [3, 3] and tr.queue.merge_period == 6
     assert [len(r) for r, _ in reps[0].history] == [3] * 5
     with pytest.raises(ConfigError, match="divisible"):
         _trainer([FakeReplica(30, sleep=False) for _ in range(2)], "cpu,cpu",
-                 get_algorithm("sync", batch_size=5, split_global_batch=True), 30)
-    pol2 = get_algorithm("sync", batch_size=5, lr_scaling=True, warmup_epochs=0)
-    pol2.setup([FakeReplica(4, sleep=False) for _ in range(3)], 4)
-    assert pol2.learning_rates(0.1, 0.5) == (pytest.approx(0.3), [pytest.approx(0.3)] * 3)
+                 get_algorithm("sync", split_global_batch=True), 30, batch_size=5)
+    pol2 = get_algorithm("sync", lr_scaling=True)
+    pol2.setup([FakeReplica(4, sleep=False) for _ in range(3)], n_samples=4, batch_size=5,
+               merge_period=15, warmup_epochs=0.0)
+    assert pol2.device_lrs(0.1) == [pytest.approx(0.3)] * 3
 
 
 # -- easgd / crossbow: hand computations on FakeReplicas ------------------------------------------
@@ -202,11 +200,12 @@ def _elastic_run(algorithm, n_dev=2, n_samples=48, epochs=2, lr=0.3, **cfg):
     reps = [FakeReplica(n_samples, sleep=False, seed=0, shapes=((3, 2), (2,)))
             for _ in range(n_dev)]
     x0 = [np.array(p) for p in reps[0].params()]
-    pol = get_algorithm(algorithm, batch_size=4, warmup_epochs=0, lr_decay=0, **cfg)
+    pol = get_algorithm(algorithm, **cfg)
     spec = ",".join(["cpu", "cpu@0.5", "cpu@0.25"][:n_dev])
-    with _trainer(reps, spec, pol, n_samples) as tr:
+    with _trainer(reps, spec, pol, n_samples, lr=lr, batch_size=4, warmup_epochs=0,
+                  lr_decay=0) as tr:
         for e in range(epochs):
-            tr.run_epoch(e, lr)
+            tr.run_epoch(e)
     return reps, x0, pol, tr
 
 
@@ -267,12 +266,12 @@ def test_crossbow_hand_computation(alpha, momentum):
 def test_elastic_nonfinite_replica_left_out_and_reset(name):
     reps = [FakeReplica(8, sleep=False, seed=s) for s in (0, 1)]
     pol = get_algorithm(name, momentum=0.0) if name == "crossbow" else get_algorithm(name)
-    pol.setup(reps, 8)
+    pol.setup(reps, n_samples=8, batch_size=2, merge_period=4, warmup_epochs=0.0)
     center = [np.array(p) for p in pol.central_params()]
     x0 = [np.array(p) for p in reps[0].params()]
     for p in reps[1].params():
         p[...] = np.nan
-    info = pol.merge(reps, [1, 1])
+    info = pol.merge(reps, [1, 1], MergeContext())
     a = pol.alpha
     assert info["nonfinite"] == [1] and info["weights"] == [a, 0.0]
     expect = [c + a * (x - c) for c, x in zip(center, x0, strict=True)]

@@ -1,10 +1,15 @@
-"""The pure helpers of the time-to-accuracy study (bench/_tta.py, bench/bench_time_to_accuracy.py,
+"""The pure helpers of the benchmarks: the metadata every result JSON carries (bench/_common.py),
+and the time-to-accuracy study's (bench/_tta.py, bench/bench_time_to_accuracy.py,
 bench/bench_tta_sweep.py): interpolated time to a target, the summary table's ratios, the
 learning-rate choice, and the sweep's configurations and statistics."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import _common  # noqa: E402
 from _tta import summarise, time_to_target  # noqa: E402
 from bench_time_to_accuracy import pick_lr  # noqa: E402
 from bench_tta_sweep import median_quartiles, parse_config  # noqa: E402
@@ -87,3 +93,63 @@ def test_sweep_statistics_count_never_reached_as_slowest():
     med, q1, q3 = median_quartiles([1.0, 2.0, math.inf, math.inf, math.inf])
     assert med == math.inf and q1 == 2.0 and q3 == math.inf
     assert median_quartiles([math.inf] * 3) == (math.inf, math.inf, math.inf)
+
+
+def test_command_line_is_a_quoted_python_command_from_the_repo_root():
+    script = str(_common.REPO_DIR / "bench" / "bench_x.py")
+    cmd = _common.command_line([script, "--data", "a b", "--config", '{"lr": 0.1}'])
+    assert cmd == "python bench/bench_x.py --data 'a b' --config '{\"lr\": 0.1}'"
+    assert _common.command_line(["/elsewhere/x.py"]) == "python /elsewhere/x.py"
+
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    *args], check=True, capture_output=True)
+
+
+@needs_git
+def test_git_commit_marks_code_changes_but_not_results_or_untracked_files(tmp_path):
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results" / "r.json").write_text("{}\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-q", "-m", "init")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    assert _common.git_commit(tmp_path) == head
+    (tmp_path / "bench" / "results" / "r.json").write_text('{"a": 1}\n')
+    (tmp_path / "new_untracked.py").write_text("y = 2\n")
+    assert _common.git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert _common.git_commit(tmp_path) == head + "-dirty"
+
+
+@needs_git
+def test_git_commit_is_none_outside_the_root_of_a_work_tree(tmp_path):
+    assert _common.git_commit(tmp_path) is None
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "sub").mkdir()
+    assert _common.git_commit(tmp_path / "sub") is None  # another project's repository
+    assert _common.git_commit(tmp_path) is None  # no commit yet
+
+
+def test_result_metadata_names_command_commit_and_machine():
+    meta = _common.result_metadata(machine_extra={"threads": 3}, argv=["bench/b.py", "-q"])
+    assert set(meta) == set(_common.RESULT_KEYS)
+    assert meta["command"] == "python bench/b.py -q"
+    assert meta["machine"]["threads"] == 3 and meta["machine"]["cpu_model"]
+    commit = meta["git_commit"]  # None where the checkout is not a git work tree
+    assert commit is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", commit), commit
+
+
+def test_write_result_refuses_a_payload_without_its_metadata(tmp_path):
+    with pytest.raises(ValueError, match=r"lacks \['git_commit'\]"):
+        _common.write_result(tmp_path / "r.json", {"command": "c", "machine": {}, "rows": []})
+    assert not (tmp_path / "r.json").exists()
+    meta = {"command": "python bench/b.py", "git_commit": None, "machine": {"cpu_model": "x"}}
+    path = _common.write_result(tmp_path / "r.json", {**meta, "rows": [float("inf")]})
+    assert json.loads(path.read_text()) == {**meta, "rows": [None]}

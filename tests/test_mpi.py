@@ -101,22 +101,20 @@ _EQUIV = textwrap.dedent("""
     from xmc_engine.devices import parse_devices
     from xmc_engine.distributed import MPIComm
     from xmc_engine.model import ModelShape, init_params
-    from xmc_engine.parallel import ParallelRunner
+    from xmc_engine.training import build_trainer, host_params
 
     path, out, cfg_json = sys.argv[1:4]
     comm = MPIComm(timeout=60)
     X, Y, _, _ = load_xc_shard(path, comm.rank, comm.size)
     cfg = TrainConfig.from_dict(__import__("json").loads(cfg_json))
     params = init_params(ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden)), cfg.seed)
-    state = {"epoch": 0, "batch": 0, "samples": 0, "train_time": 0.0, "extra": {}}
-    runner = ParallelRunner(cfg, parse_devices("cpu", cores=1), X, Y, params, state, None,
+    trainer = build_trainer(cfg, parse_devices("cpu", cores=1), X, Y, params, None,
                             comm=comm, assignment="fixed")
     for epoch in range(2):
-        runner.run_until(epoch, 10**18, state)
-        runner.end_epoch()
-    runner.close()
+        trainer.run_epoch(epoch)
+    trainer.close()
     if comm.rank == 0:
-        np.savez(out, *runner.host_params())
+        np.savez(out, *host_params(trainer))
 """)
 
 
@@ -127,7 +125,7 @@ def test_two_ranks_equal_one_process_with_two_devices(tmp_path):
     from xmc_engine.config import TrainConfig
     from xmc_engine.devices import parse_devices
     from xmc_engine.model import ModelShape, init_params
-    from xmc_engine.parallel import ParallelRunner
+    from xmc_engine.training import build_trainer, host_params
 
     data = _tiny_xc(tmp_path / "train.txt")
     cfg = TrainConfig(hidden=[16], batch_size=32, lr=0.5, algorithm="adaptive",
@@ -142,14 +140,12 @@ def test_two_ranks_equal_one_process_with_two_devices(tmp_path):
 
     X, Y = load_xc(data, cache=False)
     params = init_params(ModelShape(X.shape[1], Y.shape[1], (16,)), cfg.seed)
-    state = {"epoch": 0, "batch": 0, "samples": 0, "train_time": 0.0, "extra": {}}
-    runner = ParallelRunner(cfg, parse_devices("cpu,cpu", cores=2), X, Y, params, state, None,
+    trainer = build_trainer(cfg, parse_devices("cpu,cpu", cores=2), X, Y, params, None,
                             assignment="fixed")
     for epoch in range(2):
-        runner.run_until(epoch, 10**18, state)
-        runner.end_epoch()
-    runner.close()
-    want = runner.host_params()
+        trainer.run_epoch(epoch)
+    trainer.close()
+    want = host_params(trainer)
     assert len(got) == len(want)
     moved = max(float(np.abs(w - p0).max()) for w, p0 in zip(want, params, strict=True))
     assert moved > 1e-3  # it trained

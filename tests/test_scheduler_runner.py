@@ -1,4 +1,4 @@
-"""ParallelTrainer: dynamic scheduling, adaptation, barrier, accounting, failures.
+"""Trainer: dynamic scheduling, adaptation, barrier, accounting, failures.
 
 Deterministic tests use the simulated mode (virtual clock, FakeReplica latencies); a few short
 threaded runs assert only robust properties (the machine is small and shared).
@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from xmc_engine.algorithms import get_algorithm
+from tests._trainer import make_trainer
 from xmc_engine.devices import DeviceSpec, parse_devices
 from xmc_engine.errors import DeviceFailure, DivergenceError
-from xmc_engine.scheduler import FakeReplica, ParallelTrainer, epoch_permutation
+from xmc_engine.scheduler import FakeReplica, epoch_permutation
 
 
 class ListLog:
@@ -32,9 +32,8 @@ def make(spec, n_samples=4096, *, mode="simulated", sleep=None, per_sample=1e-5,
     reps = [FakeReplica(n_samples, sleep=sleep, seed=0, latency_per_sample=per_sample,
                         latency_per_step=per_step, **((replica_kw or {}).get(i, {})))
             for i in range(len(devs))]
-    pol = get_algorithm(algorithm, **cfg)
-    return ParallelTrainer(reps, devs, pol, n_samples, seed=1, log=log, mode=mode,
-                           timeout=timeout, trace=trace), reps
+    return make_trainer(reps, devs, algorithm, n_samples, seed=1, log=log, mode=mode,
+                        timeout=timeout, trace=trace, **cfg), reps
 
 
 def rows_of_epoch(reps, start_steps):
@@ -44,8 +43,8 @@ def rows_of_epoch(reps, start_steps):
 
 def test_faster_devices_take_more_batches_simulated():
     tr, _ = make("cpu,cpu@0.5,cpu@0.25", merge_period=1024, batch_size=32, b_min=32,
-                 warmup_epochs=5, momentum=0.0)
-    r = tr.run_epoch(0, 0.1)
+                 warmup_epochs=5, momentum=0.0, lr=0.1)
+    r = tr.run_epoch(0)
     u = [d["updates"] for d in r["devices"]]
     assert u[0] > u[1] > u[2]
     assert u[0] / u[2] == pytest.approx(4, rel=0.15)
@@ -56,11 +55,11 @@ def test_faster_devices_take_more_batches_simulated():
 def test_every_sample_exactly_once_and_accounting(mode):
     n = 3000
     tr, reps = make("cpu,cpu@0.5", n, mode=mode, per_sample=2e-6, merge_period=700,
-                    batch_size=64, warmup_epochs=0, delta_b=32)
+                    batch_size=64, warmup_epochs=0, delta_b=32, lr=0.05)
     with tr:
         for epoch in range(2):
             start = [len(r.history) for r in reps]
-            res = tr.run_epoch(epoch, 0.05)
+            res = tr.run_epoch(epoch)
             rows = rows_of_epoch(reps, start)
             assert len(rows) == n == res["samples"]
             np.testing.assert_array_equal(np.sort(rows), np.arange(n))
@@ -74,11 +73,11 @@ def test_every_sample_exactly_once_and_accounting(mode):
 def test_one_device_equals_plain_loop(mode):
     n, B, lr = 1000, 50, 0.05
     tr, (rep,) = make("cpu", n, mode=mode, per_sample=1e-7, merge_period=300, batch_size=B,
-                      b_min=B, warmup_epochs=0, momentum=0.0, lr_decay=0.0)
+                      b_min=B, warmup_epochs=0, momentum=0.0, lr_decay=0.0, lr=lr)
     plain = FakeReplica(n, sleep=False, seed=0)
     with tr:
         for epoch in range(2):
-            tr.run_epoch(epoch, lr)
+            tr.run_epoch(epoch)
             perm = epoch_permutation(n, 1, epoch)
             for k in range(0, n, B):
                 plain.train_batch(perm[k:k + B], lr)
@@ -97,9 +96,9 @@ def test_step_rule_converges_to_equal_updates():
     log = ListLog()
     tr, _ = make("cpu,cpu@0.5", 32768, log=log, per_step=1e-5, merge_period=8192,
                  batch_size=128, b_min=16, b_max=1024, delta_b=16, rule="step",
-                 warmup_epochs=1, momentum=0.0)
+                 warmup_epochs=1, momentum=0.0, lr=0.01)
     for epoch in range(4):
-        tr.run_epoch(epoch, 0.01)
+        tr.run_epoch(epoch)
     assert period_updates(log, 0)[0][0] >= 1.8 * period_updates(log, 0)[0][1]  # warm-up
     for u in period_updates(log, 3)[:-1]:  # the last period is the epoch remainder
         assert abs(u[0] - u[1]) <= 0.1 * max(u), u
@@ -111,9 +110,9 @@ def test_proportional_rule_converges_in_one_period():
     log = ListLog()
     tr, _ = make("cpu,cpu@0.5,cpu@0.8", 8192, log=log, per_step=2e-5, merge_period=2048,
                  batch_size=64, b_min=8, b_max=1024, rule="proportional", warmup_epochs=1,
-                 momentum=0.0)
-    tr.run_epoch(0, 0.01)
-    tr.run_epoch(1, 0.01)
+                 momentum=0.0, lr=0.01)
+    tr.run_epoch(0)
+    tr.run_epoch(1)
     u0 = period_updates(log, 0)[0]
     assert max(u0) >= 1.8 * min(u0)  # warm-up: equal batches, unequal updates
     for u in period_updates(log, 1)[:-1]:  # adapted at the end of warm-up, first period equal
@@ -123,8 +122,8 @@ def test_proportional_rule_converges_in_one_period():
 def test_log_records_per_device_period_stats_and_weights():
     log = ListLog()
     tr, _ = make("cpu,cpu@0.5", 2048, log=log, merge_period=512, batch_size=32,
-                 warmup_epochs=0, momentum=0.0, boost=False)
-    res = tr.run_epoch(0, 0.1)
+                 warmup_epochs=0, momentum=0.0, boost=False, lr=0.1)
+    res = tr.run_epoch(0)
     merges = [f for e, f in log.events if e == "merge"]
     assert len(merges) == res["periods"] >= 4
     for f in merges:
@@ -140,8 +139,8 @@ def test_log_records_per_device_period_stats_and_weights():
 
 def test_average_baseline_static_partition():
     tr, _ = make("cpu,cpu@0.25", 4000, algorithm="average", merge_period=1000, batch_size=100,
-                 warmup_epochs=0)
-    res = tr.run_epoch(0, 0.1)
+                 warmup_epochs=0, lr=0.1)
+    res = tr.run_epoch(0)
     assert [d["samples"] for d in res["devices"]] == [2000, 2000]
     assert [d["updates"] for d in res["devices"]] == [20, 20]
     assert res["devices"][0]["idle_s"] > res["devices"][1]["idle_s"]  # fast one waits
@@ -149,10 +148,10 @@ def test_average_baseline_static_partition():
 
 def test_barrier_holds_threads():
     tr, _ = make("cpu,cpu@0.5,cpu", 3000, mode="threads", trace=True, per_sample=2e-6,
-                 merge_period=600, batch_size=50, warmup_epochs=0)
+                 merge_period=600, batch_size=50, warmup_epochs=0, lr=0.1)
     with tr:
-        tr.run_epoch(0, 0.1)
-        tr.run_epoch(1, 0.1)
+        tr.run_epoch(0)
+        tr.run_epoch(1)
     ev = tr.events
     periods = sorted({p for _, p, _ in ev})
     assert len(periods) >= 8
@@ -167,9 +166,9 @@ def test_barrier_holds_threads():
 
 def test_threads_faster_device_takes_more_batches():
     tr, _ = make("cpu,cpu@0.25", 4000, mode="threads", per_sample=2e-5, per_step=5e-4,
-                 merge_period=2000, batch_size=50, warmup_epochs=5)
+                 merge_period=2000, batch_size=50, warmup_epochs=5, lr=0.1)
     with tr:
-        res = tr.run_epoch(0, 0.1)
+        res = tr.run_epoch(0)
     u = [d["updates"] for d in res["devices"]]
     assert u[0] > 1.5 * u[1], u
     assert res["samples"] == 4000
@@ -180,35 +179,35 @@ def test_worker_exception_becomes_device_failure(mode):
     # One failing device is dropped (elastic, tests/test_reliability.py); all failing stops.
     tr, _ = make("cpu,cpu@0.5", 2000, mode=mode, per_sample=1e-6, merge_period=500,
                  batch_size=50, timeout=20,
-                 replica_kw={0: {"fail_at_step": 3}, 1: {"fail_at_step": 3}})
+                 replica_kw={0: {"fail_at_step": 3}, 1: {"fail_at_step": 3}}, lr=0.1)
     t0 = time.perf_counter()
     with tr, pytest.raises(DeviceFailure, match=r"device 1 \(cpu@0.5\).*injected failure"):
-        tr.run_epoch(0, 0.1)
+        tr.run_epoch(0)
     assert time.perf_counter() - t0 < 10
     with pytest.raises(DeviceFailure, match="earlier failure"):
-        tr.run_epoch(1, 0.1)
+        tr.run_epoch(1)
 
 
 def test_stalled_worker_times_out():
     tr, _ = make("cpu,cpu", 2000, mode="threads", per_sample=1e-6, merge_period=500,
                  batch_size=50, timeout=0.5,
-                 replica_kw={0: {"hang_at_step": 1, "hang_seconds": 3.0}})
+                 replica_kw={0: {"hang_at_step": 1, "hang_seconds": 3.0}}, lr=0.1)
     t0 = time.perf_counter()
     with tr, pytest.raises(DeviceFailure, match=r"device\(s\) 0 \(cpu\) did not finish"):
-        tr.run_epoch(0, 0.1)
+        tr.run_epoch(0)
     assert time.perf_counter() - t0 < 2.9
 
 
 def test_nan_replica_recovers_and_all_nan_diverges():
     tr, reps = make("cpu,cpu", 2000, merge_period=500, batch_size=50, momentum=0.0,
-                    replica_kw={1: {"nan_at_step": 2}})
-    res = tr.run_epoch(0, 0.1)
+                    replica_kw={1: {"nan_at_step": 2}}, lr=0.1)
+    res = tr.run_epoch(0)
     assert res["samples"] == 2000
     assert all(np.isfinite(a).all() for r in reps for a in r.params())
     tr2, _ = make("cpu", 2000, merge_period=500, batch_size=50,
-                  replica_kw={0: {"nan_at_step": 2}})
+                  replica_kw={0: {"nan_at_step": 2}}, lr=0.1)
     with pytest.raises(DivergenceError):
-        tr2.run_epoch(0, 0.1)
+        tr2.run_epoch(0)
 
 
 def test_thread_budget_is_entered_in_worker_threads():
@@ -225,8 +224,8 @@ def test_thread_budget_is_entered_in_worker_threads():
     for r in reps:
         r.backend.thread_budget = lambda n: (seen.append((n, threading.current_thread().name)),
                                              contextlib.nullcontext())[1]
-    with ParallelTrainer(reps, devs, get_algorithm("average", merge_period=100), 500) as tr:
-        tr.run_epoch(0, 0.1)
+    with make_trainer(reps, devs, "average", 500, merge_period=100) as tr:
+        tr.run_epoch(0)
     assert sorted(n for n, _ in seen) == [3, 3]
     assert all(name.startswith("xmc-device-") for _, name in seen)
 
@@ -238,16 +237,16 @@ def test_epoch_cut_at_barriers_equals_the_whole_epoch(algorithm):
     n = 3000
     kw = dict(per_sample=2e-6, merge_period=700, batch_size=64, warmup_epochs=0)
     if algorithm == "sync":
-        kw = dict(per_sample=2e-6, batch_size=64, warmup_epochs=0, period_steps=4)
-    whole, reps_w = make("cpu,cpu@0.5", n, algorithm=algorithm, **kw)
-    cut, reps_c = make("cpu,cpu@0.5", n, algorithm=algorithm, **kw)
+        kw = dict(per_sample=2e-6, batch_size=64, warmup_epochs=0)
+    whole, reps_w = make("cpu,cpu@0.5", n, algorithm=algorithm, **kw, lr=0.05)
+    cut, reps_c = make("cpu,cpu@0.5", n, algorithm=algorithm, **kw, lr=0.05)
     with whole, cut:
         for epoch in range(2):
-            w = whole.run_epoch(epoch, 0.05)
+            w = whole.run_epoch(epoch)
             assert w["done"] and w["samples"] == n
             parts, stop = [], 1
             while True:
-                r = cut.run_epoch(epoch, 0.05, stop_after=stop)
+                r = cut.run_epoch(epoch, stop_after=stop)
                 parts.append(r)
                 if r["done"]:
                     break
@@ -269,8 +268,8 @@ def test_epoch_cut_at_barriers_equals_the_whole_epoch(algorithm):
 def test_a_new_epoch_number_starts_a_new_epoch():
     """A call for another epoch abandons the open one (a fresh shuffle, all rows again)."""
     n = 2000
-    tr, _ = make("cpu,cpu", n, merge_period=500, batch_size=50, warmup_epochs=0)
-    first = tr.run_epoch(0, 0.05, stop_after=600)
+    tr, _ = make("cpu,cpu", n, merge_period=500, batch_size=50, warmup_epochs=0, lr=0.05)
+    first = tr.run_epoch(0, stop_after=600)
     assert not first["done"] and 600 <= first["samples"] < n
-    res = tr.run_epoch(1, 0.05)
+    res = tr.run_epoch(1)
     assert res["done"] and res["samples"] == n

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests._trainer import make_trainer
 from tests.test_estimator import tiny_data
-from xmc_engine.algorithms import get_algorithm
 from xmc_engine.backends import get_backend
 from xmc_engine.devices import parse_devices
 from xmc_engine.model import MLPReplica, ModelShape, init_params
-from xmc_engine.scheduler import FakeReplica, ParallelTrainer
+from xmc_engine.scheduler import FakeReplica
 from xmc_engine.scheduler.merge import merge_changed_rows, sq_norms, weighted_merge
 
 
@@ -189,14 +189,13 @@ def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorit
     results = {}
     for sparse in (True, False):
         reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
-        pol = get_algorithm(algorithm, merge_period=128, batch_size=32, warmup_epochs=0,
-                            lr_decay=0, sparse_merge=sparse)
         log = MergeLog()
-        with ParallelTrainer(reps, parse_devices("cpu,cpu@0.5", cores=2), pol, X.shape[0],
-                             seed=3, mode="simulated", cost=lambda i, b: 1e-3 * b,
-                             log=log) as tr:
+        with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), algorithm, X.shape[0],
+                          lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
+                          sparse_merge=sparse, seed=3, mode="simulated",
+                          cost=lambda i, b: 1e-3 * b, log=log) as tr:
             for epoch in range(2):
-                tr.run_epoch(epoch, 0.1)
+                tr.run_epoch(epoch)
             results[sparse] = ([np.array(p) for p in tr.central_params()], log.merges)
     (sparse_params, sparse_log), (dense_params, dense_log) = results[True], results[False]
     for a, b in zip(sparse_params, dense_params, strict=True):
@@ -210,5 +209,5 @@ def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorit
             assert s["flag"] == d["flag"]
             assert ([x["weight"] for x in s["devices"]]
                     == pytest.approx([x["weight"] for x in d["devices"]], rel=1e-9))
-        assert np.sqrt(sum(sq_norms(sparse_params))) == pytest.approx(sparse_log[-1]["norm"],
+        assert np.sqrt(sum(sq_norms(sparse_params, be))) == pytest.approx(sparse_log[-1]["norm"],
                                                                     rel=1e-5)

@@ -1,37 +1,410 @@
-"""Training configuration: one dataclass that round-trips to JSON (STYLE.md "Configs")."""
+"""The one config tree: the training run and each algorithm's options, as dataclasses that
+round-trip to JSON with type checks (STYLE.md "Configs", "One source of truth").
+
+Every default is defined once, here. :class:`TrainConfig` holds what every algorithm shares (the
+network, the batch size ``B``, the learning-rate schedule, the devices, evaluation); its field
+``algorithm_params`` holds the chosen algorithm's own options as a typed
+:class:`AlgorithmConfig` subclass (given as a dict, e.g. from JSON or ``--algo-param``).
+:class:`xmc_engine.XMCClassifier` derives its parameters from :class:`TrainConfig`'s fields and
+``xmc-engine train --print-config`` prints the whole tree. Measured reasons for the defaults are
+in ``bench/RESULTS.md``.
+
+This module imports nothing else from the engine but :mod:`xmc_engine.errors`, so every layer
+can read it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import numbers
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from xmc_engine.errors import ConfigError
 
+__all__ = [
+    "ALGORITHMS",
+    "BATCH_RULES",
+    "EVAL_ROWS",
+    "FLAG_RULES",
+    "OPTIMIZERS",
+    "AdaptiveConfig",
+    "AlgorithmConfig",
+    "AverageConfig",
+    "ConfigMixin",
+    "CrossbowConfig",
+    "EASGDConfig",
+    "SingleConfig",
+    "SyncConfig",
+    "TrainConfig",
+]
+
+#: Optimizers of :class:`~xmc_engine.model.MLPReplica`.
 OPTIMIZERS = ("sgd", "adagrad")
-ALGORITHMS = ("single", "adaptive", "average", "sync", "easgd", "crossbow")
+#: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
+BATCH_RULES = ("step", "proportional", "fixed")
+#: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
+FLAG_RULES = ("norm_rise", "always", "never")
+#: Rows per chunk of top-k prediction (evaluation and ``predict_topk``); the memory planner
+#: sizes the prediction workspace with it.
+EVAL_ROWS = 4096
+
+
+# -- JSON round trip with type checks --------------------------------------------------------------
+def _type_ok(value, hint) -> bool:
+    """Whether ``value`` (as read from JSON or given in Python) fits the annotation ``hint``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+class ConfigMixin:
+    """JSON round trip for config dataclasses: unknown keys and values of the wrong type are
+    :class:`~xmc_engine.errors.ConfigError` naming the key and where it came from."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "config"):
+        """Build from a mapping (e.g. parsed JSON); ``source`` names it in error messages."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(map(str, unknown))} for "
+                              f"{cls.__name__}; valid keys: {', '.join(sorted(names))}")
+        hints = typing.get_type_hints(cls)
+        for k, v in d.items():
+            if not _type_ok(v, hints[k]):
+                raise ConfigError(f"{source}: {cls.__name__}.{k} must be "
+                                  f"{_type_name(hints[k])}, got {v!r}")
+        try:
+            return cls(**d)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "config"):
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+        return cls.from_dict(d, source=source)
+
+    def _check_min(self, low, *names: str) -> None:
+        """``ConfigError`` unless every field in ``names`` is ``>= low`` (one message for all)."""
+        values = [getattr(self, n) for n in names]
+        if any(v < low for v in values):
+            raise ConfigError(f"{' and '.join(names)} must be >= {low}, got "
+                              f"{', '.join(str(v) for v in values)}")
+
+
+# -- the algorithms' own options -----------------------------------------------------------------
+@dataclass
+class AlgorithmConfig(ConfigMixin):
+    """Options every algorithm has: how the trainer treats the device set.
+
+    Attributes
+    ----------
+    rejoin_after : int or None
+        A device whose worker failed is dropped from the run; it rejoins from the merged model
+        after this many further merge periods (``0``: the next one). ``None``: never.
+    fault : str or None
+        Fault injection for tests (:mod:`xmc_engine.faults`); ``None`` reads ``XMC_FAULT``.
+    """
+
+    #: Warm-up (epochs) of the learning-rate ramp when ``TrainConfig.lr_warmup_epochs`` is
+    #: ``None``: one epoch of equal batches and a linear ramp for the multi-device algorithms
+    #: (the paper warms up before adapting, arXiv 2110.07029 §IV).
+    default_warmup_epochs: ClassVar[float] = 1.0
+
+    rejoin_after: int | None = None
+    fault: str | None = None
+
+    def __post_init__(self):
+        if self.rejoin_after is not None and self.rejoin_after < 0:
+            raise ConfigError(f"rejoin_after must be >= 0 or None, got {self.rejoin_after}")
 
 
 @dataclass
-class TrainConfig:
+class SingleConfig(AlgorithmConfig):
+    """Options of ``single`` (one device).
+
+    Attributes
+    ----------
+    merge_period : int
+        Samples between the trainer's barriers: a log record, and where evaluations and
+        checkpoints may happen (the first barrier at or after each mark). Small enough for
+        fine-grained evaluation, large enough that a barrier costs nothing measurable.
+    """
+
+    default_warmup_epochs: ClassVar[float] = 0.0
+
+    merge_period: int = 1024
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_min(1, "merge_period")
+
+
+@dataclass
+class AdaptiveConfig(AlgorithmConfig):
+    """Options of Adaptive SGD (arXiv 2110.07029 §III; :mod:`xmc_engine.algorithms.adaptive`).
+
+    Attributes
+    ----------
+    merge_period : int
+        ``S``, samples per merge period ("mega-batch").
+    b_min, b_max, delta_b : int
+        Batch-size bounds and step (the paper's 32, 1024, 32).
+    rule : {'step', 'proportional', 'fixed'}
+        Batch-size adaptation (:class:`~xmc_engine.scheduler.controller.BatchSizeController`):
+        the paper's step rule, ``b_i`` proportional to the measured speed, or none.
+    deadband : float
+        Step rule: leave a device alone while its update count is within this fraction of the
+        mean (at least half an update; 0 = the paper's strict rule, which oscillates between two
+        grid points around the steady state).
+    momentum : float
+        ``μ`` of the central momentum ``z_t = w̄_t + μ (z_{t−1} − z_{t−2})``, in [0, 1).
+    boost : bool
+        Adaptive normalization (largest weight +``boost_factor``, smallest −) on/off.
+    boost_factor : float
+        Relative raise/lower of the largest/smallest weight (the paper's 0.1).
+    flag_rule : {'norm_rise', 'always', 'never'}
+        When the boost applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
+    sparse_merge : bool
+        Merge and broadcast only the ``W1`` rows the replicas changed in the period, where the
+        backend tracks rows and ``momentum == 0``; the merged model is the same to float32
+        rounding. ``False`` forces the dense merge.
+    """
+
+    merge_period: int = 4096
+    b_min: int = 32
+    b_max: int = 1024
+    delta_b: int = 32
+    rule: str = "step"
+    deadband: float = 0.05
+    momentum: float = 0.0
+    boost: bool = True
+    boost_factor: float = 0.1
+    flag_rule: str = "norm_rise"
+    sparse_merge: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_min(1, "merge_period", "delta_b")
+        if not 1 <= self.b_min <= self.b_max:
+            raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
+        if self.rule not in BATCH_RULES:
+            raise ConfigError(f"rule must be one of {BATCH_RULES}, got {self.rule!r}")
+        self._check_min(0, "deadband")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if not 0.0 <= self.boost_factor < 1.0:
+            raise ConfigError(f"boost_factor must be in [0, 1), got {self.boost_factor}")
+        if self.flag_rule not in FLAG_RULES:
+            raise ConfigError(f"flag_rule must be one of {FLAG_RULES}, got {self.flag_rule!r}")
+
+
+@dataclass
+class AverageConfig(AlgorithmConfig):
+    """Options of model averaging, the paper's "GD" baseline: ``merge_period`` and
+    ``sparse_merge`` as for :class:`AdaptiveConfig`, so that only the algorithm differs."""
+
+    merge_period: int = 4096
+    sparse_merge: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_min(1, "merge_period")
+
+
+@dataclass
+class SyncConfig(AlgorithmConfig):
+    """Options of synchronous data-parallel SGD (:mod:`xmc_engine.algorithms.sync`).
+
+    Attributes
+    ----------
+    split_global_batch : bool
+        ``False``: ``batch_size`` is the per-device batch and the global batch is ``n B`` (the
+        DDP / Horovod convention). ``True``: ``batch_size`` is the global batch, split equally
+        (must divide by the number of devices).
+    lr_scaling : bool
+        Linear scaling rule (Goyal et al. 2017): multiply the learning rate by
+        ``global batch / batch_size``.
+    """
+
+    split_global_batch: bool = False
+    lr_scaling: bool = False
+
+
+@dataclass
+class EASGDConfig(AlgorithmConfig):
+    """Options of Elastic Averaging SGD (Zhang et al. 2015; :mod:`xmc_engine.algorithms.easgd`).
+
+    Attributes
+    ----------
+    tau : int
+        ``τ``, local steps per device between elastic updates (period ``S = n τ B``); 16 is the
+        middle of the paper's grid {1, 4, 16, 64}.
+    beta : float
+        ``β = n α``, the moving rate of the centre (the paper's 0.9), in (0, 1].
+    alpha : float
+        ``α``, the elastic coefficient; ``0`` means ``β / n``.
+    """
+
+    tau: int = 16
+    beta: float = 0.9
+    alpha: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_min(1, "tau")
+        if not 0.0 < self.beta <= 1.0:
+            raise ConfigError(f"beta must be in (0, 1], got {self.beta}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha must be in [0, 1] (0 = beta / n), got {self.alpha}")
+
+
+@dataclass
+class CrossbowConfig(AlgorithmConfig):
+    """Options of CROSSBOW synchronous model averaging (Koliousis et al. 2019).
+
+    Attributes
+    ----------
+    tau : int
+        SGD steps per learner between corrections (the paper's 1: every step).
+    alpha : float
+        Correction rate ``α``; ``0`` means ``1 / n``.
+    momentum : float
+        ``μ`` of the central model, in [0, 1) (the paper's 0.9).
+    """
+
+    tau: int = 1
+    alpha: float = 0.0
+    momentum: float = 0.9
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_min(1, "tau")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"alpha must be in [0, 1] (0 = 1 / n), got {self.alpha}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+
+
+#: Algorithm name -> its options dataclass (the one list of algorithm names; the policies are
+#: in :data:`xmc_engine.algorithms.POLICIES`).
+ALGORITHMS: dict[str, type[AlgorithmConfig]] = {
+    "single": SingleConfig,
+    "adaptive": AdaptiveConfig,
+    "average": AverageConfig,
+    "sync": SyncConfig,
+    "easgd": EASGDConfig,
+    "crossbow": CrossbowConfig,
+}
+
+
+def algorithm_config(name: str, options=None, *, source: str = "algorithm_params"):
+    """The typed options of algorithm ``name`` from ``options`` (a dict, an instance of its
+    config class, or ``None`` for the defaults)."""
+    try:
+        cls = ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError(f"unknown algorithm {name!r}; choose one of "
+                          f"{', '.join(ALGORITHMS)}") from None
+    if options is None:
+        return cls()
+    if isinstance(options, cls):
+        return options
+    if isinstance(options, AlgorithmConfig):
+        # Another algorithm's options (e.g. ``dataclasses.replace(cfg, algorithm=...)``): keep
+        # what was set away from its defaults; keys the new algorithm lacks are errors.
+        default = type(options)()
+        options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                   if getattr(options, f.name) != getattr(default, f.name)}
+    if isinstance(options, dict):
+        shared = sorted(set(options) & {f.name for f in dataclasses.fields(TrainConfig)})
+        if shared:
+            raise ConfigError(f"{source} of {name!r}: {', '.join(shared)}: option(s) of the run, "
+                              f"not of the algorithm; set them as TrainConfig / XMCClassifier "
+                              f"parameters (--{shared[0].replace('_', '-')} on the command line)")
+    return cls.from_dict(options, source=f"{source} of {name!r}")
+
+
+# -- the run ---------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig(ConfigMixin):
     """Everything a training run needs besides the data.
 
-    Fields are the keyword arguments of :class:`xmc_engine.XMCClassifier` and the long options of
-    ``xmc-engine train``. ``algorithm_params`` holds the options of the chosen algorithm (for
-    ``adaptive``: ``merge_period``, ``warmup_epochs``, ``rule``, ``b_min``, ``b_max``, ``delta_b``,
-    ``momentum``, ``boost`` ...; see :mod:`xmc_engine.algorithms`).
+    Fields are the parameters of :class:`xmc_engine.XMCClassifier` and the long options of
+    ``xmc-engine train``.
 
-    ``lr_warmup_epochs`` and ``lr_decay`` are the schedule of every algorithm: a multi-device
-    algorithm takes them as its ``warmup_epochs`` / ``lr_decay`` unless ``algorithm_params`` sets
-    those. ``lr_warmup_epochs=None`` (the default) leaves each algorithm its own warm-up: none
-    for ``single``, one epoch (equal batches and a linear ramp) for the multi-device ones.
+    Attributes
+    ----------
+    hidden : list of int
+        Hidden layer widths (the first layer sparse-input, the rest dense).
+    epochs : float
+        Passes over the training rows.
+    batch_size : int
+        ``B``: every device's batch on one device and during warm-up; the base of Adaptive
+        SGD's per-device batches.
+    lr, lr_warmup_epochs, lr_decay : float
+        The learning-rate schedule of every algorithm
+        (:class:`~xmc_engine.scheduler.controller.Schedule`): a linear ramp over
+        ``lr_warmup_epochs`` (``None``: the algorithm's own default, none for ``single``, one
+        epoch for the multi-device algorithms), then ``lr / (1 + lr_decay (e − e_warm))`` over
+        whole epochs ``e``.
+    label_chunk : int or None
+        Labels per chunk of the output layer (``None``: the whole ``B x n_labels`` logits).
+    optimizer : {'sgd', 'adagrad'}
+    devices : str
+        Device spec (:func:`~xmc_engine.devices.parse_devices`).
+    algorithm : str
+        A key of :data:`ALGORITHMS`.
+    algorithm_params : dict or AlgorithmConfig
+        The algorithm's options; stored as its typed config (``to_dict`` writes a dict).
+    seed, threads, eval_every, eval_k, propensity_a, propensity_b
+        Seed; CPU threads (``None``: all cores, split over CPU devices); evaluation every this
+        many epochs (0: at the end); the largest ``k`` of the metrics; Jain et al. propensity
+        parameters.
     """
 
     hidden: list[int] = field(default_factory=lambda: [128])
-    epochs: int = 10
+    epochs: float = 10
     batch_size: int = 256
     lr: float = 1.0
     lr_warmup_epochs: float | None = None
@@ -40,7 +413,7 @@ class TrainConfig:
     optimizer: str = "sgd"
     devices: str = "cpu"
     algorithm: str = "single"
-    algorithm_params: dict[str, Any] = field(default_factory=dict)
+    algorithm_params: dict | AlgorithmConfig = field(default_factory=dict)
     seed: int = 0
     threads: int | None = None
     eval_every: float = 1.0
@@ -49,76 +422,75 @@ class TrainConfig:
     propensity_b: float = 1.5
 
     def __post_init__(self) -> None:
-        if isinstance(self.hidden, int):
+        if isinstance(self.hidden, numbers.Integral) and not isinstance(self.hidden, bool):
             self.hidden = [self.hidden]
         if (isinstance(self.hidden, (str, bytes)) or not hasattr(self.hidden, "__iter__")
                 or not all(isinstance(h, numbers.Integral) and not isinstance(h, bool)
-                        for h in self.hidden)):
+                           for h in self.hidden)):
             raise ConfigError(f"hidden={self.hidden!r}: need a list of positive integer widths")
         self.hidden = [int(h) for h in self.hidden]
         self.validate()
 
     def validate(self) -> None:
+        """Check every field (``ConfigError`` naming it); normalises ``algorithm_params``."""
         def bad(name, why):
             raise ConfigError(f"{name}={getattr(self, name)!r}: {why}")
 
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            if not _type_ok(getattr(self, f.name), hints[f.name]):
+                bad(f.name, f"must be {_type_name(hints[f.name])}")
         if not self.hidden or any(h < 1 for h in self.hidden):
             bad("hidden", "need one or more positive layer widths")
-        if not (isinstance(self.epochs, (int, float)) and self.epochs > 0):
+        if not self.epochs > 0:
             bad("epochs", "must be > 0")
-        if int(self.batch_size) < 1:
+        if self.batch_size < 1:
             bad("batch_size", "must be >= 1")
         if not self.lr > 0:
             bad("lr", "must be > 0")
         if self.lr_warmup_epochs is not None and not self.lr_warmup_epochs >= 0:
             bad("lr_warmup_epochs", "must be >= 0 (or None: the algorithm's own default)")
-        if self.lr_decay < 0:
+        if not self.lr_decay >= 0:
             bad("lr_decay", "must be >= 0")
-        if self.label_chunk is not None and int(self.label_chunk) < 1:
+        if self.label_chunk is not None and self.label_chunk < 1:
             bad("label_chunk", "must be >= 1 or None")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"unknown; choose one of {', '.join(OPTIMIZERS)}")
         if self.algorithm not in ALGORITHMS:
             bad("algorithm", f"unknown; choose one of {', '.join(ALGORITHMS)}")
-        if self.threads is not None and int(self.threads) < 1:
+        if self.threads is not None and self.threads < 1:
             bad("threads", "must be >= 1 or None")
-        if self.eval_every < 0:
+        if not self.eval_every >= 0:
             bad("eval_every", "must be >= 0 (0 = only at the end)")
         if self.eval_k < 1:
             bad("eval_k", "must be >= 1")
-        if not isinstance(self.algorithm_params, dict):
-            bad("algorithm_params", "must be a mapping")
+        self.algorithm_params = algorithm_config(self.algorithm, self.algorithm_params)
 
-    # -- JSON round trip -------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    @property
+    def warmup_epochs(self) -> float:
+        """The warm-up in effect: ``lr_warmup_epochs``, else the algorithm's own default."""
+        if self.lr_warmup_epochs is not None:
+            return float(self.lr_warmup_epochs)
+        return type(self.algorithm_params).default_warmup_epochs
 
+    # -- JSON round trip -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "config") -> TrainConfig:
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(names))}")
-        try:
-            return cls(**d)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{source}: {exc}") from None
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+    def from_dict(cls, d: dict[str, Any], *, source: str = "config") -> TrainConfig:
+        if isinstance(d, dict) and isinstance(d.get("algorithm_params"), dict):
+            # Check the options against the algorithm named in the same mapping.
+            name = d.get("algorithm", cls.algorithm)
+            if name in ALGORITHMS:
+                d = {**d, "algorithm_params": algorithm_config(
+                    name, d["algorithm_params"], source=f"{source}: algorithm_params")}
+        return super().from_dict(d, source=source)
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> TrainConfig:
         path = Path(path)
         try:
-            d = json.loads(path.read_text())
+            text = path.read_text()
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
-        return cls.from_dict(d, source=str(path))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read the config ({exc})") from None
+        return cls.from_json(text, source=str(path))

@@ -1,7 +1,7 @@
 """Several machines: one process per node, node-merged models combined by a weighted all-reduce.
 
 DESIGN.md §6, arXiv 2110.07029 §III-B. ``mpiexec -n N xmc-engine train ...`` starts one process
-(rank) per node; each runs the node-local scheduler (:class:`~xmc_engine.scheduler.ParallelTrainer`)
+(rank) per node; each runs the node-local trainer (:class:`~xmc_engine.scheduler.Trainer`)
 over its own devices on its own share of the rows. At every merge the policy first merges its
 node's replicas as usual (``w̄_node = Σ_i p_i w_i``), then :meth:`NodeComm.combine` replaces it,
 on every rank, by
@@ -52,8 +52,8 @@ from xmc_engine.errors import ConfigError, DistributedError, InjectedFault
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FixedAssignmentQueue", "LocalComm", "MPIComm", "NodeComm", "attach", "combine_nodes",
-           "init", "periods_per_epoch", "world"]
+__all__ = ["LocalComm", "MPIComm", "NodeComm", "combine_nodes", "init", "join_run", "node_queue",
+           "periods_per_epoch", "world"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds; covers a merge period plus rank 0's evaluation/checkpoint
 _TAG_WEIGHT = 7101
@@ -70,16 +70,15 @@ def periods_per_epoch(n_samples: int, merge_period: int, min_rows: int | None = 
     return min(p, int(min_rows)) if min_rows else p
 
 
-def combine_nodes(policy, merged: Sequence, weight: float) -> dict[str, Any]:
+def combine_nodes(comm, merged: Sequence, weight: float, backend=None) -> dict[str, Any]:
     """The cross-node step of a policy's merge: ``merged`` (this node's merged model, arrays on
-    ``policy.backend``) becomes the weighted mean over the nodes, in place.
+    ``backend``) becomes the weighted mean over the nodes of ``comm``, in place.
 
     Returns loggable info (``node_weights``) for a multi-node run, ``{}`` otherwise.
     """
-    comm = getattr(policy, "comm", None)
     if comm is None or comm.size == 1:
         return {}
-    w = comm.combine(merged, float(weight), getattr(policy, "backend", None))
+    w = comm.combine(merged, float(weight), backend)
     total = float(w.sum())
     return {"node_weights": [float(x / total) if total > 0 else 1.0 / len(w) for x in w],
             "node_updates": [float(x) for x in w]}
@@ -449,131 +448,47 @@ def world() -> NodeComm:
     return _WORLD
 
 
-# ------------------------------------------------------------------------ deterministic batches
-class FixedAssignmentQueue:
-    """A batch queue with a fixed assignment of rows to devices (deterministic mode, for tests).
+def node_queue(comm: NodeComm, policy, n_local: int, n_devices: int, period: int, *,
+               assignment: str = "shared", seed: int = 0):
+    """The batch queue of one node of a multi-node run (collective: every rank calls it once).
 
-    Device ``i`` owns the rows ``[offsets[i], offsets[i] + counts[i])`` and visits them in the
-    order ``rng([seed, epoch, ids[i]]).permutation(counts[i])``; each of the ``n_periods`` periods
-    of an epoch it takes its quota ``floor((k+1) m/P) - floor(k m/P)`` in batches of its batch
-    size. What a device computes depends only on its rows, its id and the batch sizes, not on
-    timing or on which process it lives in: two ranks of one device each (``ids`` = the global
-    device numbers) see exactly the batches of one process with two devices.
+    Cuts every rank's epoch into the same number ``P`` of merge periods
+    (:func:`periods_per_epoch` of the global rows and the global period ``period``), so that
+    every rank merges equally often; the node's own period is ``S_r = ceil(n_r / P)``.
+    ``assignment="fixed"`` gives a :class:`~xmc_engine.scheduler.queue.FixedAssignmentQueue`
+    (deterministic mode; devices numbered globally across ranks).
+
+    Returns ``(queue, S_r, n_global)``.
     """
+    from xmc_engine.scheduler.queue import BatchQueue, FixedAssignmentQueue
 
-    static = True
-
-    def __init__(self, offsets, counts, ids, n_periods: int, *, seed: int = 0):
-        import threading
-
-        self.offsets = [int(x) for x in offsets]
-        self.counts = [int(x) for x in counts]
-        self.ids = [int(x) for x in ids]
-        self.n_devices = len(self.counts)
-        self.n_samples = int(sum(self.counts))
-        self.n_periods = int(n_periods)
-        self.merge_period = max(1, self.n_samples // self.n_periods)
-        self.seed = int(seed)
-        self.active = [True] * self.n_devices
-        self._lock = threading.Lock()
-        self.period = -1
-        self.account = None
-        self.history: list = []
-
-    def start_epoch(self, epoch: int) -> None:
-        self._orders = [o + np.random.default_rng([self.seed, int(epoch), d]).permutation(m)
-                        for o, m, d in zip(self.offsets, self.counts, self.ids, strict=True)]
-        self._pos = [0] * self.n_devices
-        self.epoch, self.period, self.history = int(epoch), -1, []
-
-    @property
-    def remaining(self) -> int:
-        return self.n_samples - sum(self._pos)
-
-    @property
-    def epoch_done(self) -> bool:
-        return self.remaining == 0 or self.period >= self.n_periods - 1
-
-    def set_active(self, active) -> None:
-        if not all(active):
-            raise DistributedError("the fixed-assignment queue cannot drop a device")
-
-    def give_back(self, device_id: int) -> int:
-        raise DistributedError("the fixed-assignment queue cannot drop a device")
-
-    def start_period(self, batch_sizes):
-        from xmc_engine.scheduler.queue import PeriodAccount
-
-        k = self.period + 1
-        P = self.n_periods
-        self._end = [(k + 1) * m // P for m in self.counts]
-        budget = sum(e - p for e, p in zip(self._end, self._pos, strict=True))
-        self.period = k
-        n = self.n_devices
-        self.account = PeriodAccount(k, budget, [int(b) for b in batch_sizes], [0] * n,
-                                     [0] * n, [[] for _ in range(n)])
-        self.history.append(self.account)
-        return self.account
-
-    def take(self, device_id: int, b: int | None = None):
-        acct = self.account
-        with self._lock:
-            bi = acct.batch_sizes[device_id] if b is None else int(b)
-            n = min(bi, self._end[device_id] - self._pos[device_id])
-            if n <= 0:
-                return None
-            p = self._pos[device_id]
-            rows = self._orders[device_id][p:p + n]
-            self._pos[device_id] = p + n
-            acct.samples[device_id] += n
-            acct.updates[device_id] += 1
-            acct.rows[device_id].append(rows)
-        return rows
-
-
-def attach(trainer, comm: NodeComm | None, *, assignment: str = "shared") -> int:
-    """Make a :class:`~xmc_engine.scheduler.ParallelTrainer` one node of a multi-node run.
-
-    Collective (every rank calls it once, after building its trainer). Sets the policy's
-    communicator, cuts every rank's epoch into the same number ``P`` of merge periods
-    (:func:`periods_per_epoch` of the global rows and the global ``S``) and sets the policy's
-    local period ``S_r = ceil(n_r / P)`` (its batch-size controller ignores periods shorter than
-    ``S_r / 2``). ``assignment="fixed"`` swaps in a :class:`FixedAssignmentQueue` (deterministic
-    mode; devices numbered globally across ranks). Returns the global number of rows.
-    """
     if assignment not in ("shared", "fixed"):
         raise ConfigError(f"assignment must be 'shared' or 'fixed', got {assignment!r}")
-    comm = comm if comm is not None else LocalComm()
-    policy = trainer.policy
-    n_local, n_dev = int(trainer.n_samples), int(trainer.n_devices)
-    sizes = comm.allgather(np.array([n_local, n_dev], dtype=np.int64))
-    n_global = int(sizes[:, 0].sum())
-    if comm.size == 1 and assignment == "shared":
-        return n_global
-    if not getattr(policy, "supports_nodes", policy.name in ("adaptive", "average")):
+    if not policy.supports_nodes:
         raise ConfigError(f"algorithm {policy.name!r} cannot run across nodes; use 'adaptive' "
                           "or 'average'")
-    S = int(policy.merge_period)
+    sizes = comm.allgather(np.array([n_local, n_devices], dtype=np.int64))
+    n_global = int(sizes[:, 0].sum())
+    S = int(period)
     if assignment == "fixed":
         first = int(sizes[:comm.rank, 1].sum())
-        starts = [i * n_local // n_dev for i in range(n_dev + 1)]
-        counts = [starts[i + 1] - starts[i] for i in range(n_dev)]
+        starts = [i * n_local // n_devices for i in range(n_devices + 1)]
+        counts = [starts[i + 1] - starts[i] for i in range(n_devices)]
         all_counts = [(j * int(m) // int(d), ((j + 1) * int(m)) // int(d))
                       for m, d in sizes for j in range(int(d))]
         P = periods_per_epoch(n_global, S, min(b - a for a, b in all_counts))
-        trainer.queue = FixedAssignmentQueue(starts[:-1], counts, range(first, first + n_dev),
-                                             P, seed=trainer.seed)
+        queue = FixedAssignmentQueue(starts[:-1], counts, range(first, first + n_devices), P,
+                                     seed=seed)
     else:
         P = periods_per_epoch(n_global, S, int(sizes[:, 0].min()))
-        trainer.queue.n_periods = P
+        queue = BatchQueue(n_local, n_devices, S, seed=seed, static=policy.static)
+        queue.n_periods = P
     local = max(1, -(-n_local // P))
-    policy.merge_period = local
-    trainer.queue.merge_period = local
-    policy.comm = comm
+    queue.merge_period = local
     if comm.is_root:
         logger.info("%d node(s), %d rows: %d merge periods per epoch (S = %d global, %d on "
                     "rank 0)", comm.size, n_global, P, S, local)
-    return n_global
+    return queue, local, n_global
 
 
 def join_run(comm: NodeComm, cfg, params: Sequence[np.ndarray], label_counts: np.ndarray,

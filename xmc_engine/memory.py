@@ -40,6 +40,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 
+from xmc_engine.config import EVAL_ROWS
 from xmc_engine.errors import ConfigError, MemoryPlanError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["MemoryPlan", "check_memory", "format_size", "parse_size", "plan_memory"]
 
 F32 = 4
-EVAL_ROWS = 4096  # predict_topk's row chunk
 HEADROOM = 0.9
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -139,11 +139,12 @@ def _csr_bytes(n_rows: int, nnz: float) -> int:
     return int(nnz * 2 * F32 + (n_rows + 1) * 8)
 
 
-def _merge_copies(algorithm: str, params: dict) -> int:
+def _merge_copies(algorithm: str, params) -> int:
+    """Model-sized buffers the algorithm's merge keeps (``params``: its typed options)."""
     if algorithm == "single":
         return 0
     if algorithm == "adaptive":
-        return 4 if float(params.get("momentum", 0.5)) > 0 else 2
+        return 4 if params.momentum > 0 else 2
     if algorithm == "average":
         return 2
     return 3
@@ -151,9 +152,9 @@ def _merge_copies(algorithm: str, params: dict) -> int:
 
 def _max_batch(cfg) -> int:
     p = cfg.algorithm_params
-    if cfg.algorithm == "adaptive" and p.get("rule", "step") != "fixed":
-        return max(int(p.get("b_max", 1024)), int(p.get("batch_size", cfg.batch_size)))
-    return int(p.get("batch_size", cfg.batch_size))
+    if cfg.algorithm == "adaptive" and p.rule != "fixed":
+        return max(p.b_max, cfg.batch_size)
+    return cfg.batch_size
 
 
 def _host_available() -> tuple[int | None, str]:
@@ -278,9 +279,8 @@ def _candidates(cfg, n_devices: int):
         ov = {**chunk, "batch_size": b}
         flags = f"--batch-size {b}"
         if cfg.algorithm == "adaptive":
-            ov["algorithm_params"] = {**cfg.algorithm_params, "batch_size": b,
-                                      "b_min": min(b, int(cfg.algorithm_params.get("b_min", 32))),
-                                      "b_max": b}
+            ov["algorithm_params"] = {**cfg.algorithm_params.to_dict(),
+                                      "b_min": min(b, cfg.algorithm_params.b_min), "b_max": b}
             flags += f" --algo-param b_max={b}"
         yield ov, flags + chunk_flag
     for n in range(n_devices - 1, 0, -1):

@@ -8,8 +8,8 @@ resume, and the progress bar. The one-device loop lives here; several devices go
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import signal
 import threading
 import time
@@ -28,12 +28,6 @@ from xmc_engine.model import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def epoch_permutation(seed: int, epoch: int, n_samples: int) -> np.ndarray:
-    """The shuffled order of epoch ``epoch``: a pure function of (seed, epoch) so that a resumed
-    run sees the same batches as an uninterrupted one."""
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(n_samples)
 
 
 class Evaluator:
@@ -94,7 +88,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     ckpts = CheckpointManager(run_dir) if run_dir is not None else None
-    state = {"epoch": 0, "batch": 0, "samples": 0, "train_time": 0.0, "extra": {}}
+    state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     found = None
     if resume:
         if ckpts is None:
@@ -107,17 +101,17 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                                   f"ckpt-*.npz there is truncated or corrupted)")
         if found is None:  # killed before its first checkpoint: start over
             logger.warning("%s holds no checkpoint yet: training from the start", run_dir)
+    extra: dict = {}
     if found is not None:
         arrays, meta = found
         if meta["path"] != str(ckpts.paths()[0]):
             logger.warning("newest checkpoint %s is unreadable: resuming from %s instead",
                            ckpts.paths()[0], meta["path"])
         params = [np.asarray(arrays[n], dtype=np.float32) for n in shape.param_names]
-        for key in ("epoch", "batch", "samples", "train_time"):
+        for key in ("epoch", "samples", "train_time"):
             state[key] = meta[key]
-        state["extra"] = {k: v for k, v in arrays.items() if k not in shape.param_names}
-        logger.info("resuming from epoch %s batch %s (%s samples)", state["epoch"],
-                    state["batch"], state["samples"])
+        extra = {k: v for k, v in arrays.items() if k not in shape.param_names}
+        logger.info("resuming from epoch %s (%s samples)", state["epoch"], state["samples"])
 
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
     evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
@@ -125,122 +119,92 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     log.write("start", config=cfg.to_dict(), n_samples=n_samples, n_features=shape.n_features,
               n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
               resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
-
-    if cfg.algorithm == "single":
-        from xmc_engine.backends import get_backend
-
-        dev = devices[0]
-        be = get_backend(dev.kind, dev.index, threads=cfg.threads or dev.threads)
-        replica = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
-                             optimizer=cfg.optimizer)
-        if cfg.threads is None and be.name == "cpu" and dev.threads > 1:
-            replica.calibrate_threads(cfg.batch_size, dev.threads)
-            log.write("threads", device=str(dev), threads=be.threads,
-                      note="calibrated: the faster of 1 and all of the device's threads")
-        extra = state.get("extra", {})
-        replica.load_optimizer_state([extra[f"acc.{i}"] for i in range(len(params))
-                                      if f"acc.{i}" in extra])
-        runner = _SingleRunner(cfg, replica, n_samples, state)
-    else:
-        from xmc_engine.parallel import ParallelRunner
-
-        runner = ParallelRunner(cfg, devices, X, Y, params, state, log, comm=comm)
-
-    driver = _Driver(cfg, runner, n_samples, state, log, evaluator, ckpts, checkpoint_every,
-                     shape)
-    runner.should_stop = driver.stop_requested
+    trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm)
     try:
+        if extra:
+            restore_trainer(trainer, extra)
+        driver = _Driver(cfg, trainer, n_samples, state, log, evaluator, ckpts,
+                         checkpoint_every, shape)
         metrics = driver.run()
     finally:
-        runner.close()
+        trainer.close()
         log.close()
-    return {"params": runner.host_params(), "history": list(log.records), "metrics": metrics,
+    return {"params": host_params(trainer), "history": list(log.records), "metrics": metrics,
             "label_counts": label_counts, "n_train": n_samples}
 
 
-class _SingleRunner:
-    """One device: batches of ``batch_size`` in a per-epoch shuffled order."""
+def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
+                  assignment: str = "shared"):
+    """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
+    :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
+    starting from the host arrays ``params``, and the algorithm's policy. ``log`` (a
+    :class:`~xmc_engine.runlog.RunLog` or ``None``) receives its records; ``comm`` and
+    ``assignment`` make it one node of a multi-node run."""
+    from xmc_engine.algorithms import get_algorithm
+    from xmc_engine.backends import get_backend
+    from xmc_engine.scheduler import Schedule, Trainer
 
-    def __init__(self, cfg: TrainConfig, replica: MLPReplica, n_samples: int, state: dict):
-        from xmc_engine.faults import FaultInjector
-
-        self.cfg, self.replica, self.n_samples = cfg, replica, n_samples
-        self.batch = int(state["batch"])
-        self.faults = FaultInjector.from_spec(cfg.algorithm_params.get("fault"))
-        self.should_stop = lambda: False  # set by the driver (SIGINT / SIGTERM)
-
-    def batches_per_epoch(self) -> int:
-        return -(-self.n_samples // self.cfg.batch_size)
-
-    def run_until(self, epoch: int, stop_samples: int, state: dict) -> None:
-        """Train epoch ``epoch`` from batch ``self.batch`` until ``state['samples']`` reaches
-        ``stop_samples`` or the epoch ends."""
-        cfg, B = self.cfg, self.cfg.batch_size
-        perm = epoch_permutation(cfg.seed, epoch, self.n_samples)
-        with self.replica.backend.thread_budget(cfg.threads or self.replica.backend.threads):
-            while (self.batch * B < self.n_samples and state["samples"] < stop_samples
-                   and not self.should_stop()):
-                rows = perm[self.batch * B:(self.batch + 1) * B]
-                lr = lr_at(cfg, epoch + self.batch * B / self.n_samples)
-                t0 = time.perf_counter()
-                if self.faults is not None:
-                    self.faults.before_step(0)
-                loss = self.replica.train_batch(rows, lr)
-                self.replica.backend.synchronize()  # synchronize!
-                if self.faults is not None:
-                    self.faults.after_step(0, self.replica)  # NaN shows in the next loss
-                if not math.isfinite(loss):
-                    state["batch"] = self.batch
-                    raise DivergenceError(f"the loss became non-finite ({loss}) at epoch {epoch} "
-                                          f"batch {self.batch} (lr {lr:g}); lower the learning "
-                                          "rate")
-                state["train_time"] += time.perf_counter() - t0
-                state["samples"] += len(rows)
-                state["loss_sum"] = state.get("loss_sum", 0.0) + loss
-                self.batch += 1
-        state["batch"] = self.batch
-
-    def end_epoch(self) -> None:
-        self.batch = 0
-
-    def epoch_done(self) -> bool:
-        return self.batch * self.cfg.batch_size >= self.n_samples
-
-    @staticmethod
-    def can_checkpoint() -> bool:
-        """A checkpoint may be taken between any two steps (it records the batch)."""
-        return True
-
-    def eval_params(self):
-        return self.replica.backend, self.replica.params()
-
-    def host_params(self) -> list[np.ndarray]:
-        be = self.replica.backend
-        return [np.array(be.to_host(p), dtype=np.float32) for p in self.replica.params()]
-
-    def checkpoint_extra(self) -> dict:
-        """Optimiser state beside the parameters (Adagrad accumulators as ``acc.<i>``)."""
-        return {f"acc.{i}": a for i, a in enumerate(self.replica.optimizer_state())}
-
-    def close(self) -> None:
-        pass
+    opts = cfg.algorithm_params
+    replicas = []
+    for d in devices:
+        be = get_backend(d.kind, d.index, threads=cfg.threads or d.threads)
+        rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer)
+        if cfg.threads is None and be.name == "cpu" and d.threads > 1:
+            rep.calibrate_threads(cfg.batch_size, d.threads)
+            if log is not None:
+                    log.write("threads", device=str(d), threads=be.threads,
+                          note="calibrated: the faster of 1 and all of the device's threads")
+        replicas.append(rep)
+    schedule = Schedule(cfg.lr, cfg.warmup_epochs, cfg.lr_decay)
+    return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
+                   batch_size=cfg.batch_size, schedule=schedule, seed=cfg.seed, log=log,
+                   rejoin_after=opts.rejoin_after, faults=opts.fault, comm=comm,
+                   assignment=assignment)
 
 
-def lr_at(cfg: TrainConfig, epoch: float) -> float:
-    """Learning rate at fractional epoch ``epoch``: linear warm-up, then
-    ``lr0 / (1 + lr_decay * (epoch - lr_warmup_epochs))`` (DESIGN.md §4.5)."""
-    warm = cfg.lr_warmup_epochs or 0.0  # None: single's own default, no warm-up
-    if warm > 0 and epoch < warm:
-        return cfg.lr * max(epoch / warm, 0.02)
-    return cfg.lr / (1.0 + cfg.lr_decay * max(epoch - warm, 0.0))
+_STATE_KEY = "trainer_state"  # the trainer's JSON state in a checkpoint, as uint8
+
+
+def checkpoint_extra(trainer) -> dict[str, np.ndarray]:
+    """What a checkpoint holds beside the central model: the trainer's JSON state and every
+    replica's optimizer state (``opt.<replica>.<param>``)."""
+    text = json.dumps(trainer.state_dict()).encode()
+    out = {_STATE_KEY: np.frombuffer(text, dtype=np.uint8).copy()}
+    for r, rep in enumerate(trainer.replicas):
+        for i, a in enumerate(rep.optimizer_state()):
+            out[f"opt.{r}.{i}"] = a
+    return out
+
+
+def restore_trainer(trainer, extra: dict) -> None:
+    """Give ``trainer`` back the state :func:`checkpoint_extra` saved (after the replicas got
+    the checkpoint's model)."""
+    saved = extra.get(_STATE_KEY)
+    if saved is not None:
+        trainer.load_state_dict(json.loads(bytes(np.asarray(saved, np.uint8))))
+    for r, rep in enumerate(trainer.replicas):
+        state = [extra[f"opt.{r}.{i}"] for i in range(len(rep.params()))
+                 if f"opt.{r}.{i}" in extra]
+        rep.load_optimizer_state(state)
+
+
+def host_params(trainer) -> list[np.ndarray]:
+    """The central model as host float32 arrays."""
+    be = trainer.replicas[0].backend
+    return [np.array(be.to_host(p), dtype=np.float32) for p in trainer.central_params()]
 
 
 class _Driver:
-    """Epoch loop shared by all runners: evaluation cadence, checkpoints, progress, log."""
+    """The epoch loop around the trainer: evaluation cadence, checkpoints, signals, progress
+    bar and run log. It stops the trainer at a barrier (``stop_after``) for each evaluation or
+    checkpoint; several nodes always run whole epochs (their periods are aligned)."""
 
-    def __init__(self, cfg, runner, n_samples, state, log, evaluator, ckpts, checkpoint_every,
+    def __init__(self, cfg, trainer, n_samples, state, log, evaluator, ckpts, checkpoint_every,
                  shape):
-        self.cfg, self.runner, self.n = cfg, runner, n_samples
+        self.cfg, self.trainer, self.n = cfg, trainer, n_samples
+        self.multi_node = trainer.comm is not None and trainer.comm.size > 1
+        # Samples of the open epoch done by earlier calls (a resumed checkpoint may be mid-epoch).
+        self.epoch_samples = state["samples"] - int(state["epoch"]) * n_samples
         self.state, self.log, self.evaluator = state, log, evaluator
         self.ckpts, self.every, self.shape = ckpts, checkpoint_every, shape
         self.metrics: dict | None = None
@@ -292,9 +256,9 @@ class _Driver:
     def evaluate(self, epoch_float: float) -> None:
         if self.evaluator is None:
             return
-        be, params = self.runner.eval_params()
         t0 = time.perf_counter()
-        self.metrics = self.evaluator(be, params)
+        self.metrics = self.evaluator(self.trainer.replicas[0].backend,
+                                      self.trainer.central_params())
         self.last_eval_samples = self.state["samples"]
         self.log.write("eval", epoch=round(epoch_float, 4), samples=self.state["samples"],
                        train_time=self.state["train_time"],
@@ -304,9 +268,9 @@ class _Driver:
     def checkpoint(self, epoch: int, *, force: bool = False) -> None:
         if self.ckpts is None or (self.every is None and not force):
             return
-        arrays = dict(zip(self.shape.param_names, self.runner.host_params(), strict=True))
-        arrays.update(self.runner.checkpoint_extra())
-        meta = {k: self.state[k] for k in ("epoch", "batch", "samples", "train_time")}
+        arrays = dict(zip(self.shape.param_names, host_params(self.trainer), strict=True))
+        arrays.update(checkpoint_extra(self.trainer))
+        meta = {k: self.state[k] for k in ("epoch", "samples", "train_time")}
         self._reset_ckpt_clock()  # a failed write is retried at the next checkpoint, not sooner
         try:
             path = self.ckpts.save(meta, arrays)
@@ -351,26 +315,34 @@ class _Driver:
                                   f"{where}", self._signal)
 
     def run(self) -> dict | None:
-        cfg, st = self.cfg, self.state
+        cfg, st, tr = self.cfg, self.state, self.trainer
         total = int(cfg.epochs * self.n)
         bar = progress.bar(total=total, desc="train", unit="sample", initial=st["samples"])
         previous = self._install_signals()
         try:
             epoch = int(st["epoch"])
-            # A signal stops the loop where a checkpoint can be taken: after any step on one
-            # device, at the end of the epoch on several.
-            while st["samples"] < total and (self._signal is None
-                                             or not self.runner.can_checkpoint()):
+            # A signal stops the loop at the next barrier, where a checkpoint can be taken.
+            while st["samples"] < total and self._signal is None:
                 st["epoch"] = epoch
                 before, t0 = st["samples"], st["train_time"]
+                stop_after = None
+                if not self.multi_node:
+                    stop = min(self._next_stop(), total)
+                    stop_after = self.epoch_samples + max(stop - st["samples"], 1)
                 try:
-                    self.runner.run_until(epoch, min(self._next_stop(), total), st)
+                    # several nodes stop together, at the end of an epoch (collectives)
+                    res = tr.run_epoch(epoch, stop_after=stop_after, should_stop=(
+                        None if self.multi_node else self.stop_requested))
                 except DivergenceError as exc:
                     self._diverged(exc)
-                if self.runner.epoch_done():  # advance first, so that a checkpoint says so
+                n = self.n if self.multi_node else res["samples"]  # every node did an epoch
+                st["train_time"] += res["train_seconds"]
+                st["samples"] += n
+                st["loss_sum"] = st.get("loss_sum", 0.0) + res["loss"] * n
+                self.epoch_samples += res["samples"]
+                if res["done"]:  # advance first, so that a checkpoint says so
                     epoch += 1
-                    st["epoch"], st["batch"] = epoch, 0
-                    self.runner.end_epoch()
+                    st["epoch"], self.epoch_samples = epoch, 0
                 bar.update(st["samples"] - before)
                 dt = st["train_time"] - t0
                 postfix = {"samples/s": f"{(st['samples'] - before) / dt:.0f}"} if dt else {}
@@ -381,13 +353,14 @@ class _Driver:
                     self.evaluate(st["samples"] / self.n)
                     while self.next_eval <= st["samples"]:
                         self.next_eval += self.eval_step
-                if self._ckpt_due() and self.runner.can_checkpoint():
+                if self._ckpt_due() and tr.can_checkpoint():
                     self.checkpoint(epoch)
             if self._signal is not None:
                 self._interrupted(epoch)
             if self.evaluator is not None and self.last_eval_samples != st["samples"]:
                 self.evaluate(st["samples"] / self.n)
-            if self.ckpts is not None and self.every is not None:
+            if (self.ckpts is not None and self.every is not None
+                    and self.last_ckpt_samples != st["samples"]):
                 self.checkpoint(epoch)
         finally:
             for sig, handler in previous.items():

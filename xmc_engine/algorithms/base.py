@@ -1,137 +1,134 @@
-"""The policy interface every training algorithm implements over the shared scheduler.
+"""The policy interface every training algorithm implements over the one training loop.
 
-A *policy* decides, per merge period (DESIGN.md §4): how batches are assigned (dynamic shared
-cursor or static equal quotas, and each device's batch size), the learning rate of each device,
-and what the merge does (weighted average + broadcast for Adaptive SGD and model averaging;
-elastic moves toward a centre for EASGD / CROSSBOW; one step per period with a global batch for
-synchronous SGD). The scheduler (:class:`xmc_engine.scheduler.ParallelTrainer`) runs the devices
-and calls the policy between periods, on the main thread.
+A *policy* decides, per merge period (DESIGN.md §4): the period's length in samples, how batches
+are assigned (dynamic shared cursor or static equal quotas, and each device's batch size), each
+device's learning rate given the schedule's ``lr(t)``, what a device's step does, and what the
+merge does. The trainer (:class:`xmc_engine.scheduler.Trainer`) runs the devices and calls the
+policy between periods, on the main thread, passing what the merge needs in a
+:class:`~xmc_engine.scheduler.runner.MergeContext`.
 
-How the baselines of DESIGN.md §4 map onto this interface:
+How the algorithms of DESIGN.md §4 map onto it:
 
+``single``    one device; the period only spaces the barriers (log, evaluation, checkpoints).
+``adaptive``  dynamic cursor, adaptive ``b_i``, ``lr_i = lr(t) b_i / B``; normalized merge.
 ``average``   static quotas ``S / n``, equal ``B``, uniform average + broadcast.
-``sync``      static, ``S = n B`` (one batch per device per period), uniform average +
-              broadcast: from a common start, averaging the models after one plain SGD step
-              equals one step with the averaged gradient.
-``easgd``     static, ``S = n τ b``; merge = :func:`~xmc_engine.scheduler.merge.elastic_update`
-              of each replica toward the centre, centre += Σ of the elastic differences; no
-              broadcast.
-``crossbow``  static, ``S = n b`` (every step); merge = elastic updates + centre momentum
-              ``z <- z + Σ α (w_j - z) + μ (z - z_prev)``.
+``sync``      static, ``S = n B`` (one step per period); a step computes the gradient only, the
+              merge all-reduces the gradients and every device applies the same update.
+``easgd``     static, ``S = n τ B``; elastic moves toward a centre, centre += Σ of the moves.
+``crossbow``  static, ``S = n τ B``; elastic moves + centre momentum.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import typing
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from xmc_engine.config import ALGORITHMS, AlgorithmConfig, algorithm_config
 from xmc_engine.errors import ConfigError, DivergenceError
 from xmc_engine.scheduler.merge import find_nonfinite, merge_changed_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConfigMixin", "Policy"]
-
-
-class ConfigMixin:
-    """JSON round-trip for config dataclasses; unknown keys and bad types are ``ConfigError``."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str = "config"):
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"{source}: unknown key(s) {unknown} for {cls.__name__}; "
-                              f"valid keys: {sorted(names)}")
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for k, v in d.items():
-            t = hints[k]
-            if t is bool:
-                ok = isinstance(v, bool)
-            elif t is int:
-                ok = isinstance(v, int) and not isinstance(v, bool)
-            elif t is float:
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-                v = float(v) if ok else v
-            elif t is str:
-                ok = isinstance(v, str)
-            else:
-                ok = True
-            if not ok:
-                raise ConfigError(f"{source}: {cls.__name__}.{k} must be {t.__name__}, "
-                                  f"got {v!r}")
-            kwargs[k] = v
-        return cls(**kwargs)
-
-    def _check_min(self, low, *names: str) -> None:
-        """``ConfigError`` unless every field in ``names`` is ``>= low`` (one message for all)."""
-        values = [getattr(self, n) for n in names]
-        if any(v < low for v in values):
-            raise ConfigError(f"{' and '.join(names)} must be >= {low}, got "
-                              f"{', '.join(str(v) for v in values)}")
-
-    @classmethod
-    def from_json(cls, text: str, *, source: str = "config"):
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{source}: not valid JSON: {e}") from None
-        return cls.from_dict(d, source=source)
+__all__ = ["Policy"]
 
 
 class Policy:
     """Base class of the training algorithms (subclasses override the hooks they need).
+
+    Parameters
+    ----------
+    config : AlgorithmConfig, dict or None
+        The algorithm's options (:data:`xmc_engine.config.ALGORITHMS` names the class).
+    **overrides
+        Option fields overriding ``config``.
 
     Attributes
     ----------
     name : str
     static : bool
         Static equal quotas per period (``True``) or the dynamic shared cursor (``False``).
-    merge_period : int
-        ``S``, samples per merge period.
+    max_devices : int or None
+        The most devices the algorithm runs on (``None``: any number).
+    supports_nodes : bool
+        Whether it runs across MPI nodes (DESIGN.md §6).
+    max_steps_per_period : int or None
+        The most steps a device makes per period (``None``: as many as the queue grants).
     """
 
     name = "base"
     static = False
-    merge_period: int = 1
+    max_devices: int | None = None
+    supports_nodes = False
+    max_steps_per_period: int | None = None
+
+    def __init__(self, config: AlgorithmConfig | dict | None = None, **overrides):
+        expected = ALGORITHMS[self.name]
+        if isinstance(config, AlgorithmConfig) and not isinstance(config, expected):
+            raise ConfigError(f"algorithm {self.name!r} takes {expected.__name__} options, got "
+                              f"{type(config).__name__}")
+        config = algorithm_config(self.name, config, source=f"{self.name} options")
+        if overrides:
+            config = algorithm_config(self.name, {**config.to_dict(), **overrides},
+                                      source=f"{self.name} options")
+        self.config = config
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def setup(self, replicas: Sequence, n_samples: int) -> None:
-        """Called once by the trainer after the replicas were made identical."""
+    def period_samples(self, n_devices: int, batch_size: int) -> int:
+        """``S``, the samples of one merge period on ``n_devices`` devices of base batch
+        ``batch_size`` (the trainer may shorten it to split an epoch evenly over nodes)."""
+        return int(self.config.merge_period)
+
+    def setup(self, replicas: Sequence, *, n_samples: int, batch_size: int, merge_period: int,
+              warmup_epochs: float) -> None:
+        """Called once by the trainer after the replicas were made identical.
+
+        ``merge_period`` is the period in effect on this node, ``warmup_epochs`` the schedule's
+        warm-up (equal batches until it ends).
+        """
         self.n_devices = len(replicas)
         self.n_samples = int(n_samples)
+        self.batch_size = int(batch_size)
+        self.merge_period = int(merge_period)
+        self.warmup_epochs = float(warmup_epochs)
         self.backend = replicas[0].backend
-        xp = getattr(self.backend, "xp", np)
-        self.central = [xp.array(a, copy=True) for a in replicas[0].params()]
+        self.central = self.copy_params(replicas[0].params())
+
+    def copy_params(self, params: Sequence) -> list:
+        """A copy of ``params`` on this policy's backend, made on its stream (the central
+        model's storage; never on a GPU's null stream)."""
+        out = self.empty_params(params)
+        for dst, src in zip(out, params, strict=True):
+            self.backend.copy_into(dst, src)
+        return out
+
+    def empty_params(self, params: Sequence) -> list:
+        """Uninitialised arrays shaped like ``params`` on this policy's backend (merge
+        scratch), allocated on its stream."""
+        return [self.backend.empty(a.shape, a.dtype) for a in params]
 
     # -- per period ----------------------------------------------------------------------------
     def batch_sizes(self) -> list[int]:
-        """Batch size of each device for the next period."""
-        raise NotImplementedError
+        """Batch size of each device for the next period (default: ``B`` for every device)."""
+        return [self.batch_size] * self.n_devices
 
-    def learning_rates(self, lr0: float, progress: float) -> tuple[float, list[float]]:
-        """``(lr(t), [lr_i])`` for the next period; ``progress`` = epochs done at its end."""
-        raise NotImplementedError
+    def device_lrs(self, lr: float) -> list[float]:
+        """Each device's learning rate for the next period, given the schedule's ``lr(t)``."""
+        return [lr] * self.n_devices
 
-    def merge(self, replicas: Sequence, updates: Sequence[int]) -> dict[str, Any]:
+    def step(self, device: int, replica, rows: np.ndarray, lr: float) -> float:
+        """One step of ``device`` on ``rows`` (in that device's worker); returns the summed
+        loss. Default: a local SGD/Adagrad step (``replica.train_batch``)."""
+        return replica.train_batch(rows, lr)
+
+    def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         """Merge the replicas after a period (main thread); returns loggable info.
 
-        The info holds at least ``weights`` (one float per device).
+        ``ctx`` is the :class:`~xmc_engine.scheduler.runner.MergeContext`. The info holds at
+        least ``weights`` (one float per device) and ``nonfinite`` (devices reset because
+        their replica went non-finite).
         """
         raise NotImplementedError
 
@@ -150,30 +147,20 @@ class Policy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output after :meth:`setup` (for resuming)."""
 
-    # -- helpers -------------------------------------------------------------------------------
-    def _make_config(self, config_class: type, config, overrides: dict[str, Any]):
-        """``config`` (default: ``config_class()``) with ``overrides`` applied and validated."""
-        source = f"{self.name} options"
-        if config is None:
-            return config_class.from_dict(overrides, source=source)
-        if overrides:
-            return config_class.from_dict({**config.to_dict(), **overrides}, source=source)
-        return config
+    # -- helpers for subclasses ----------------------------------------------------------------
+    def finite_updates(self, params: Sequence[Sequence], updates: Sequence[int], ctx):
+        """Update counts with the replicas to leave out zeroed; raises ``DivergenceError`` if
+        no finite replica is left.
 
-    def _finite_updates(self, params: Sequence[Sequence], updates: Sequence[int]):
-        """Update counts with non-finite replicas zeroed; raises if no finite replica is left.
-
-        Replicas in ``self.excluded`` (set by the trainer: failed devices, replicas whose loss
-        went non-finite) are zeroed too, without being checked. Returns ``(counts, bad)`` with
-        ``bad`` the non-finite ones found here (plus the excluded ones in ``self.nonfinite``);
-        when every remaining replica has a zero count, they get count 1 (uniform).
+        Replicas of ``ctx.excluded`` (failed devices) are zeroed without being checked; the
+        others are checked for NaN/inf. Returns ``(counts, bad)`` with ``bad`` the non-finite
+        replicas (found here, or flagged in ``ctx.nonfinite``); when every remaining replica
+        has a zero count, they get count 1 (uniform).
         """
-        excluded = set(getattr(self, "excluded", ()))
-        flagged = set(getattr(self, "nonfinite", ()))
-        check = [i for i in range(len(params)) if i not in excluded]
+        check = [i for i in range(len(params)) if i not in ctx.excluded]
         bad = sorted({check[j] for j in find_nonfinite([params[i] for i in check], self.backend)}
-                     | (flagged & set(check)))
-        skip = sorted(excluded | set(bad))
+                     | (set(ctx.nonfinite) & set(check)))
+        skip = sorted(set(ctx.excluded) | set(bad))
         if len(skip) == len(params):
             raise DivergenceError(
                 f"every remaining replica ({len(bad)}: devices {bad}) has non-finite parameters "
@@ -189,17 +176,16 @@ class Policy:
                 c[skip] = 0.0
         return c, bad
 
-    def _merge_changed_rows(self, replicas: Sequence, p) -> float | None:
-        """:func:`~xmc_engine.scheduler.merge.merge_changed_rows` into ``self.central`` when it
-        may apply (every replica merged with a weight > 0, none flagged, one node); returns its
+    def merge_rows_only(self, replicas: Sequence, p, ctx) -> float | None:
+        """:func:`~xmc_engine.scheduler.merge.merge_changed_rows` into ``self.central`` where it
+        applies (every replica merged with a weight > 0, none flagged, one node); returns its
         result (``None``: merge densely)."""
-        if getattr(self, "excluded", ()) or getattr(self, "nonfinite", ()):
-            return None
-        comm = getattr(self, "comm", None)
-        if comm is not None and comm.size > 1:  # the nodes' changed rows differ
+        if ctx.excluded or ctx.nonfinite or ctx.multi_node:
             return None
         return merge_changed_rows(replicas, p, self.central, self.backend)
 
-    def _broadcast(self, replicas: Sequence, params: Sequence) -> None:
+    @staticmethod
+    def broadcast(replicas: Sequence, params: Sequence) -> None:
+        """Every replica becomes ``params`` (the merged model)."""
         for r in replicas:
             r.set_params(params)

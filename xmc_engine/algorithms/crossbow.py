@@ -35,73 +35,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from xmc_engine.algorithms.base import ConfigMixin
 from xmc_engine.algorithms.easgd import ElasticPolicy
-from xmc_engine.errors import ConfigError
 from xmc_engine.scheduler.merge import central_momentum, weighted_merge
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Crossbow", "CrossbowConfig"]
-
-
-@dataclass
-class CrossbowConfig(ConfigMixin):
-    """Options of CROSSBOW SMA (module docstring).
-
-    Attributes
-    ----------
-    batch_size : int
-        ``b``, every learner's batch (CROSSBOW's point: small batches).
-    tau : int
-        SGD steps per learner between corrections (paper: 1, every step).
-    alpha : float
-        Correction rate ``α``; ``0`` means ``1 / n``.
-    momentum : float
-        ``μ`` of the central model, in [0, 1) (paper: 0.9).
-    warmup_epochs : float
-        Linear learning-rate ramp over these epochs.
-    lr_decay : float
-        ``λ`` in ``lr(e) = lr0 / (1 + λ (e − e_warm))``.
-    """
-
-    batch_size: int = 128
-    tau: int = 1
-    alpha: float = 0.0
-    momentum: float = 0.9
-    warmup_epochs: float = 1.0
-    lr_decay: float = 0.1
-
-    def __post_init__(self):
-        self._check_min(1, "batch_size", "tau")
-        if not (0.0 <= self.alpha <= 1.0):
-            raise ConfigError(f"alpha must be in [0, 1] (0 = 1 / n), got {self.alpha}")
-        if not (0.0 <= self.momentum < 1.0):
-            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        self._check_min(0, "warmup_epochs", "lr_decay")
+__all__ = ["Crossbow"]
 
 
 class Crossbow(ElasticPolicy):
-    """CROSSBOW synchronous model averaging (Koliousis et al. 2019, Algorithm 1)."""
+    """CROSSBOW synchronous model averaging (Koliousis et al. 2019, Algorithm 1; options:
+    :class:`~xmc_engine.config.CrossbowConfig`)."""
 
     name = "crossbow"
-    config_class = CrossbowConfig
 
-    def setup(self, replicas: Sequence, n_samples: int) -> None:
-        super().setup(replicas, n_samples)
-        xp = self.backend.xp
-        self._wbar = [xp.empty_like(a) for a in self.central]
-        self._z_prev = [xp.array(a, copy=True) for a in self.central]  # no momentum at first
+    def setup(self, replicas: Sequence, **kw) -> None:
+        super().setup(replicas, **kw)
+        self._wbar = self.empty_params(self.central)
+        self._z_prev = self.copy_params(self.central)  # no momentum at first
 
-    def _alpha(self, n: int) -> float:
+    def alpha_for(self, n: int) -> float:
         return self.config.alpha if self.config.alpha > 0 else 1.0 / n
 
-    def merge(self, replicas: Sequence, updates: Sequence[int]) -> dict[str, Any]:
+    def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         """SMA correction: learners toward ``z``; ``z <- z + Σ α (w_j − z) + μ (z − z_prev)``."""
-        params, good, bad = self._split(replicas)
+        params, good, bad = self._split(replicas, ctx)
         a, mu = self.alpha, self.config.momentum
         z = self.central
         weighted_merge([z] + [params[i] for i in good], [1.0 - a * len(good)] + [a] * len(good),

@@ -5,13 +5,19 @@ The scheme of TensorFlow's MirroredStrategy, Horovod and PyTorch DDP (e.g. Goyal
 Every step ``t`` the global batch ``G_t`` is split over the ``n`` devices (``b_i`` rows each),
 each device computes the gradient of its mean loss at the common model ``w_t``, and::
 
-    ḡ_t = Σ_i (b_i / Σ_j b_j) ∇ℓ_i(w_t)          (gradient all-reduce, on the host)
+    ḡ_t = Σ_i (b_i / Σ_j b_j) ∇ℓ_i(w_t)          (gradient all-reduce)
     w_{t+1} = w_t − lr(t) ḡ_t                     (the same update on every replica)
 
 so the run equals one device stepping on the global batch. The ``W1`` gradient is row-sparse
 (union of the rows the devices touched); ``W2`` and the biases are dense. The slowest device sets
-the pace (every step waits for the last gradient). The loop is
-:class:`xmc_engine.scheduler.sync.SyncLoop`; this module holds the options and the schedule.
+the pace (every step waits for the last gradient).
+
+In the one training loop (:class:`xmc_engine.scheduler.Trainer`) a period is one global step:
+each device takes one batch and its :meth:`SyncSGD.step` computes the gradient without updating;
+the merge reduces the gradients and every device applies the same update in its
+own worker. The reduction runs on the first device's backend
+(:func:`~xmc_engine.scheduler.merge.reduce_gradients`: on GPUs by peer reads, never through the
+host).
 
 Global batch
 ------------
@@ -21,110 +27,86 @@ DDP / Horovod convention: more devices, larger global batch, fewer updates per e
 per device; ``B`` must be a multiple of ``n``, since the queue's static quotas are equal): the
 same updates per epoch as one device with batch ``B``. ``lr_scaling = True`` applies the linear
 scaling rule (Goyal et al. 2017 §2.1): ``lr × (global batch / batch_size)``, i.e. ``× n`` in the
-default mode. Warm-up and decay are the
-shared schedule (:func:`~xmc_engine.scheduler.controller.learning_rate`), with the same defaults
-as ``adaptive`` and ``average`` so that only the algorithm differs.
+default mode. Warm-up and decay are the run's schedule, as for every algorithm. Options:
+:class:`~xmc_engine.config.SyncConfig`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from xmc_engine.algorithms.base import ConfigMixin, Policy
-from xmc_engine.errors import ConfigError
-from xmc_engine.scheduler.controller import learning_rate
+import numpy as np
+
+from xmc_engine.algorithms.base import Policy
+from xmc_engine.errors import ConfigError, DivergenceError
+from xmc_engine.scheduler.merge import reduce_gradients
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SyncConfig", "SyncSGD"]
-
-
-@dataclass
-class SyncConfig(ConfigMixin):
-    """Options of synchronous SGD (module docstring).
-
-    Attributes
-    ----------
-    batch_size : int
-        Per-device batch ``B`` (global batch ``n B``), or the global batch when
-        ``split_global_batch``.
-    split_global_batch : bool
-        Treat ``batch_size`` as the global batch, split equally over the devices (must divide).
-    lr_scaling : bool
-        Linear scaling rule: multiply the learning rate by ``global batch / batch_size``.
-    period_steps : int
-        Steps per log record (a ``"merge"`` event of the run log, the learning-rate schedule's
-        granularity and the divergence check). Not a merge: replicas are identical every step.
-    warmup_epochs : float
-        Linear learning-rate ramp over these epochs.
-    lr_decay : float
-        ``λ`` in ``lr(e) = lr0 / (1 + λ (e − e_warm))``.
-    """
-
-    batch_size: int = 128
-    split_global_batch: bool = False
-    lr_scaling: bool = False
-    period_steps: int = 64
-    warmup_epochs: float = 1.0
-    lr_decay: float = 0.1
-
-    def __post_init__(self):
-        self._check_min(1, "batch_size", "period_steps")
-        self._check_min(0, "warmup_epochs", "lr_decay")
+__all__ = ["SyncSGD"]
 
 
 class SyncSGD(Policy):
     """Synchronous data-parallel SGD with a per-step gradient all-reduce (module docstring).
 
-    ``synchronous = True`` makes :class:`~xmc_engine.scheduler.ParallelTrainer` run
-    :class:`~xmc_engine.scheduler.sync.SyncLoop` instead of its merge-period loop; the replicas
-    stay identical, so the central model is replica 0's live parameters (no extra copy).
+    The replicas stay identical, so the central model is the first live replica's parameters
+    (no extra copy).
     """
 
     name = "sync"
     static = True
-    synchronous = True
+    max_steps_per_period = 1
 
-    def __init__(self, config: SyncConfig | None = None, **overrides):
-        self.config = self._make_config(SyncConfig, config, overrides)
-        self.merge_period = self.config.period_steps * self.config.batch_size
+    def period_samples(self, n_devices: int, batch_size: int) -> int:
+        """One global batch: ``n B`` (``B`` when ``split_global_batch``)."""
+        return sum(self._sizes(n_devices, batch_size))
 
-    def setup(self, replicas: Sequence, n_samples: int) -> None:
-        self.n_devices = len(replicas)
-        self.n_samples = int(n_samples)
-        self.backend = replicas[0].backend
-        self._replicas = list(replicas)
-        self.merge_period = self.period_samples(self.n_devices)
-        B, n = self.config.batch_size, self.n_devices
+    def _sizes(self, n: int, B: int) -> list[int]:
+        return [B // n if self.config.split_global_batch else B] * n
+
+    def setup(self, replicas: Sequence, **kw) -> None:
+        super().setup(replicas, **kw)
+        B, n = self.batch_size, self.n_devices
         if self.config.split_global_batch and B % n:
             raise ConfigError(f"sync: split_global_batch needs batch_size divisible by the "
                               f"{n} devices, got batch_size={B}")
-
-    def period_samples(self, n_devices: int) -> int:
-        """Samples per period: ``period_steps`` global batches."""
-        return self.config.period_steps * sum(self._sizes(n_devices))
-
-    def _sizes(self, n: int) -> list[int]:
-        B = self.config.batch_size
-        return [B // n if self.config.split_global_batch else B] * n
+        self._replicas = list(replicas)
+        self._grads: list = [None] * n
+        self._live = 0  # a replica that took part in the last step (the central model)
 
     def batch_sizes(self) -> list[int]:
-        return self._sizes(self.n_devices)
+        return self._sizes(self.n_devices, self.batch_size)
 
-    def learning_rates(self, lr0: float, progress: float) -> tuple[float, list[float]]:
-        c = self.config
-        lr = learning_rate(lr0, progress, warmup_epochs=c.warmup_epochs, decay=c.lr_decay)
-        if c.lr_scaling:
-            lr *= sum(self.batch_sizes()) / c.batch_size
-        return lr, [lr] * self.n_devices
+    def device_lrs(self, lr: float) -> list[float]:
+        if self.config.lr_scaling:
+            lr *= sum(self.batch_sizes()) / self.batch_size
+        return [lr] * self.n_devices
 
-    def merge(self, replicas: Sequence, updates: Sequence[int]) -> dict[str, Any]:
-        raise NotImplementedError("sync has no merge: ParallelTrainer runs it through "
-                                  "xmc_engine.scheduler.sync.SyncLoop (synchronous = True)")
+    def step(self, device: int, replica, rows: np.ndarray, lr: float) -> float:
+        """The gradient of the device's rows, kept on its device for the merge; no update."""
+        loss, grads = replica.grad_batch(rows)
+        self._grads[device] = (len(rows), grads)
+        return replica.backend.to_float(loss)  # synchronize!
+
+    def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
+        """All-reduce the period's gradients, then every live device applies the same step."""
+        if ctx.nonfinite:
+            raise DivergenceError(f"sync: the loss became non-finite on devices "
+                                  f"{sorted(ctx.nonfinite)} in epoch {ctx.epoch} period "
+                                  f"{ctx.period} (lr {max(ctx.lrs):g}); lower the learning rate")
+        got = [g if i not in ctx.excluded else None for i, g in enumerate(self._grads)]
+        self._grads = [None] * self.n_devices
+        total = sum(g[0] for g in got if g is not None)
+        weights = [g[0] / total if g is not None else 0.0 for g in got]
+        if total:
+            g = reduce_gradients([x[1] if x is not None else None for x in got], weights,
+                                 self.backend)
+            ctx.run_on_devices(lambda i: replicas[i].apply_grads(g, ctx.lrs[i]))
+        self._live = min(i for i in range(self.n_devices) if i not in ctx.excluded)
+        return {"weights": weights, "nonfinite": []}
 
     def central_params(self) -> list:
-        """Replica 0's live parameters (all replicas are identical after every step)."""
-        return self._replicas[0].params()
+        """A live replica's parameters (every live replica is identical after every step)."""
+        return self._replicas[self._live].params()

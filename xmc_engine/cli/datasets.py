@@ -63,9 +63,10 @@ def cmd_list(args) -> int:
 
 def cmd_info(args) -> int:
     from xmc_engine.datasets import describe, load_dataset
+    from xmc_engine.datasets.registry import find_dataset_info
 
     target = args.target
-    info = registered_info(target)
+    info = None if Path(target).expanduser().exists() else find_dataset_info(target)
     if info is not None:
         print(f"{info.name} ({info.kind})  {info.note}")
         print(f"  expected: train {_n(info.n_train)}  test {_n(info.n_test)}  "
@@ -126,19 +127,6 @@ def cmd_convert(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- helpers
-def registered_info(target: str):
-    """The registry's :class:`~xmc_engine.datasets.DatasetInfo` of ``target``, or ``None`` when
-    ``target`` is an existing path or no registered name (a path is never looked up)."""
-    from xmc_engine.datasets import get_dataset_info
-
-    if Path(target).expanduser().exists():
-        return None
-    try:
-        return get_dataset_info(target)
-    except KeyError:
-        return None
-
-
 def _n(v) -> str:
     return "?" if v is None else str(v)
 

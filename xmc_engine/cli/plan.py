@@ -35,10 +35,11 @@ def register(sub) -> None:
 
 def _shape(data: str) -> dict:
     """Shape keywords of :func:`plan_memory` for a registered name, a file or a folder."""
-    from xmc_engine.cli.datasets import registered_info
-    from xmc_engine.datasets import load_dataset
+    from pathlib import Path
 
-    info = registered_info(data)
+    from xmc_engine.datasets.registry import find_dataset_info, load_dataset
+
+    info = None if Path(data).expanduser().exists() else find_dataset_info(data)
     if info is not None and None not in (info.n_train, info.n_features, info.n_labels,
                                          info.avg_nnz, info.avg_labels):
         n, t = info.n_train, info.n_test or 0

@@ -297,7 +297,8 @@ def _cmd_train(args, comm) -> int:
 
 def _train_in(run_dir: Path, cfg, args, comm) -> int:
     from xmc_engine.checkpoint import CheckpointManager
-    from xmc_engine.estimator import XMCClassifier, parse_every
+    from xmc_engine.estimator import XMCClassifier
+    from xmc_engine.validation import parse_every
 
     say = print if comm.is_root else (lambda *a, **k: None)  # rank 0 alone reports
     run_file = run_dir / RUN_FILE
@@ -412,14 +413,10 @@ def _load_for_model(model, data: str, rows: str):
 
 def cmd_evaluate(args) -> int:
     from xmc_engine.estimator import XMCClassifier
-    from xmc_engine.metrics import evaluate, propensity_or_none
 
     model = XMCClassifier.load(args.model_dir)
     X, Y = _load_for_model(model, args.data, "the evaluation set")
-    labels, _ = model.predict_topk(X, 5)
-    propensity = propensity_or_none(model.label_frequency_, model.n_train_,
-                                    A=model.propensity_a, B=model.propensity_b)
-    for k, v in evaluate(labels, Y, propensity=propensity).items():
+    for k, v in model.evaluate(X, Y).items():
         print(f"{k:10s} {v:.4f}")
     return 0
 

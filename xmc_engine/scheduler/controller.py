@@ -1,4 +1,4 @@
-"""Per-device batch sizes and learning rates of Adaptive SGD: warm-up, adaptation, decay.
+"""The learning-rate schedule of every algorithm, and Adaptive SGD's per-device batch sizes.
 
 arXiv 2110.07029 §III-C ("adaptive batch size") and §IV (warm-up, learning-rate schedule),
 DESIGN.md §4.2, §4.4, §4.5.
@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from xmc_engine.config import BATCH_RULES
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchSizeController", "learning_rate", "RULES"]
-
-RULES = ("step", "proportional", "fixed")
+__all__ = ["BatchSizeController", "Schedule", "learning_rate"]
 
 
 def learning_rate(lr0: float, progress: float, *, warmup_epochs: float = 0.0,
@@ -31,6 +32,24 @@ def learning_rate(lr0: float, progress: float, *, warmup_epochs: float = 0.0,
         return lr0 * max(progress, 0.0) / warmup_epochs
     e = int(np.floor(progress + 1e-9)) - warmup_epochs
     return lr0 / (1.0 + decay * max(e, 0.0))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The learning-rate schedule of a run, the same for every algorithm (DESIGN.md §4.5).
+
+    ``lr(progress)`` = :func:`learning_rate` ``(lr, progress, warmup_epochs, decay)``; the trainer
+    evaluates it once per period at the progress (epochs) reached at the end of that period.
+    ``warmup_epochs`` also ends the equal-batch warm-up of Adaptive SGD's batch-size control.
+    """
+
+    lr: float
+    warmup_epochs: float = 0.0
+    decay: float = 0.0
+
+    def __call__(self, progress: float) -> float:
+        return learning_rate(self.lr, progress, warmup_epochs=self.warmup_epochs,
+                             decay=self.decay)
 
 
 class BatchSizeController:
@@ -65,8 +84,8 @@ class BatchSizeController:
     def __init__(self, n_devices: int, batch_size: int, *, b_min: int = 32, b_max: int = 1024,
                  delta_b: int = 32, rule: str = "step", warmup_epochs: float = 0.0,
                  deadband: float = 0.05):
-        if rule not in RULES:
-            raise ValueError(f"unknown batch-size rule {rule!r}; expected one of {RULES}")
+        if rule not in BATCH_RULES:
+            raise ValueError(f"unknown batch-size rule {rule!r}; expected one of {BATCH_RULES}")
         if not (1 <= b_min <= b_max):
             raise ValueError(f"need 1 <= b_min <= b_max, got {b_min}, {b_max}")
         self.n_devices = int(n_devices)

@@ -45,7 +45,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchQueue", "PeriodAccount", "epoch_permutation"]
+__all__ = ["BatchQueue", "FixedAssignmentQueue", "PeriodAccount", "epoch_permutation"]
 
 
 def epoch_permutation(n_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -84,10 +84,13 @@ class BatchQueue:
         Seeds the epoch permutations (:func:`epoch_permutation`).
     static : bool
         Static equal quotas per period instead of the dynamic shared cursor.
+    max_takes : int or None
+        At most this many batches per device per period (``sync``: one, so that a period is
+        one step); rows a period leaves stay on the cursor for the next one.
     """
 
     def __init__(self, n_samples: int, n_devices: int, merge_period: int, *, seed: int = 0,
-                 static: bool = False):
+                 static: bool = False, max_takes: int | None = None):
         if n_samples < 1 or n_devices < 1 or merge_period < 1:
             raise ValueError(f"BatchQueue needs n_samples, n_devices, merge_period >= 1, got "
                              f"{n_samples}, {n_devices}, {merge_period}")
@@ -96,6 +99,7 @@ class BatchQueue:
         self.merge_period = int(merge_period)
         self.seed = int(seed)
         self.static = bool(static)
+        self.max_takes = None if max_takes is None else int(max_takes)
         self._lock = threading.Lock()
         self._perm = np.empty(0, dtype=np.int64)
         self._cursor = 0
@@ -119,6 +123,19 @@ class BatchQueue:
         self.epoch = int(epoch)
         self.period = -1
         self.history = []
+
+    def position(self) -> dict | None:
+        """Where the epoch stands between two periods, for a checkpoint (JSON-able); ``None``
+        while rows given back by a failed device are still waiting (not resumable)."""
+        if self._returned:
+            return None
+        return {"epoch": self.epoch, "cursor": self._cursor, "period": self.period}
+
+    def seek(self, position: dict) -> None:
+        """Continue the epoch of :meth:`position` from where it stood (resuming a run)."""
+        self.start_epoch(int(position["epoch"]))
+        self._cursor = int(position["cursor"])
+        self.period = int(position["period"])
 
     @property
     def remaining(self) -> int:
@@ -198,6 +215,8 @@ class BatchQueue:
             left = acct.budget - self._taken
             if left <= 0:
                 return None
+            if self.max_takes is not None and acct.updates[device_id] >= self.max_takes:
+                return None
             if self.static:
                 n = min(bi, self._quota[device_id] - acct.samples[device_id])
             elif self._taken + self._max_b <= acct.budget or self._taken == 0 or self._last:
@@ -233,3 +252,90 @@ class BatchQueue:
         if self._last:
             return self._taken >= acct.budget
         return self._taken > 0 and self._taken + self._max_b > acct.budget
+
+
+class FixedAssignmentQueue:
+    """A batch queue with a fixed assignment of rows to devices (deterministic mode, for tests).
+
+    Device ``i`` owns the rows ``[offsets[i], offsets[i] + counts[i])`` and visits them in the
+    order ``rng([seed, epoch, ids[i]]).permutation(counts[i])``; each of the ``n_periods`` periods
+    of an epoch it takes its quota ``floor((k+1) m/P) - floor(k m/P)`` in batches of its batch
+    size. What a device computes depends only on its rows, its id and the batch sizes, not on
+    timing or on which process it lives in: two ranks of one device each (``ids`` = the global
+    device numbers) see exactly the batches of one process with two devices.
+    """
+
+    static = True
+
+    def __init__(self, offsets, counts, ids, n_periods: int, *, seed: int = 0):
+        self.offsets = [int(x) for x in offsets]
+        self.counts = [int(x) for x in counts]
+        self.ids = [int(x) for x in ids]
+        self.n_devices = len(self.counts)
+        self.n_samples = int(sum(self.counts))
+        self.n_periods = int(n_periods)
+        self.merge_period = max(1, self.n_samples // self.n_periods)
+        self.seed = int(seed)
+        self.active = [True] * self.n_devices
+        self._lock = threading.Lock()
+        self.period = -1
+        self.account = None
+        self.history: list = []
+
+    def start_epoch(self, epoch: int) -> None:
+        self._orders = [o + np.random.default_rng([self.seed, int(epoch), d]).permutation(m)
+                        for o, m, d in zip(self.offsets, self.counts, self.ids, strict=True)]
+        self._pos = [0] * self.n_devices
+        self.epoch, self.period, self.history = int(epoch), -1, []
+
+    def position(self) -> dict:
+        """Where the epoch stands between two periods (see :meth:`BatchQueue.position`)."""
+        return {"epoch": self.epoch, "pos": list(self._pos), "period": self.period}
+
+    def seek(self, position: dict) -> None:
+        self.start_epoch(int(position["epoch"]))
+        self._pos = [int(x) for x in position["pos"]]
+        self.period = int(position["period"])
+
+    @property
+    def remaining(self) -> int:
+        return self.n_samples - sum(self._pos)
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.remaining == 0 or self.period >= self.n_periods - 1
+
+    def set_active(self, active) -> None:
+        if not all(active):
+            raise ValueError("the fixed-assignment queue cannot drop a device")
+
+    def give_back(self, device_id: int) -> int:
+        raise ValueError("the fixed-assignment queue cannot drop a device")
+
+    def start_period(self, batch_sizes):
+        """Open the next of the ``n_periods`` periods."""
+        k = self.period + 1
+        P = self.n_periods
+        self._end = [(k + 1) * m // P for m in self.counts]
+        budget = sum(e - p for e, p in zip(self._end, self._pos, strict=True))
+        self.period = k
+        n = self.n_devices
+        self.account = PeriodAccount(k, budget, [int(b) for b in batch_sizes], [0] * n,
+                                     [0] * n, [[] for _ in range(n)])
+        self.history.append(self.account)
+        return self.account
+
+    def take(self, device_id: int, b: int | None = None):
+        acct = self.account
+        with self._lock:
+            bi = acct.batch_sizes[device_id] if b is None else int(b)
+            n = min(bi, self._end[device_id] - self._pos[device_id])
+            if n <= 0:
+                return None
+            p = self._pos[device_id]
+            rows = self._orders[device_id][p:p + n]
+            self._pos[device_id] = p + n
+            acct.samples[device_id] += n
+            acct.updates[device_id] += 1
+            acct.rows[device_id].append(rows)
+        return rows

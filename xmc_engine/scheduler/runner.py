@@ -1,16 +1,21 @@
-"""The parallel trainer: one host thread per device, merge barrier, merge on the main thread.
+"""The one training loop: one host thread per device, merge periods, the merge barrier.
 
-arXiv 2110.07029 §III (dynamic scheduling + normalized model merging), DESIGN.md §3-4. Each merge
-period: the policy gives batch sizes and learning rates; the devices draw batches from the shared
-:class:`~xmc_engine.scheduler.queue.BatchQueue` until it refuses them; at the barrier the main
-thread runs the policy's merge (which broadcasts the central model) and lets the policy adapt.
+arXiv 2110.07029 §III (dynamic scheduling + normalized model merging), DESIGN.md §3-4. Every
+algorithm runs through :class:`Trainer`, ``single`` (one device) and ``sync`` (one step per
+period, a gradient all-reduce at the barrier) included. Each merge period: the schedule gives
+the base learning rate ``lr(t)``, the policy gives batch sizes and per-device rates; the devices
+draw batches from the shared :class:`~xmc_engine.scheduler.queue.BatchQueue` and step
+(``policy.step``) until it refuses them; at the barrier the main thread runs ``policy.merge``
+with a :class:`MergeContext` (which replicas to leave out, the node communicator, a way to run
+work on every device) and lets the policy adapt.
 
-Two modes share the queue, the controller and the merge code:
+Two modes share the queue, the policies and the merge code:
 
-``"threads"``    one persistent host thread per device (the real thing). A worker sets its
-                 device's thread budget once, in its own thread. A speed factor ``s < 1`` makes
-                 the worker idle ``(1/s - 1)`` times the busy time of each step (emulated
-                 heterogeneity, DESIGN.md §3).
+``"threads"``    one persistent host thread per device (the real thing), which enters its
+                 device's thread budget once for its lifetime and runs whatever job the main
+                 thread hands it (a period of steps, or a merge's per-device work). A speed
+                 factor ``s < 1`` makes the worker idle ``(1/s - 1)`` times the busy time of
+                 each step (emulated heterogeneity, DESIGN.md §3).
 ``"simulated"``  a deterministic discrete-event run on a virtual clock, all on the main thread,
                  no sleeping: a step of device ``i`` on ``b`` rows lasts ``cost(i, b) / s_i``
                  virtual seconds, where ``cost`` defaults to ``replica.simulated_seconds(b)``
@@ -21,149 +26,140 @@ Two modes share the queue, the controller and the merge code:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import queue as _queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from xmc_engine.errors import DeviceFailure
+from xmc_engine.scheduler.controller import Schedule
 from xmc_engine.scheduler.queue import BatchQueue
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ParallelTrainer"]
+__all__ = ["MODES", "MergeContext", "Trainer"]
 
 MODES = ("threads", "simulated")
 
 
 class _Abort(Exception):
-    pass
+    """A worker's job was cancelled because another device failed."""
 
 
-def _thread_budget(dev, rep):
-    """Context manager that sets a worker thread's budget (call it in the worker thread): the
-    backend's own ``threads`` when it has one (the CPU backend calibrates it), else the
-    device's; a null context for a backend without ``thread_budget``."""
-    budget = getattr(rep.backend, "thread_budget", None)
-    n = getattr(rep.backend, "threads", None) or dev.threads
-    return budget(n) if budget is not None else contextlib.nullcontext()
+@dataclass
+class MergeContext:
+    """What a policy's merge needs from the trainer, passed explicitly at every barrier.
 
+    Attributes
+    ----------
+    excluded : set of int
+        Failed (dropped) devices: left out of this merge without being looked at.
+    nonfinite : set of int
+        Live devices whose period loss went non-finite: left out of the merge and reset to the
+        merged model (by the broadcast, or by the policy).
+    lrs : list of float
+        The learning rate each device stepped with in the period.
+    comm : NodeComm or None
+        The node communicator of a multi-node run (:mod:`xmc_engine.distributed`); ``None`` on
+        one node.
+    run_on_devices : callable ``(fn) -> list``
+        Runs ``fn(i)`` for every live device ``i`` in that device's worker (in parallel in the
+        threaded mode, in order on the main thread in the simulated one); returns the results.
+    epoch, period : int
+        Where the run is (for messages and logs).
+    """
 
-def _next_report(outbox, waiting, devices, timeout: float, fail, what: str):
-    """The next ``(device, result, error)`` a worker put in ``outbox``; after ``timeout`` seconds
-    of silence, ``fail`` (which stops the workers) gets a ``TimeoutError`` and ``DeviceFailure``
-    names the devices in ``waiting`` that did not finish ``what``."""
-    try:
-        return outbox.get(timeout=timeout)
-    except _queue.Empty:
-        names = ", ".join(f"{j} ({devices[j]})" for j in sorted(waiting))
-        fail(TimeoutError(f"no report for {timeout:g} s"))
-        raise DeviceFailure(f"device(s) {names} did not finish {what} within {timeout:g} s"
-                            ) from None
+    excluded: set = field(default_factory=set)
+    nonfinite: set = field(default_factory=set)
+    lrs: list = field(default_factory=list)
+    comm: Any = None
+    run_on_devices: Callable[[Callable[[int], Any]], list] = lambda fn: []
+    epoch: int = 0
+    period: int = 0
+
+    @property
+    def multi_node(self) -> bool:
+        return self.comm is not None and self.comm.size > 1
 
 
 def _new_totals(n: int) -> dict[str, list]:
-    """Per-device epoch totals, filled period by period by :func:`_tally_period`."""
     return {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n}
 
 
-def _tally_period(tot, acct, devices, busy, idle, loss, weights, lrs) -> list[dict]:
-    """Add one period's per-device counts to ``tot``; returns the ``"merge"`` log's device rows."""
-    rows = []
-    for i in range(len(devices)):
-        tot["samples"][i] += acct.samples[i]
-        tot["updates"][i] += acct.updates[i]
-        tot["busy_s"][i] += busy[i]
-        tot["idle_s"][i] += idle[i]
-        rows.append({"device": i, "name": str(devices[i]),
-                     "batch_size": acct.batch_sizes[i], "updates": acct.updates[i],
-                     "samples": acct.samples[i], "weight": weights[i],
-                     "lr": lrs[i], "busy_s": busy[i],
-                     "idle_s": idle[i], "loss": loss[i]})
-    return rows
-
-
-def _epoch_result(epoch, tot, devices, batch_sizes, *, updates, periods, loss_sum, lr,
-                  train_s, merge_s, done: bool = True) -> dict[str, Any]:
-    """The result dict of :meth:`ParallelTrainer.run_epoch` (and of the sync loop's)."""
-    samples = sum(tot["samples"])
-    return {
-        "epoch": epoch, "done": bool(done), "samples": samples, "updates": updates,
-        "periods": periods, "loss": loss_sum / max(samples, 1), "lr": lr,
-        "train_seconds": train_s, "merge_seconds": merge_s,
-        "devices": [{"device": i, "name": str(devices[i]),
-                     "samples": tot["samples"][i], "updates": tot["updates"][i],
-                     "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
-                     "batch_size": batch_sizes[i]} for i in range(len(devices))],
-    }
-
-
-class ParallelTrainer:
-    """Runs a training policy over several replicas, one per device.
+class Trainer:
+    """Runs a training policy over one or more replicas, one per device.
 
     Parameters
     ----------
     replicas : sequence of Replica
         One per device (:class:`~xmc_engine.scheduler.replica.Replica`). At construction every
         replica is set to replica 0's parameters, so all start from the same model.
-    devices : sequence of DeviceSpec
-        Same length; provides the speed factor and thread budget of each worker. ``None`` means
-        full-speed single-thread devices.
-    policy : Policy or str
-        A policy object (:mod:`xmc_engine.algorithms`) or an algorithm name with default options.
+    devices : sequence of DeviceSpec or None
+        Same length; the speed factor and thread budget of each worker. ``None``: full-speed
+        single-thread CPU devices.
+    policy : Policy
+        The algorithm (:func:`xmc_engine.algorithms.get_algorithm`).
     n_samples : int
-        Training rows; ``replica.train_batch`` receives int64 indices into ``range(n_samples)``.
+        Training rows (of this node); ``replica.train_batch`` receives int64 indices into
+        ``range(n_samples)``.
+    batch_size : int
+        ``B``, the base batch size (:attr:`xmc_engine.config.TrainConfig.batch_size`).
+    schedule : Schedule
+        The learning-rate schedule (:class:`~xmc_engine.scheduler.controller.Schedule`).
     seed : int
         Seeds the epoch permutations.
     log : object with ``write(event, **fields)``, optional
-        Receives one ``"merge"`` event per period (the run log, :mod:`xmc_engine.runlog`).
+        Receives one ``"merge"`` record per period (the run log, :mod:`xmc_engine.runlog`).
     mode : {'threads', 'simulated'}
         See the module docstring.
     cost : callable ``(device_id, n_rows) -> seconds``, optional
         Simulated mode's step latency (before the speed factor).
     timeout : float
-        Seconds the main thread waits for a worker report before declaring the silent devices
-        failed (``DeviceFailure``): no hang even if a device stalls.
+        Seconds the main thread waits for a worker before declaring the silent devices failed
+        (``DeviceFailure``): no hang even if a device stalls.
     trace : bool
         Record ``self.events``: ``(kind, period, device)`` tuples in the order they happened,
         kinds ``"take"``, ``"merge_start"``, ``"merge_end"`` (for barrier tests).
     elastic : bool
         A device whose worker raises is dropped instead of failing the run: every row it took in
-        the period goes back to the queue (:meth:`BatchQueue.give_back`), it gets merge weight 0
-        (the weights renormalise over the others) and a ``device_dropped`` event is logged. Only
-        when every device has failed does the run stop with ``DeviceFailure``. ``False``: the
-        first failure stops the run.
+        the period goes back to the queue, it is left out of the merge and a ``device_dropped``
+        record is logged. Only when every device has failed does the run stop with
+        ``DeviceFailure``. ``False``: the first failure stops the run.
     rejoin_after : int or None
         A dropped device rejoins, from the merged model, after this many further merge periods
         (``0``: at the next period; logged ``device_rejoined``); ``None``: never.
     faults : str, list of Fault or None
         Fault injection (:mod:`xmc_engine.faults`); ``None`` reads ``XMC_FAULT``.
+    comm : NodeComm or None
+        One node of a multi-node run (DESIGN.md §6): every node merges equally often and the
+        policy combines the nodes' merged models (:func:`xmc_engine.distributed.node_queue`).
+    assignment : {'shared', 'fixed'}
+        ``"fixed"``: a deterministic row-to-device assignment
+        (:class:`~xmc_engine.scheduler.queue.FixedAssignmentQueue`, for tests).
 
-    A replica whose parameters or period loss become non-finite is left out of the merge, reset
-    to the merged model by the broadcast, and its learning rate is halved from then on (logged
-    ``nonfinite``); when every remaining replica is non-finite the run stops with
-    ``DivergenceError``.
+    A replica whose period loss becomes non-finite is left out of the merge, reset to the merged
+    model, and its learning rate is halved from then on (logged ``nonfinite``); when every
+    remaining replica is non-finite the run stops with ``DivergenceError``.
 
-    Notes
-    -----
     Use as a context manager (or call :meth:`close`) to stop the worker threads.
     """
 
     def __init__(self, replicas: Sequence, devices: Sequence | None, policy, n_samples: int, *,
-                 seed: int = 0, log=None, mode: str = "threads",
-                 cost: Callable[[int, int], float] | None = None, timeout: float = 600.0,
-                 trace: bool = False, elastic: bool = True, rejoin_after: int | None = None,
-                 faults=None):
+                 batch_size: int, schedule: Schedule, seed: int = 0, log=None,
+                 mode: str = "threads", cost: Callable[[int, int], float] | None = None,
+                 timeout: float = 600.0, trace: bool = False, elastic: bool = True,
+                 rejoin_after: int | None = None, faults=None, comm=None,
+                 assignment: str = "shared"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.replicas = list(replicas)
         n = len(self.replicas)
         if n == 0:
-            raise ValueError("ParallelTrainer needs at least one replica")
+            raise ValueError("Trainer needs at least one replica")
         if devices is None:
             from xmc_engine.devices import DeviceSpec
 
@@ -171,12 +167,14 @@ class ParallelTrainer:
         self.devices = list(devices)
         if len(self.devices) != n:
             raise ValueError(f"{n} replicas but {len(self.devices)} devices")
-        if isinstance(policy, str):
-            from xmc_engine.algorithms import get_algorithm
-
-            policy = get_algorithm(policy)
+        if n > 1 and policy.max_devices == 1:
+            raise ValueError(f"algorithm {policy.name!r} trains on one device, got {n}")
+        if rejoin_after is not None and int(rejoin_after) < 0:
+            raise ValueError(f"rejoin_after must be >= 0 or None, got {rejoin_after!r}")
         self.policy = policy
         self.n_samples = int(n_samples)
+        self.batch_size = int(batch_size)
+        self.schedule = schedule
         self.seed = int(seed)
         self.log = log
         self.mode = mode
@@ -185,35 +183,38 @@ class ParallelTrainer:
         self.trace = trace
         self.events: list[tuple[str, int, int]] = []
         self._trace_lock = threading.Lock()
-        self.queue = BatchQueue(self.n_samples, n, policy.merge_period, seed=self.seed,
-                                static=policy.static)
-        init = self.replicas[0].params()
-        for r in self.replicas[1:]:
-            r.set_params(init)
-        policy.setup(self.replicas, self.n_samples)
-        self.queue.merge_period = int(policy.merge_period)  # setup may size it by the devices
-        self.period_global = 0
-        self.virtual_time = 0.0
         self.elastic = bool(elastic)
-        if rejoin_after is not None and int(rejoin_after) < 0:
-            raise ValueError(f"rejoin_after must be >= 0 or None, got {rejoin_after!r}")
         self.rejoin_after = None if rejoin_after is None else int(rejoin_after)
         from xmc_engine.faults import FaultInjector
 
         self.faults = FaultInjector.from_spec(faults)
+        self.comm = comm
+        period = policy.period_samples(n, self.batch_size)
+        if assignment != "shared" or (comm is not None and comm.size > 1):
+            from xmc_engine.distributed import LocalComm, node_queue
+
+            self.queue, period, self.n_global = node_queue(
+                comm if comm is not None else LocalComm(), policy, self.n_samples, n, period,
+                assignment=assignment, seed=self.seed)
+        else:
+            self.queue = BatchQueue(self.n_samples, n, period, seed=self.seed,
+                                    static=policy.static, max_takes=policy.max_steps_per_period)
+            self.n_global = self.n_samples
+        init = self.replicas[0].params()
+        for r in self.replicas[1:]:
+            r.set_params(init)
+        policy.setup(self.replicas, n_samples=self.n_samples, batch_size=self.batch_size,
+                     merge_period=period, warmup_epochs=schedule.warmup_epochs)
+        self.period_global = 0
+        self.virtual_time = 0.0
         self.alive = [True] * n
         self.dropped_at: list[int | None] = [None] * n  # period_global of the drop
         self.lr_scale = [1.0] * n  # halved at each non-finite period of the device
         self._broken: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._abort = threading.Event()
-        self._sync = None
         self._open: int | None = None  # the epoch a run_epoch(stop_after=...) call stopped in
-        if getattr(policy, "synchronous", False):  # per-step gradient all-reduce (sync.py)
-            from xmc_engine.scheduler.sync import SyncLoop
-
-            self._sync = SyncLoop(self)
-        if mode == "threads" and self._sync is None:
+        if mode == "threads":
             self._start_workers()
 
     # -- public --------------------------------------------------------------------------------
@@ -225,33 +226,48 @@ class ParallelTrainer:
         """The central model after the last merge (valid until the next merge)."""
         return self.policy.central_params()
 
+    def can_checkpoint(self) -> bool:
+        """Whether :meth:`state_dict` can describe the run now: between two periods, with no
+        rows of a failed device waiting in the queue."""
+        return self.queue.position() is not None
+
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able scheduling state for checkpoints (policy state, period counter)."""
+        """JSON-able state for checkpoints: the policy's state, the period counter, the devices'
+        learning-rate scales and where the open epoch stands (the model and the optimizer
+        state are saved separately)."""
+        open_epoch = None
+        if self._open is not None and not self.queue.epoch_done:
+            open_epoch = self.queue.position()
         return {"policy": self.policy.state_dict(), "period_global": self.period_global,
-                "lr_scale": list(self.lr_scale)}
+                "lr_scale": list(self.lr_scale), "queue": open_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output when resuming (the model is restored separately)."""
+        """Restore :meth:`state_dict` output when resuming (after the replicas got the model)."""
         self.policy.load_state_dict(state.get("policy", {}))
         self.period_global = int(state.get("period_global", 0))
         scale = [float(x) for x in state.get("lr_scale", self.lr_scale)]
         if len(scale) == self.n_devices:
             self.lr_scale = scale
+        position = state.get("queue")
+        if position is not None:
+            self.queue.seek(position)
+            self._open = int(position["epoch"])
 
-    def run_epoch(self, epoch: int, lr: float, stop_after: int | None = None) -> dict[str, Any]:
-        """Train one epoch (every sample exactly once), merging every ``S`` samples.
+    def run_epoch(self, epoch: int, stop_after: int | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Train epoch ``epoch`` (every sample exactly once), merging every period.
 
         Parameters
         ----------
         epoch : int
             Epoch number (seeds the shuffle, drives warm-up and decay).
-        lr : float
-            Base learning rate ``lr0``; the policy applies its schedule (warm-up ramp, decay,
-            per-device linear scaling) on top.
         stop_after : int, optional
-            Return at the first merge barrier at which at least this many samples of the epoch
-            are done (mid-epoch evaluation); the next call with the same ``epoch`` continues it.
-            The periods are the same as in an uninterrupted epoch. ``None``: the whole epoch.
+            Return at the first barrier at which at least this many samples of the epoch are
+            done (mid-epoch evaluation or checkpoint); the next call with the same ``epoch``
+            continues it with the same periods as an uninterrupted epoch. ``None``: the whole
+            epoch.
+        should_stop : callable ``() -> bool``, optional
+            Asked at every barrier; ``True`` returns there (a signal asked the run to stop).
 
         Returns
         -------
@@ -272,38 +288,41 @@ class ParallelTrainer:
         """
         if self._broken is not None:
             raise DeviceFailure(f"trainer is unusable after an earlier failure: {self._broken}")
-        if self._sync is not None:
-            return self._sync.run_epoch(epoch, lr, stop_after)
-        n = self.n_devices
-        q = self.queue
-        self._open_epoch(epoch)
+        n, q = self.n_devices, self.queue
+        if self._open != epoch or q.epoch_done:
+            q.start_epoch(epoch)
+            self._open = epoch
         tot = _new_totals(n)
         loss_sum, periods, merge_s, train_s, lr_t = 0.0, 0, 0.0, 0.0, 0.0
         t_epoch = time.perf_counter()
-        while not q.epoch_done and not self._stop_reached(stop_after):
+        while not q.epoch_done and not (stop_after is not None
+                                        and self.n_samples - q.remaining >= stop_after):
+            if should_stop is not None and should_stop():
+                break
             done_before = self.n_samples - q.remaining
             self._rejoin(epoch)
             q.set_active(self.alive)
             acct = q.start_period(self.policy.batch_sizes())
             progress = epoch + (done_before + acct.budget) / self.n_samples
-            lr_t, lrs = self.policy.learning_rates(lr, progress)
-            lrs = [x * s for x, s in zip(lrs, self.lr_scale, strict=True)]
+            lr_t = self.schedule(progress)
+            lrs = [x * s for x, s in zip(self.policy.device_lrs(lr_t), self.lr_scale,
+                                         strict=True)]
             if self.mode == "threads":
                 res = self._period_threads(lrs)
             else:
                 res = self._period_simulated(lrs)
-            for i, err in res.get("failed", []):
+            for i, err in res["failed"]:
                 self._drop(i, err, epoch, acct.period)
             train_s += res["seconds"]
             t0 = time.perf_counter()
             self._trace("merge_start", -1)
-            self.policy.excluded = {i for i in range(n) if not self.alive[i]}
-            self.policy.nonfinite = {i for i in range(n)
-                                     if self.alive[i] and not math.isfinite(res["loss"][i])}
-            try:
-                info = self.policy.merge(self.replicas, acct.updates)
-            finally:
-                self.policy.excluded, self.policy.nonfinite = set(), set()
+            nonfinite = {i for i in range(n)
+                         if self.alive[i] and not math.isfinite(res["loss"][i])}
+            ctx = MergeContext(excluded={i for i in range(n) if not self.alive[i]},
+                               nonfinite=nonfinite, lrs=lrs, comm=self.comm,
+                               run_on_devices=self._run_on_devices, epoch=epoch,
+                               period=acct.period)
+            info = self.policy.merge(self.replicas, acct.updates, ctx)
             self._trace("merge_end", -1)
             for i in info.get("nonfinite") or []:
                 self.lr_scale[i] *= 0.5
@@ -316,29 +335,33 @@ class ParallelTrainer:
             dt_merge = time.perf_counter() - t0
             merge_s += dt_merge
             self.policy.end_period(progress, acct.updates, acct.samples, res["busy_s"])
-            loss_sum += sum(res["loss"])
-            rows = _tally_period(tot, acct, self.devices, res["busy_s"], res["idle_s"],
-                                 res["loss"], info["weights"], lrs)
+            loss_sum += sum(x for x in res["loss"] if math.isfinite(x))
+            rows = self._tally(tot, acct, res, info["weights"], lrs)
             if self.log is not None:
                 extra = {k: v for k, v in info.items() if k != "weights"}
-                self.log.write("merge", epoch=epoch, period=acct.period, lr=lr_t,
+                self.log.write("merge", epoch=epoch, period=acct.period, progress=progress,
+                               lr=lr_t,
                                algorithm=self.policy.name, merge_s=dt_merge, devices=rows,
                                **extra)
-            logger.debug("epoch %d period %d: updates %s weights %s", epoch, acct.period,
-                         acct.updates, info["weights"])
             periods += 1
             self.period_global += 1
         if self.mode == "threads":
             train_s = time.perf_counter() - t_epoch
-        return _epoch_result(epoch, tot, self.devices, self.policy.batch_sizes(),
-                             updates=sum(tot["updates"]), periods=periods, loss_sum=loss_sum,
-                             lr=lr_t, train_s=train_s, merge_s=merge_s, done=q.epoch_done)
+        samples = sum(tot["samples"])
+        return {
+            "epoch": epoch, "done": q.epoch_done, "samples": samples,
+            "updates": sum(tot["updates"]), "periods": periods,
+            "loss": loss_sum / max(samples, 1), "lr": lr_t, "train_seconds": train_s,
+            "merge_seconds": merge_s,
+            "devices": [{"device": i, "name": str(self.devices[i]),
+                         "samples": tot["samples"][i], "updates": tot["updates"][i],
+                         "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
+                         "batch_size": self.policy.batch_sizes()[i]} for i in range(n)],
+        }
 
     def close(self) -> None:
         """Stop the worker threads (idempotent). Threads stuck in a step are left as daemons."""
         self._abort.set()
-        if getattr(self, "_sync", None) is not None:
-            self._sync.close()
         for inbox in getattr(self, "_inboxes", []):
             inbox.put(None)
         for t in self._threads:
@@ -352,33 +375,56 @@ class ParallelTrainer:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _open_epoch(self, epoch: int) -> None:
-        """Continue epoch ``epoch`` if a call stopped inside it, else shuffle and start it."""
-        if self._open != epoch or self.queue.epoch_done:
-            self.queue.start_epoch(epoch)
-            self._open = epoch
-
-    def _stop_reached(self, stop_after: int | None) -> bool:
-        return stop_after is not None and self.n_samples - self.queue.remaining >= stop_after
-
     def _trace(self, kind: str, device: int) -> None:
         if self.trace:
             with self._trace_lock:
                 self.events.append((kind, self.period_global, device))
 
+    def _tally(self, tot, acct, res, weights, lrs) -> list[dict]:
+        """Add one period's per-device counts to ``tot``; returns the ``"merge"`` record's
+        device rows."""
+        rows = []
+        for i in range(self.n_devices):
+            tot["samples"][i] += acct.samples[i]
+            tot["updates"][i] += acct.updates[i]
+            tot["busy_s"][i] += res["busy_s"][i]
+            tot["idle_s"][i] += res["idle_s"][i]
+            rows.append({"device": i, "name": str(self.devices[i]),
+                         "batch_size": acct.batch_sizes[i], "updates": acct.updates[i],
+                         "samples": acct.samples[i], "weight": weights[i], "lr": lrs[i],
+                         "busy_s": res["busy_s"][i], "idle_s": res["idle_s"][i],
+                         "loss": res["loss"][i]})
+        return rows
+
     def _step(self, i: int, rows, lr: float) -> tuple[float, float]:
-        """One step of device ``i``; returns ``(loss, wall seconds)``."""
+        """One step of device ``i`` (the policy's ``step``); returns ``(loss, wall seconds)``."""
         rep = self.replicas[i]
         t0 = time.perf_counter()
         if self.faults is not None:
             self.faults.before_step(i)
-        loss = rep.train_batch(rows, lr)
-        sync = getattr(rep.backend, "synchronize", None)
-        if sync is not None:
-            sync()
+        loss = self.policy.step(i, rep, rows, lr)  # a float: the step's work is done
         if self.faults is not None:
             self.faults.after_step(i, rep)
         return float(loss), time.perf_counter() - t0
+
+    def _run_on_devices(self, fn: Callable[[int], Any]) -> list:
+        """``fn(i)`` on every live device's worker (:attr:`MergeContext.run_on_devices`)."""
+        live = [i for i in range(self.n_devices) if self.alive[i]]
+        if self.mode == "simulated":
+            return [fn(i) for i in live]
+        for i in live:
+            self._inboxes[i].put(("call", fn))
+        out: list = [None] * self.n_devices
+        waiting = set(live)
+        while waiting:
+            i, res, err = self._next_report(waiting, "a merge")
+            if err is not None:
+                self._fail(err)
+                raise DeviceFailure(f"device {i} ({self.devices[i]}) failed during a merge: "
+                                    f"{err!r}") from err
+            waiting.discard(i)
+            out[i] = res
+        return [out[i] for i in live]
 
     # simulated mode ---------------------------------------------------------------------------
     def _simulated_seconds(self, i: int, n_rows: int, wall: float) -> float:
@@ -395,9 +441,7 @@ class ParallelTrainer:
 
     def _period_simulated(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
-        clock = [0.0] * n
-        busy = [0.0] * n
-        loss = [0.0] * n
+        clock, busy, loss = [0.0] * n, [0.0] * n, [0.0] * n
         failed: list[tuple[int, BaseException]] = []
         active = [i for i in range(n) if self.alive[i]]
         while active:
@@ -441,14 +485,23 @@ class ParallelTrainer:
             self._threads.append(t)
 
     def _worker(self, i: int) -> None:
+        """Device ``i``'s thread: enters the device's thread budget once, then runs jobs, a
+        ``("period", lr)`` (steps until the queue refuses) or a ``("call", fn)`` (a merge's
+        per-device work), and reports ``(i, result, error)`` to the main thread."""
+        be = self.replicas[i].backend
         try:
-            with _thread_budget(self.devices[i], self.replicas[i]):
+            with be.thread_budget(be.threads or self.devices[i].threads):
                 while True:
                     job = self._inboxes[i].get()
                     if job is None:
                         return
+                    kind, arg = job
                     try:
-                        self._outbox.put((i, self._run_period(i, job), None))
+                        if kind == "period":
+                            result = self._run_period(i, arg)
+                        else:
+                            result = arg(i)
+                        self._outbox.put((i, result, None))
                     except _Abort:
                         self._outbox.put((i, None, None))
                     except BaseException as e:  # noqa: BLE001 - reported to the main thread
@@ -459,7 +512,6 @@ class ParallelTrainer:
     def _run_period(self, i: int, lr: float) -> dict[str, Any]:
         speed = self.devices[i].speed
         busy = loss = 0.0
-        t_start = time.perf_counter()
         while True:
             if self._abort.is_set():
                 raise _Abort
@@ -478,20 +530,31 @@ class ParallelTrainer:
                 wall /= speed
             busy += wall
             loss += step_loss
-        return {"busy_s": busy, "loss": loss, "start": t_start}
+        return {"busy_s": busy, "loss": loss}
+
+    def _next_report(self, waiting, what: str):
+        """The next ``(device, result, error)`` from a worker; after ``timeout`` seconds of
+        silence the workers are stopped and ``DeviceFailure`` names the devices in
+        ``waiting`` that did not finish ``what``."""
+        try:
+            return self._outbox.get(timeout=self.timeout)
+        except _queue.Empty:
+            names = ", ".join(f"{j} ({self.devices[j]})" for j in sorted(waiting))
+            self._fail(TimeoutError(f"no report for {self.timeout:g} s"))
+            raise DeviceFailure(f"device(s) {names} did not finish {what} within "
+                                f"{self.timeout:g} s") from None
 
     def _period_threads(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
         t0 = time.perf_counter()
         pending = {i for i in range(n) if self.alive[i]}
         for i in pending:
-            self._inboxes[i].put(lrs[i])
+            self._inboxes[i].put(("period", lrs[i]))
         idle = {"busy_s": 0.0, "loss": 0.0}
         results: list[dict] = [idle] * n
         failed: list[tuple[int, BaseException]] = []
         while pending:
-            i, res, err = _next_report(self._outbox, pending, self.devices, self.timeout,
-                                       self._fail, "the merge period")
+            i, res, err = self._next_report(pending, "the merge period")
             if err is not None and not self.elastic:
                 self._fail(err)
                 raise DeviceFailure(f"device {i} ({self.devices[i]}) failed: {err!r}") from err

@@ -1,0 +1,125 @@
+"""The one training loop pins the algorithm, not only its parts: the learning rate each device
+really steps with, and a multi-device resume that ends where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests._trainer import make_trainer
+from tests.test_estimator import tiny_data
+from xmc_engine.backends import get_backend
+from xmc_engine.devices import parse_devices
+from xmc_engine.model import MLPReplica, ModelShape, init_params
+from xmc_engine.scheduler import FakeReplica, Schedule
+from xmc_engine.training import checkpoint_extra, host_params, restore_trainer
+
+
+class ListLog:
+    def __init__(self):
+        self.records = []
+
+    def write(self, event, **fields):
+        self.records.append((event, fields))
+
+
+def test_each_device_steps_with_the_schedule_times_its_batch_share():
+    """Adaptive SGD, arXiv 2110.07029 §III-C: device ``i`` steps with ``lr(t) b_i / B`` where
+    ``lr(t)`` is the run's schedule at the end of the period; checked on the learning rates the
+    replicas actually received, period by period, while the batch sizes adapt."""
+    n, B, lr0 = 6000, 64, 0.2
+    schedule = Schedule(lr0, warmup_epochs=0.5, decay=1.0)
+    devs = parse_devices("cpu,cpu@0.5,cpu@0.25", cores=3)
+    reps = [FakeReplica(n, sleep=False, seed=0) for _ in devs]
+    log = ListLog()
+    tr = make_trainer(reps, devs, "adaptive", n, lr=lr0, batch_size=B, warmup_epochs=0.5,
+                      lr_decay=1.0, merge_period=1024, rule="step", delta_b=16, b_min=16,
+                      mode="simulated", log=log)
+    starts = [0] * len(reps)
+    adapted = False
+    for epoch in range(3):
+        tr.run_epoch(epoch)
+    merges = [f for e, f in log.records if e == "merge"]
+    for m in merges:
+        assert m["lr"] == pytest.approx(schedule(m["progress"]), rel=1e-12)
+        for i, d in enumerate(m["devices"]):
+            steps = reps[i].history[starts[i]:starts[i] + d["updates"]]
+            starts[i] += d["updates"]
+            assert d["lr"] == pytest.approx(m["lr"] * d["batch_size"] / B, rel=1e-12)
+            for rows, lr in steps:
+                assert lr == pytest.approx(m["lr"] * d["batch_size"] / B, rel=1e-12)
+                assert len(rows) <= d["batch_size"]
+            adapted |= d["batch_size"] != B
+    assert starts == [len(r.history) for r in reps]
+    assert adapted  # the faster device's batch grew: b_i / B was not 1 throughout
+    warm = [m["lr"] for m in merges if m["progress"] < 0.5]
+    assert warm == sorted(warm) and warm[0] < lr0  # the linear ramp
+
+
+def _mlp_replicas(X, Y, n):
+    params = init_params(ModelShape(X.shape[1], Y.shape[1], (16,)), 0, avg_nnz=8.0)
+    return [MLPReplica(get_backend("cpu", threads=1), X, Y, params, optimizer="adagrad")
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("algorithm,options", [
+    ("adaptive", {"merge_period": 96, "rule": "step", "delta_b": 8, "b_min": 8}),
+    ("average", {"merge_period": 96}),
+    ("sync", {}),
+    ("single", {"merge_period": 96}),
+])
+def test_resume_mid_epoch_equals_the_uninterrupted_run(algorithm, options):
+    """On the simulated clock (deterministic): stop at a barrier in the middle of epoch 1,
+    save what a checkpoint saves, build a fresh trainer from it, finish; the model equals the
+    run that never stopped (the batch sizes, the queue position, the optimizer state and the
+    norm-trend flag all travel through the checkpoint's JSON)."""
+    X, Y = tiny_data(n=420)
+    spec = "cpu" if algorithm == "single" else "cpu,cpu@0.5"
+    devs = parse_devices(spec, cores=2)
+    kw = dict(lr=0.3, batch_size=32, warmup_epochs=0.5, lr_decay=0.5, mode="simulated",
+              cost=lambda i, b: 1e-3 * (1 + b), seed=5, **options)
+
+    whole = make_trainer(_mlp_replicas(X, Y, len(devs)), devs, algorithm, X.shape[0], **kw)
+    for epoch in range(3):
+        whole.run_epoch(epoch)
+    want = host_params(whole)
+
+    first = make_trainer(_mlp_replicas(X, Y, len(devs)), devs, algorithm, X.shape[0], **kw)
+    first.run_epoch(0)
+    part = first.run_epoch(1, stop_after=200)
+    assert not part["done"] and 200 <= part["samples"] < X.shape[0]
+    assert first.can_checkpoint()
+    params = host_params(first)
+    extra = json.loads(json.dumps({k: v.tolist() for k, v in checkpoint_extra(first).items()}))
+    extra = {k: np.asarray(v, dtype=np.uint8 if k == "trainer_state" else np.float32)
+             for k, v in extra.items()}
+
+    reps = _mlp_replicas(X, Y, len(devs))
+    for r in reps:
+        r.set_params(params)
+    resumed = make_trainer(reps, devs, algorithm, X.shape[0], **kw)
+    restore_trainer(resumed, extra)
+    rest = resumed.run_epoch(1)
+    assert rest["done"] and part["samples"] + rest["samples"] == X.shape[0]
+    resumed.run_epoch(2)
+    for a, b in zip(host_params(resumed), want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    if algorithm == "adaptive":
+        assert resumed.policy.batch_sizes() == whole.policy.batch_sizes()
+
+
+def test_a_stop_request_returns_at_the_next_barrier():
+    """A signal handler's request (``should_stop``) ends ``run_epoch`` at the next barrier, and
+    the epoch continues from there on the next call."""
+    n = 2000
+    devs = parse_devices("cpu,cpu@0.5", cores=2)
+    reps = [FakeReplica(n, sleep=False, seed=0) for _ in devs]
+    tr = make_trainer(reps, devs, "adaptive", n, batch_size=50, merge_period=500,
+                      mode="simulated")
+    asked = []
+    first = tr.run_epoch(0, should_stop=lambda: bool(asked.append(1)) or len(asked) > 1)
+    assert first["periods"] == 1 and not first["done"] and tr.can_checkpoint()
+    rest = tr.run_epoch(0)
+    assert rest["done"] and first["samples"] + rest["samples"] == n
