@@ -35,7 +35,7 @@ def register(sub) -> None:
 
     q = ds.add_parser("convert", help="convert XC / LIBSVM / .npz to XC text (by OUT suffix: "
                                       ".txt, .txt.xz, .txt.gz, .txt.bz2) or .npz")
-    q.add_argument("input", type=user_path, metavar="IN")
+    q.add_argument("input", type=_input_path, metavar="IN")
     q.add_argument("output", type=Path, metavar="OUT")
     q.add_argument("--input-format", choices=["auto", "xc", "libsvm", "npz"], default="auto")
     q.add_argument("--one-based", action="store_true",
@@ -127,6 +127,11 @@ def cmd_convert(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- helpers
+def _input_path(s: str) -> Path:
+    """argparse type of an input file: :func:`~xmc_engine.cli.argtypes.user_path` as a Path."""
+    return Path(user_path(s))
+
+
 def _n(v) -> str:
     return "?" if v is None else str(v)
 
