@@ -193,6 +193,9 @@ def read_config_file(path) -> dict:
         raise ConfigError(f"--config {path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
     except (ValueError, OSError) as exc:  # non-finite number, a folder, unreadable, not UTF-8
         raise ConfigError(f"--config {path}: {exc}") from None
+    for name in ("devices", "optimizer", "algorithm"):  # TrainConfig looks these up first
+        if isinstance(d, dict) and not isinstance(d.get(name, ""), str):
+            raise ConfigError(f"{path}: {name}={d[name]!r}: need a string")
     return check_config(TrainConfig.from_dict(d, source=str(path)), str(path)).to_dict()
 
 
