@@ -55,10 +55,12 @@ def worker(args) -> None:
     """One rank (under mpiexec): check, warm up, time; rank 0 writes the JSON lines."""
     from mpi4py import MPI
 
+    from xmc_engine.backends import get_backend
     from xmc_engine.distributed import MPIComm
     from xmc_engine.scheduler.merge import central_momentum
 
     comm = MPIComm(timeout=600)
+    be = get_backend("cpu")
     mpi = comm.comm
     rows = []
     for n_labels in args.labels:
@@ -81,7 +83,7 @@ def worker(args) -> None:
             t0 = time.perf_counter()
             comm.combine(w, float(10 + comm.rank))
             t1 = time.perf_counter()
-            central_momentum(w, z1, z2, 0.5, out)
+            central_momentum(w, z1, z2, 0.5, out, be)
             t2 = time.perf_counter()
             mpi.Barrier()
             t3 = time.perf_counter()

@@ -1,440 +1,1114 @@
-"""GPU check: every CUDA kernel against the reference on a real GPU, then timed at a size that
-fills a big GPU (CuPy arrays, one non-blocking stream, CUDA events).
+"""GPU check: one prepared command that proves the CUDA path on one GPU and writes its results as
+it goes.
 
-    python bench/gpu_check.py                    # full size (H200-class GPU, < 5 minutes)
-    python bench/gpu_check.py --scale 0.1        # smaller GPU / quicker
-    python bench/gpu_check.py --out result.json  # default: $OUT/gpu_check.json or bench/results/
+    python bench/gpu_check.py --out $OUT                  # every section, about 5 minutes
+    python bench/gpu_check.py --sections kernels,sync     # a subset, in this order
+    python bench/gpu_check.py --device cpu --scale 0.002  # dry run of this script on the CPU
 
-Without CUDA it prints ``SKIPPED: no CUDA device`` and exits 0. Structure: ``main()`` runs
-``check_kernels()`` (correctness + timing table) and then any further sections (a multi-device
-section can be appended to ``SECTIONS``).
+Sections (``--sections``, default all, in this order):
+
+``kernels``     every backend launcher against :mod:`xmc_engine.kernels.reference` on small
+                random inputs (an empty row, a row without labels, sizes that are not multiples of
+                the block size), Adagrad and the label-chunked output layer included.
+``fit_single``  ``XMCClassifier(devices="cuda:0")`` with the default algorithm on delicious; P@1
+                within ``FIT_TOLERANCE`` of the CPU run with the same seed.
+``throughput``  the Amazon-670K shape (135,909 features, 670,091 labels, hidden 128, batch 256)
+                on synthetic rows: the engine's step (samples/s, the share of the three GEMMs
+                timed alone, peak GPU memory), a one-epoch ``single`` fit projected to 490,449
+                samples, and the same network in PyTorch on the same GPU (and the ratio).
+``sync``        ``algorithm="sync"`` with two workers on the GPU against the CPU run.
+``adaptive``    ``algorithm="adaptive"`` on ``cuda:0,cuda:0@0.5`` with the boost and central
+                momentum 0.5 against the CPU run on ``cpu,cpu@0.5``.
+
+Each section runs in a child process with a time limit (``SECTION_LIMITS_S``, capped by what is
+left of ``--budget``; a section that cannot start with ``MIN_START_S`` left is skipped with the
+reason), so a hang, a crash or a sticky CUDA error ends that section only. After every section
+(and when one starts) the whole report is rewritten atomically to ``OUT/gpu_check.json``; the log
+(this process and every child) goes to ``OUT/gpu_check.log`` and to stdout. A section records
+``status`` (``passed`` / ``failed`` / ``skipped``), ``reason``, ``traceback`` on failure,
+``seconds`` and its ``figures``: ``checks`` (correctness: any false check fails the section),
+``targets`` (the issue's speed goals: recorded, never failing) and the measurements.
+
+Without CUDA (``cupy.is_available()`` False) the script prints why, writes a report whose
+sections are all skipped, and exits 0. Exit status otherwise: 1 if a section failed, else 0.
+The exact device command is in ``bench/GPU.md``. Every call into the engine goes through one of
+the small ``engine_*`` functions below (public APIs only).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as _dt
 import json
+import logging
 import os
+import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def parse_args(argv=None):
+import _common  # noqa: E402
+
+logger = logging.getLogger("gpu_check")
+
+REPORT_NAME = "gpu_check.json"
+LOG_NAME = "gpu_check.log"
+#: GPU libraries whose versions are recorded beside the machine's (distribution names)
+GPU_LIBRARIES = ("cupy-cuda13x", "cupy-cuda12x", "numba-cuda")
+SECTION_ORDER = ("kernels", "fit_single", "throughput", "sync", "adaptive")
+#: hard time limit of each section's child process, seconds (capped by what is left of --budget)
+SECTION_LIMITS_S = {"kernels": 100, "fit_single": 120, "throughput": 110, "sync": 80,
+                    "adaptive": 80}
+#: a section starts only with at least this many seconds of the budget left
+MIN_START_S = 15.0
+#: seconds a child may run past its limit (interpreter start) before it is killed
+CHILD_GRACE_S = 5.0
+DEFAULT_BUDGET_S = 320.0
+#: |P@1(GPU) - P@1(CPU)| allowed per fit section. single and sync see the same batches on both
+#: devices (rounding differs only); the threaded adaptive schedule follows measured speeds, and
+#: two CPU runs of it on delicious ended 0.005 apart.
+FIT_TOLERANCE = {"fit_single": 0.01, "sync": 0.01, "adaptive": 0.02}
+ADAPTIVE_PARAMS = {"boost": True, "momentum": 0.5}
+#: Amazon-670K (XC repository): training rows, features, labels
+AMAZON_670K = {"n_train": 490_449, "n_features": 135_909, "n_labels": 670_091}
+THROUGHPUT_HIDDEN = 128
+THROUGHPUT_BATCH = 256
+TARGET_EPOCH_S = 10.0
+#: run-log events that mean a fit did not train cleanly (xmc_engine.runlog)
+TROUBLE_EVENTS = ("nonfinite", "device_dropped", "diverged", "interrupted")
+
+
+# ------------------------------------------------------------------------------- arguments
+
+def _default_out() -> Path:
+    out = os.environ.get("OUT")
+    return Path(out) if out else _common.RESULTS_DIR / "gpu"
+
+
+def _default_data() -> Path:
+    env = os.environ.get("XMC_GPU_CHECK_DATA")
+    return Path(env) if env else _common.REPO_DIR / "data" / "delicious"
+
+
+def parse_sections(text: str) -> list[str]:
+    """``"kernels,sync"`` -> ``["kernels", "sync"]``; unknown or repeated names are errors."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("--sections is empty; choose from "
+                                         + ",".join(SECTION_ORDER))
+    for n in names:
+        if n not in SECTION_ORDER:
+            raise argparse.ArgumentTypeError(
+                f"unknown section {n!r} in --sections {text!r}; choose from "
+                + ",".join(SECTION_ORDER))
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--sections {text!r} names a section twice")
+    return names
+
+
+def parse_cpu_p1(text: str) -> tuple[str, float]:
+    """``"fit_single=0.604"`` -> ``("fit_single", 0.604)``: a CPU P@1 given instead of run."""
+    name, sep, value = text.partition("=")
+    if not sep or name not in FIT_TOLERANCE:
+        raise argparse.ArgumentTypeError(
+            f"--cpu-p1 {text!r}: expected SECTION=P@1 with SECTION one of "
+            + ",".join(FIT_TOLERANCE))
+    try:
+        p1 = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cpu-p1 {text!r}: {value!r} is not a number") from None
+    if not 0.0 <= p1 <= 1.0:
+        raise argparse.ArgumentTypeError(f"--cpu-p1 {text!r}: P@1 must be in [0, 1]")
+    return name, p1
+
+
+def _positive(kind):
+    def conv(text):
+        v = kind(text)
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return v
+    return conv
+
+
+def _device(text: str) -> str:
+    if text == "cpu" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"--device {text!r}: expected cuda:N or cpu")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (see the module docstring); ``--child*`` options are internal."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", type=int, default=0)
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="multiplies the timed sizes (1.0 fills tens of GiB)")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None)
-    return p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"folder for {REPORT_NAME} and {LOG_NAME} (default: $OUT, else "
+                        "bench/results/gpu)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="delicious folder (train.txt[.xz], test.txt[.xz]); default: "
+                        "$XMC_GPU_CHECK_DATA, else data/delicious in the checkout")
+    p.add_argument("--sections", type=parse_sections, default=list(SECTION_ORDER),
+                   help="comma-separated sections to run, in order (default: all)")
+    p.add_argument("--budget", type=_positive(float), default=DEFAULT_BUDGET_S,
+                   help="seconds for all sections together (default %(default)s)")
+    p.add_argument("--device", type=_device, default="cuda:0",
+                   help="the device under test; 'cpu' runs every section on the CPU backend "
+                        "(a dry run of this script, used by its tests)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=_positive(int), default=None,
+                   help="epochs of the delicious fits (default: the estimator's default)")
+    p.add_argument("--cpu-p1", type=parse_cpu_p1, action="append", default=[],
+                   metavar="SECTION=P@1",
+                   help="take the CPU reference P@1 of a fit section instead of running it")
+    p.add_argument("--scale", type=_positive(float), default=1.0,
+                   help="multiplies the throughput shape's features and labels (1.0: "
+                        "Amazon-670K)")
+    p.add_argument("--steps", type=_positive(int), default=40,
+                   help="timed steps of the engine and of PyTorch in 'throughput'")
+    p.add_argument("--fit-steps", type=_positive(int), default=100,
+                   help="steps of the one-epoch 'single' fit in 'throughput'")
+    p.add_argument("--commit", default=None,
+                   help="git commit of the code under test, for a copied checkout without git "
+                        "(default: git rev-parse HEAD, with -dirty for uncommitted changes)")
+    p.add_argument("--child", choices=SECTION_ORDER, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--child-limit", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = _default_out()
+    if args.data is None:
+        args.data = _default_data()
+    args.cpu_p1 = dict(args.cpu_p1)
+    if args.child is not None and args.child_out is None:
+        p.error("--child needs --child-out")
+    return args
 
 
-def _has_cuda() -> bool:
+# ------------------------------------------------------------------------------- the runner
+
+class SectionSkipped(Exception):
+    """A section cannot run here (missing data, say); the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """One section: ``func(ctx)`` records into ``ctx``; ``limit_s`` is its hard time limit."""
+
+    name: str
+    func: Callable[[Context], None]
+    limit_s: float
+
+
+class Context:
+    """What a section function sees: the arguments, its deadline and its figures.
+
+    ``put`` / ``check`` / ``target`` record into :attr:`figures` and call ``flush(figures)``
+    at once, so what a section measured survives a crash or a kill later in it.
+    """
+
+    def __init__(self, args, limit_s: float, flush=None, clock=time.monotonic):
+        self.args = args
+        self.figures: dict = {}
+        self._flush = flush
+        self._clock = clock
+        self.deadline = clock() + limit_s
+
+    def left(self) -> float:
+        """Seconds left before this section's time limit."""
+        return self.deadline - self._clock()
+
+    def put(self, key: str, value) -> None:
+        self.figures[key] = value
+        self._emit()
+
+    def check(self, name: str, ok: bool, **detail) -> bool:
+        """A correctness check: a false one fails the section (the others still run)."""
+        self.figures.setdefault("checks", {})[name] = {"ok": bool(ok), **detail}
+        logger.info("check %-40s %s %s", name, "ok" if ok else "FAILED",
+                    " ".join(f"{k}={_short(v)}" for k, v in detail.items()))
+        self._emit()
+        return bool(ok)
+
+    def target(self, name: str, met: bool, **detail) -> None:
+        """A speed goal of the issue: recorded (met or not), never failing the section."""
+        self.figures.setdefault("targets", {})[name] = {"met": bool(met), **detail}
+        logger.info("target %-39s %s %s", name, "met" if met else "MISSED",
+                    " ".join(f"{k}={_short(v)}" for k, v in detail.items()))
+        self._emit()
+
+    def _emit(self) -> None:
+        if self._flush is not None:
+            self._flush(self.figures)
+
+
+def _short(v):
+    return f"{v:.4g}" if isinstance(v, float) else v
+
+
+def failed_checks(figures: dict) -> list[str]:
+    """Names of the false checks in a section's figures."""
+    return [k for k, c in figures.get("checks", {}).items() if not c.get("ok")]
+
+
+def run_section_here(section: Section, ctx: Context) -> dict:
+    """Run one section in this process; return its outcome (``status``, ``reason``,
+    ``traceback``, ``figures``). Exceptions are caught and recorded."""
     try:
-        import cupy
-
-        return bool(cupy.is_available())
-    except Exception:  # noqa: BLE001 - any failure means no GPU
-        return False
-
-
-class Timer:
-    """CUDA-event timing on the backend's stream (best of ``repeat`` after one warm-up)."""
-
-    def __init__(self, be, repeat):
-        self.be, self.repeat = be, repeat
-
-    def __call__(self, fn):
-        import cupy
-
-        fn()
-        best = float("inf")
-        for _ in range(self.repeat):
-            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-            start.record(self.be.stream)
-            fn()
-            stop.record(self.be.stream)
-            stop.synchronize()  # synchronize!
-            best = min(best, cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-        return best
+        section.func(ctx)
+    except SectionSkipped as e:
+        return {"status": "skipped", "reason": str(e), "figures": ctx.figures}
+    except Exception as e:  # noqa: BLE001 - a section's failure is a result, not a crash
+        return {"status": "failed", "reason": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(), "figures": ctx.figures}
+    bad = failed_checks(ctx.figures)
+    if bad:
+        return {"status": "failed", "reason": "checks failed: " + ", ".join(bad),
+                "figures": ctx.figures}
+    return {"status": "passed", "figures": ctx.figures}
 
 
-def peaks(device_id):
-    """Theoretical peaks from the device attributes (bandwidth; fp32 FLOP/s is not exposed by
-    CUDA, so the measured sgemm of a large square GEMM stands in as the FLOP ceiling)."""
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(device_id)
-    try:
-        bus = props["memoryBusWidth"]
-        clk = props["memoryClockRate"]  # kHz
-        bw = 2 * clk * 1e3 * bus / 8 / 1e9
-    except KeyError:  # removed from cudaDeviceProp in CUDA 13: fall back to a measured copy
-        bw = None
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    return {"name": name, "sm_count": props["multiProcessorCount"],
-            "total_mem_GiB": props["totalGlobalMem"] / 2**30, "peak_GBps": bw}
+def new_report(args, metadata: dict) -> dict:
+    """The report skeleton: ``metadata`` (:func:`_common.result_metadata`: command, git commit,
+    machine; ``--commit`` replaces the commit), the device and budget, and every section of
+    ``args.sections`` ``pending``."""
+    report = {**metadata,
+              "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "device": args.device, "budget_s": args.budget, "finished": False,
+              "sections": {s: {"status": "pending"} for s in args.sections}}
+    if args.commit is not None:
+        report["git_commit"] = args.commit
+    return report
 
 
-def check_kernels(args, report):
-    """Correctness on small random inputs (incl. empty rows), then the timing table."""
-    import cupy
-    import scipy.sparse as sps
+def summarise(report: dict) -> dict:
+    """``{"passed": [...], "failed": [...], "skipped": [...], "pending": [...]}`` by section."""
+    out: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": [], "pending": []}
+    for name, rec in report["sections"].items():
+        out.setdefault(rec["status"], []).append(name)
+    return out
+
+
+def run_sections(sections, execute, report: dict, write, *, budget_s: float,
+                 min_start_s: float = MIN_START_S, clock=time.monotonic) -> dict:
+    """Run ``sections`` in order under one time budget, rewriting the report after each.
+
+    Parameters
+    ----------
+    sections : list of :class:`Section`
+    execute : callable ``(section, limit_s) -> outcome`` (see :func:`run_section_here`)
+    report : dict from :func:`new_report`; updated in place and returned
+    write : callable ``(report)``, called when a section starts and after it ends
+    budget_s : seconds for all sections; each gets ``min(limit_s, what is left)``, and one that
+        would start with less than ``min_start_s`` left is skipped with the reason
+    """
+    t0 = clock()
+    for s in sections:
+        rec = report["sections"][s.name]
+        left = budget_s - (clock() - t0)
+        if left < min_start_s:
+            rec.clear()
+            rec.update(status="skipped",
+                       reason=f"time budget spent: {max(left, 0.0):.0f} s left of "
+                              f"{budget_s:.0f} s (a section starts with >= {min_start_s:.0f} s)")
+            logger.info("section %s skipped: %s", s.name, rec["reason"])
+            write(report)
+            continue
+        limit = min(s.limit_s, left)
+        rec.clear()
+        rec.update(status="running", limit_s=round(limit, 1))
+        write(report)
+        logger.info("section %s: start (limit %.0f s, %.0f s of the budget left)", s.name,
+                    limit, left)
+        t = clock()
+        outcome = execute(s, limit)
+        rec.update(outcome, seconds=round(clock() - t, 2))
+        logger.info("section %s: %s in %.1f s%s", s.name, rec["status"], rec["seconds"],
+                    f" ({rec['reason']})" if rec.get("reason") else "")
+        write(report)
+    report["summary"] = summarise(report)
+    report["finished"] = True
+    write(report)
+    return report
+
+
+# ------------------------------------------------------------------------------- child processes
+
+def child_command(script: Path, argv: list[str], name: str, limit_s: float,
+                  result: Path) -> list[str]:
+    """The command line of the child that runs section ``name``."""
+    return [sys.executable, str(script), *argv, "--child", name, "--child-out", str(result),
+            "--child-limit", f"{limit_s:.1f}"]
+
+
+def _pump(stream, sink) -> None:
+    for line in stream:
+        sink(line)
+
+
+def make_child_executor(script: Path, argv: list[str], tmpdir: Path, sink,
+                        grace_s: float = CHILD_GRACE_S):
+    """``execute(section, limit_s)`` that runs the section in a child process.
+
+    The child's stdout and stderr go line by line to ``sink``; it is killed ``grace_s`` after
+    ``limit_s``. Its outcome is read from the file it rewrites after every figure, so a killed
+    or crashed child still returns what it measured, with the reason it ended.
+    """
+    def execute(section: Section, limit_s: float) -> dict:
+        result = tmpdir / f"{section.name}.json"
+        with contextlib.suppress(FileNotFoundError):
+            result.unlink()
+        cmd = child_command(script, argv, section.name, limit_s, result)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", env=env)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, sink), daemon=True)
+        pump.start()
+        killed = False
+        try:
+            rc = proc.wait(timeout=limit_s + grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            killed = True
+        pump.join(timeout=10)
+        out = _common.read_json(result) or {}  # the last flush if the child did not finish
+        if out.get("status") in ("passed", "failed", "skipped"):
+            if killed or rc != 0:
+                out["exit"] = (f"killed after {limit_s + grace_s:.0f} s" if killed
+                               else f"exit status {rc}") + " after reporting"
+            return out
+        figures = out.get("figures", {})
+        if killed:
+            return {"status": "failed", "figures": figures,
+                    "reason": f"time limit: killed after {limit_s + grace_s:.0f} s"}
+        return {"status": "failed", "figures": figures,
+                "reason": f"the child process ended with exit status {rc} before reporting"}
+    return execute
+
+
+def child_main(args) -> int:
+    """Run the section ``args.child`` here and write its outcome to ``args.child_out``."""
+    def flush(figures):
+        _common.write_json(args.child_out, {"status": "running", "figures": figures})
+
+    section = SECTIONS[args.child]
+    limit = args.child_limit if args.child_limit is not None else section.limit_s
+    ctx = Context(args, limit, flush)
+    flush(ctx.figures)
+    outcome = run_section_here(section, ctx)
+    if outcome.get("traceback"):
+        logger.info("%s", outcome["traceback"].rstrip())
+    # Worker threads the engine left running would hold the interpreter at exit: record them
+    # (the process then ends through os._exit in __main__).
+    lingering = [t.name for t in threading.enumerate()
+                 if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if lingering:
+        outcome["lingering_threads"] = lingering
+        logger.info("threads still running after the section: %s", lingering)
+    _common.write_json(args.child_out, outcome)
+    return 0
+
+
+class Tee:
+    """A text sink that writes to stdout and to a log file, flushing both."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self._file.write(text)
+            self._file.flush()
+
+    def flush(self) -> None:
+        """Nothing to do: every write is flushed (logging's handler calls this)."""
+
+    def close(self) -> None:
+        self._file.close()
+
+
+# ------------------------------------------------------------------------------- engine calls
+# Every call into xmc_engine is one of these small functions: the internals are being
+# refactored, and a changed public signature is then fixed in one place.
+
+def engine_cuda_available() -> bool:
+    from xmc_engine.backends import cuda_available
+
+    return cuda_available()
+
+
+def engine_backend(device: str):
+    """A fresh backend object for ``"cpu"`` or ``"cuda:N"``."""
+    from xmc_engine.backends import get_backend
+
+    if device == "cpu":
+        return get_backend("cpu")
+    return get_backend("cuda", int(device.split(":", 1)[1]))
+
+
+def engine_reference():
     from xmc_engine.kernels import reference
 
-    from xmc_engine.backends.cuda import CUDABackend
-
-    be = CUDABackend(args.device)
-    rng = np.random.default_rng(0)
-    f32 = np.float32
-    checks = {}
-
-    # ---------------------------------------------------------------- correctness
-    B, F, nh, L = 37, 500, 70, 1001
-    X = sps.random(B, F, density=0.05, format="csr", dtype=f32, random_state=1)
-    X = X.tolil()
-    X[3, :] = 0
-    X = X.tocsr()
-    Y = sps.random(B, L, density=0.004, format="csr", dtype=f32, random_state=2)
-    W1 = rng.standard_normal((F, nh)).astype(f32)
-    b1 = rng.standard_normal(nh).astype(f32)
-    W2 = (rng.standard_normal((nh, L)) * 0.1).astype(f32)
-    b2 = (rng.standard_normal(L) * 0.1).astype(f32)
-    ip, ix, d = be.csr_parts(X)
-    yp, yi = be.asarray(Y.indptr), be.asarray(Y.indices)
-
-    def close(name, got, want, atol=1e-4):
-        ok = bool(np.allclose(be.to_host(got), want, atol=atol, rtol=1e-4))
-        checks[name] = ok
-        return ok
-
-    H = be.zeros((B, nh))
-    be.sparse_forward(ip, ix, d, be.asarray(W1), be.asarray(b1), H)
-    Hr = reference.sparse_forward(X.indptr, X.indices, X.data, W1, b1)
-    close("sparse_forward", H, Hr)
-    dZ1 = rng.standard_normal((B, nh)).astype(f32)
-    Wd, bd = be.asarray(W1.copy()), be.asarray(b1.copy())
-    be.sparse_backward_update(ip, ix, d, be.asarray(dZ1), Wd, bd, 0.1)
-    Wr, br = reference.sparse_backward_update(X.indptr, X.indices, X.data, dZ1, W1, b1, 0.1)
-    close("sparse_backward_update", Wd, Wr) and close("sparse_backward_update b1", bd, br)
-    rows, g, gb = be.sparse_grad(ip, ix, d, be.asarray(dZ1))
-    r_rows, r_g, r_gb = reference.sparse_grad(X.indptr, X.indices, X.data, dZ1)
-    checks["sparse_grad rows"] = bool(np.array_equal(be.to_host(rows), r_rows))
-    close("sparse_grad", g, r_g)
-    Wd = be.asarray(W1.copy())
-    be.sparse_rows_update(Wd, rows, g, 0.1)
-    close("sparse_rows_update", Wd, reference.sparse_rows_update(W1, r_rows, r_g, 0.1))
-    dH = rng.standard_normal((B, nh)).astype(f32)
-    dHd = be.asarray(dH.copy())
-    be.relu_backward(dHd, be.asarray(Hr.astype(f32)))
-    close("relu_backward", dHd, reference.relu_backward(dH, Hr))
-    Z = (Hr @ W2 + b2).astype(f32)
-    Zd = be.asarray(Z.copy())
-    loss = be.softmax_xent(Zd, yp, yi, 0.5)
-    dZr, loss_r = reference.softmax_xent(Z.astype(np.float64), Y.indptr, Y.indices, 0.5)
-    close("softmax_xent", Zd, dZr, 1e-6)
-    checks["softmax_xent loss"] = bool(abs(float(loss) - loss_r) <= 1e-4 * abs(loss_r))
-    Hd = be.asarray(Hr.astype(f32))
-    step_r = reference.output_layer_step(Hr.astype(np.float64), W2.astype(np.float64),
-                                         b2.astype(np.float64), Y.indptr, Y.indices, 0.5)
-    for chunk in (None, 300):
-        W2d, b2d, dHo = be.asarray(W2.copy()), be.asarray(b2.copy()), be.zeros((B, nh))
-        loss = be.output_layer_step(Hd, W2d, b2d, yp, yi, 0.5, dHo, label_chunk=chunk)
-        tag = f"output_layer_step chunk={chunk}"
-        checks[tag + " loss"] = bool(abs(float(loss) - step_r[0]) <= 1e-4 * abs(step_r[0]))
-        close(tag + " W2", W2d, step_r[1], 1e-5)
-        close(tag + " b2", b2d, step_r[2], 1e-5)
-        close(tag + " dH", dHo, step_r[3], 1e-5)
-        lg, dW2, db2, dHg = be.output_layer_grad(Hd, be.asarray(W2), be.asarray(b2), yp, yi,
-                                                 label_chunk=chunk)
-        gr = reference.output_layer_grad(Hr.astype(np.float64), W2.astype(np.float64),
-                                         b2.astype(np.float64), Y.indptr, Y.indices)
-        close(f"output_layer_grad chunk={chunk} dW2", dW2, gr[1], 1e-5)
-        idx, val = be.predict_scores_topk(Hd, be.asarray(W2), be.asarray(b2), 5,
-                                          label_chunk=chunk)
-        ir, vr = reference.predict_scores_topk(Hr.astype(f32), W2, b2, 5)
-        checks[f"predict_scores_topk chunk={chunk}"] = bool(
-            np.array_equal(be.to_host(idx), ir))
-    a1, a2 = (be.asarray(rng.standard_normal(1000).astype(f32)) for _ in range(2))
-    o = be.empty(1000)
-    be.weighted_sum([a1, a2], [0.3, 0.7], o)
-    close("weighted_sum", o, 0.3 * be.to_host(a1) + 0.7 * be.to_host(a2), 1e-6)
-    report["checks"] = checks
-    bad = [k for k, v in checks.items() if not v]
-    print(f"correctness: {len(checks) - len(bad)}/{len(checks)} ok" +
-          (f"; FAILED: {bad}" if bad else ""))
-
-    # ---------------------------------------------------------------- timing
-    s = args.scale
-    timer = Timer(be, args.repeat)
-    pk = peaks(args.device)
-    n = int(2**28 * s)  # 1 GiB float32
-    src, dst = cupy.ones(n, f32), cupy.empty(n, f32)
-    with be.stream:
-        t = timer(lambda: dst.__setitem__(Ellipsis, src))
-    copy_bw = 2 * src.nbytes / t / 1e9
-    pk["copy_GBps"] = copy_bw
-    peak_bw = pk["peak_GBps"] or copy_bw
-    m_ = int(8192 * max(s, 0.25))
-    A = cupy.ones((m_, m_), f32)
-    with be.stream:
-        t = timer(lambda: cupy.matmul(A, A))
-    sgemm_tf = 2 * m_**3 / t / 1e12
-    pk["sgemm_TFLOPs"] = sgemm_tf
-    A = src = dst = None  # noqa: F841 - free the memory
-    report["peaks"] = pk
-    rows = []
-
-    def line(name, t, nbytes=None, flops=None):
-        r = {"kernel": name, "ms": t * 1e3}
-        txt = f"{name:<42s} {t * 1e3:9.3f} ms"
-        if nbytes is not None:
-            r["GBps"] = nbytes / t / 1e9
-            txt += f"   {r['GBps']:8.1f} GB/s ({r['GBps'] / peak_bw:5.1%} of peak)"
-        if flops is not None:
-            r["TFLOPs"] = flops / t / 1e12
-            txt += f"   {r['TFLOPs']:7.2f} TFLOP/s ({r['TFLOPs'] / sgemm_tf:5.1%} of sgemm)"
-        rows.append(r)
-        print(txt)
-
-    print(f"# {pk['name']}: {pk['sm_count']} SMs, {pk['total_mem_GiB']:.0f} GiB, peak "
-          f"{peak_bw:.0f} GB/s, copy {copy_bw:.0f} GB/s, sgemm {sgemm_tf:.1f} TFLOP/s")
-    # sparse layer: Amazon-670K-like batch
-    B, F, nh, nnz_row = int(65536 * s) or 1, 1_000_000, 256, 80
-    nnz = B * nnz_row
-    indptr = cupy.arange(0, nnz + 1, nnz_row, dtype=cupy.int64)
-    indices = cupy.asarray(rng.integers(0, F, nnz, dtype=np.int64).astype(np.int32))
-    data = cupy.ones(nnz, f32)
-    W1 = cupy.ones((F, nh), f32) * 0.01
-    b1 = cupy.zeros(nh, f32)
-    H = cupy.empty((B, nh), f32)
-    dZ1 = cupy.ones((B, nh), f32)
-    gathered = nnz * nh * 4 + B * nh * 4
-    line(f"sparse_forward B={B} F={F} h={nh}",
-         timer(lambda: be.sparse_forward(indptr, indices, data, W1, b1, H)), gathered)
-    line("sparse_backward_update (atomics)",
-         timer(lambda: be.sparse_backward_update(indptr, indices, data, dZ1, W1, b1, 1e-9)),
-         2 * gathered)
-    line("relu_backward", timer(lambda: be.relu_backward(dZ1, H)), 3 * H.nbytes)
-    W1 = dZ1 = None  # noqa: F841
-    # output layer: a large label space
-    B2, L = int(2048 * max(s, 0.05)), int(1_000_000 * max(s, 0.05))
-    Ho = cupy.ones((B2, nh), f32)
-    W2 = cupy.ones((nh, L), f32) * 1e-3
-    b2 = cupy.zeros(L, f32)
-    yp = cupy.arange(0, B2 * 5 + 1, 5, dtype=cupy.int64)
-    yi = cupy.asarray(rng.integers(0, L, B2 * 5).astype(np.int32))
-    dHo = cupy.empty((B2, nh), f32)
-    Zb = cupy.empty((B2, L), f32)
-    gemm_flops = 2.0 * B2 * nh * L
-    with be.stream:
-        t_g = timer(lambda: cupy.matmul(Ho, W2, out=Zb))
-    line(f"sgemm H@W2 B={B2} h={nh} L={L}", t_g, flops=gemm_flops)
-    line("softmax_xent", timer(lambda: be.softmax_xent(Zb, yp, yi, 1.0 / B2)), 2 * Zb.nbytes)
-    line("topk k=5", timer(lambda: be.topk(Zb, 5)), Zb.nbytes)
-    Zb = None  # noqa: F841
-    line("output_layer_step (plain)",
-         timer(lambda: be.output_layer_step(Ho, W2, b2, yp, yi, 1e-9, dHo)),
-         flops=3 * gemm_flops)
-    line("output_layer_step (label_chunk=131072)",
-         timer(lambda: be.output_layer_step(Ho, W2, b2, yp, yi, 1e-9, dHo,
-                                            label_chunk=131072)), flops=4 * gemm_flops)
-    line("predict_scores_topk k=5 (chunk 131072)",
-         timer(lambda: be.predict_scores_topk(Ho, W2, b2, 5, label_chunk=131072)),
-         flops=gemm_flops)
-    P = [cupy.ones(W2.size, f32) for _ in range(4)]
-    out = cupy.empty_like(P[0])
-    line("weighted_sum of 4 replicas", timer(lambda: be.weighted_sum(P, [0.25] * 4, out)),
-         (4 * 2 + 4) * out.nbytes / 2)  # 4 read+rmw passes (pairwise)
-    line("momentum", timer(lambda: be.momentum(P[0], P[1], P[2], 0.9, out)), 4 * out.nbytes)
-    line("elastic", timer(lambda: be.elastic(P[0], P[1], 0.1, P[2])), 4 * out.nbytes)
-    report["timings"] = rows
-    be.synchronize()
-    return not bad
+    return reference
 
 
-# ------------------------------------------------------------------------ adaptive section
-
-def _adaptive_simulated(spec, data, *, epochs, lr, batch_size, hidden, merge_period, seed):
-    """Adaptive SGD over the devices of ``spec`` in the trainer's *simulated* mode: the steps run
-    for real (one after the other, on the main thread) but the schedule follows a virtual clock
-    with a fixed cost per row divided by each device's speed factor, so the assignment of batches
-    to devices (and hence every merge weight and batch size) depends only on the spec and the
-    seed, never on timing. A CPU spec and a CUDA spec with the same speeds therefore train on
-    identical batches; only floating-point rounding differs.
-
-    Returns ``{"P@1", "P@5", "updates", "samples", "batch_sizes", "wall_s", "samples_per_s"}``.
-    """
-    from xmc_engine.algorithms import get_algorithm
-    from xmc_engine.backends import get_backend
-    from xmc_engine.devices import parse_devices
-    from xmc_engine.metrics import TopKMetrics
-    from xmc_engine.model import MLPReplica, ModelShape, init_params_for_data, predict_topk
-    from xmc_engine.scheduler import ParallelTrainer
-
-    X, Y, Xte, Yte = data
-    devices = parse_devices(spec)
-    params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], (hidden,)), X, seed)
-    backends = [get_backend(d.kind, d.index, threads=1) for d in devices]
-    replicas = [MLPReplica(be, X, Y, params) for be in backends]
-    policy = get_algorithm("adaptive", {"batch_size": batch_size, "merge_period": merge_period,
-                                        "rule": "step", "lr_decay": 0.0, "boost": False})
-    updates = [0] * len(devices)
-    samples = 0
-    trainer = ParallelTrainer(replicas, devices, policy, X.shape[0], seed=seed,
-                              mode="simulated", cost=lambda i, rows: 1e-5 * rows)
-    try:
-        # Every step runs on this thread: one numba/BLAS thread, as a threaded-mode worker has
-        # (the simulated mode sets no budget; the default pool was ~25x slower on 2 busy cores).
-        budget = getattr(backends[0], "thread_budget", None)
-        ctx = budget(1) if budget is not None else contextlib.nullcontext()
-        t0 = time.perf_counter()
-        with ctx:
-            for epoch in range(epochs):
-                res = trainer.run_epoch(epoch, lr)
-                samples += res["samples"]
-                for d in res["devices"]:
-                    updates[d["device"]] += d["updates"]
-        for be in backends:
-            be.synchronize()
-        wall = time.perf_counter() - t0
-        batch_sizes = list(policy.batch_sizes())
-        central = trainer.central_params()
-        labels, _ = predict_topk(backends[0], central, Xte, 5)
-    finally:
-        trainer.close()
-    m = TopKMetrics(ks=(1, 5))
-    m.update(labels, Yte)
-    met = m.result()
-    return {"spec": spec, "P@1": float(met["P@1"]), "P@5": float(met["P@5"]),
-            "updates": updates, "samples": samples, "batch_sizes": batch_sizes,
-            "wall_s": wall, "samples_per_s": samples / wall}
-
-
-def _adaptive_threads(spec, data, *, epochs, lr, batch_size, hidden, merge_period, seed):
-    """The real thing: ``XMCClassifier(algorithm="adaptive", devices=spec)``, one host thread per
-    device (dynamic scheduling: the assignment follows the measured speeds). Samples/s from the
-    run log's training time (evaluation excluded)."""
+def engine_fit(X, Y, **params):
+    """``XMCClassifier(**params).fit(X, Y)``; returns the fitted estimator."""
     from xmc_engine import XMCClassifier
 
-    X, Y, Xte, Yte = data
-    clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size, lr=lr,
-                        devices=spec, algorithm="adaptive", seed=seed, eval_every=0,
-                        algorithm_params={"merge_period": merge_period, "rule": "step",
-                                          "boost": False})
-    t0 = time.perf_counter()
-    clf.fit(X, Y)
-    wall = time.perf_counter() - t0
-    train_s = max((r.get("train_time", 0.0) for r in clf.history_), default=0.0) or wall
-    met = clf.evaluate(Xte, Yte, ks=(1, 5))
-    merges = [r for r in clf.history_ if r.get("event") == "merge"]
-    last = merges[-1]["devices"] if merges else []
-    return {"spec": spec, "P@1": float(met["P@1"]), "P@5": float(met["P@5"]),
-            "train_s": train_s, "wall_s": wall, "samples_per_s": epochs * X.shape[0] / train_s,
-            "last_period": [{k: d.get(k) for k in ("name", "batch_size", "updates", "weight")}
-                            for d in last]}
+    return XMCClassifier(**params).fit(X, Y)
 
 
-def check_adaptive(args, report):
-    """Adaptive SGD with two workers on GPUs: ``cuda:0,cuda:0`` (two streams sharing one GPU)
-    and, with >= 2 GPUs, ``cuda:0,cuda:1``.
+def engine_evaluate(clf, X, Y, *, on_gpu: bool = False) -> dict:
+    """P@1 and P@5 of a fitted estimator (inference on the CPU, or on GPU 0)."""
+    if on_gpu:
+        clf.to_gpu()
+    try:
+        met = clf.evaluate(X, Y, ks=(1, 5))
+    finally:
+        if on_gpu:
+            clf.to_cpu()
+    return {"P@1": float(met["P@1"]), "P@5": float(met["P@5"])}
 
-    1. Simulated schedule (fixed assignment, :func:`_adaptive_simulated`) on the GPU spec and on
-       the matching CPU spec (same speed factors, same seed): the final P@1 must agree within
-       0.02 and the per-device update counts must be identical.
-    2. The threaded run (:func:`_adaptive_threads`) on the GPU spec: samples/s reported; its P@1
-       (timing-dependent assignment) must be within 0.05 of the CPU reference.
 
-    The problem is small (``make_synthetic("default")`` scaled by ``--scale``, at least 4,000
-    training rows) so the CPU reference takes seconds. Adaptive normalization is off
-    (``boost=False``) in both runs: its flag compares L2 norms of successive merged models, and a
-    rounding-level difference can flip it and change every later merge weight. Measured on CPU
-    (this problem, 3 epochs, simulated schedule): a 1e-6 relative perturbation of the initial
-    weights moved the final P@1 by 0.029 with the boost (0.4962 -> 0.4672) and by 0.0008 without
-    it (0.5358 -> 0.5350), so only the no-boost run gives a meaningful 0.02 tolerance between
-    CPU and GPU rounding.
-    """
-    import cupy
+def engine_init_params(X, n_labels: int, hidden: int, seed: int) -> list[np.ndarray]:
+    """The engine's seeded initialisation ``[W1, b1, W2, b2]`` (host float32)."""
+    from xmc_engine.model import ModelShape, init_params_for_data
+
+    return init_params_for_data(ModelShape(X.shape[1], n_labels, (hidden,)), X, seed)
+
+
+def engine_train_step(be, params, Xb, Yb, lr: float):
+    """One SGD step of the engine's model on a host CSR batch; returns its loss sum."""
+    from xmc_engine.model import train_step
+
+    return train_step(be, params, Xb, Yb, lr)
+
+
+def load_data(path: Path):
+    """``(X, Y, X_test, Y_test)`` of the delicious folder ``path``."""
+    from xmc_engine.datasets import load_dataset
+
+    if not path.is_dir():
+        raise SectionSkipped(
+            f"no data at {path}: copy ../shared/data/delicious there (bench/GPU.md) or pass "
+            "--data")
+    X, Y, Xt, Yt = load_dataset(path)
+    if Xt is None:
+        raise SectionSkipped(f"{path} holds no test.txt[.xz]: the fit sections need one")
+    return X, Y, Xt, Yt
+
+
+def synthetic_rows(n_rows: int, n_features: int, n_labels: int, seed: int):
+    """``n_rows`` synthetic training rows with Amazon-670K's statistics (about 75.7 non-zeros
+    and 5.45 labels per row; power-law label frequencies) at the given sizes."""
     from xmc_engine.datasets import make_synthetic
 
-    n_train = max(int(20000 * min(args.scale, 1.0)), 4000)
-    data = make_synthetic("default", n_train=n_train, n_test=max(n_train // 4, 1000), seed=0)
-    cfg = {"epochs": 3, "lr": 1.0, "batch_size": 128, "hidden": 128, "merge_period": 4096,
-           "seed": 0}
-    pairs = [("cuda:0,cuda:0@0.5", "cpu,cpu@0.5", "cuda:0,cuda:0")]
-    n_gpus = cupy.cuda.runtime.getDeviceCount()
-    if n_gpus >= 2:
-        pairs.append(("cuda:0,cuda:1@0.5", "cpu,cpu@0.5", "cuda:0,cuda:1"))
-    print(f"# adaptive: synthetic {n_train} train rows, {data[0].shape[1]} features, "
-          f"{data[1].shape[1]} labels; {cfg['epochs']} epochs, B={cfg['batch_size']}, "
-          f"S={cfg['merge_period']}, lr={cfg['lr']}; {n_gpus} GPU(s)")
-    out, ok = {"config": dict(cfg, n_train=n_train), "runs": []}, True
-    cpu_ref: dict = {}
-    for gpu_sim, cpu_sim, gpu_real in pairs:
-        entry = {}
+    X, Y, _, _ = make_synthetic("amazon670k", n_train=n_rows, n_test=0,
+                                n_features=n_features, n_labels=n_labels, seed=seed)
+    return X, Y
+
+
+def history_troubles(history: list[dict]) -> list[str]:
+    """The run-log events of a fit that mean it did not train cleanly, plus ``"no final"``
+    when the log has no ``final`` record."""
+    bad = [r["event"] for r in history if r.get("event") in TROUBLE_EVENTS]
+    if not any(r.get("event") == "final" for r in history):
+        bad.append("no final")
+    return bad
+
+
+def final_record(history: list[dict]) -> dict:
+    return next((r for r in reversed(history) if r.get("event") == "final"), {})
+
+
+# ------------------------------------------------------------------------------- device helpers
+
+@contextlib.contextmanager
+def on_device(be):
+    """``be``'s device and stream current for CuPy calls (nothing to do on the CPU)."""
+    if be.name == "cuda":
+        with be.xp.cuda.Device(be.device_id), be.stream:
+            yield
+    else:
+        yield
+
+
+def time_calls(be, fn, repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeat`` calls of ``fn()`` after ``warmup`` untimed ones: CUDA events
+    on ``be``'s stream on a GPU, the wall clock on the CPU."""
+    for _ in range(warmup):
+        fn()
+    if be.name != "cuda":
+        return _common.timings(fn, repeat, warmup=0)
+    cp = be.xp
+    out = []
+    for _ in range(repeat):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(be.stream)
+        fn()
+        stop.record(be.stream)
+        stop.synchronize()  # synchronize!
+        out.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    return out
+
+
+def device_memory(be) -> dict:
+    """GPU memory in use: CuPy's pool (``pool_total_bytes`` is what the pool holds, its
+    high-water mark while no block is freed back) and ``cudaMemGetInfo``; on the CPU the peak
+    RSS."""
+    if be.name != "cuda":
+        return {"peak_rss_mib": _common.peak_rss_mib()}
+    cp = be.xp
+    pool = cp.get_default_memory_pool()
+    with cp.cuda.Device(be.device_id):
+        free, total = cp.cuda.runtime.memGetInfo()
+    return {"pool_total_bytes": int(pool.total_bytes()), "pool_used_bytes": int(pool.used_bytes()),
+            "device_used_bytes": int(total - free), "device_total_bytes": int(total)}
+
+
+def gpu_info(device: str) -> dict | None:
+    """Name, SMs, memory and versions of the GPU under test (``None`` on the CPU)."""
+    if device == "cpu":
+        return None
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        props = rt.getDeviceProperties(int(device.split(":", 1)[1]))
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        return {"name": name, "sm_count": props["multiProcessorCount"],
+                "total_mem_GiB": round(props["totalGlobalMem"] / 2**30, 1),
+                "compute_capability": f"{props['major']}.{props['minor']}",
+                "n_devices": rt.getDeviceCount(), "driver": rt.driverGetVersion(),
+                "runtime": rt.runtimeGetVersion(), "cupy": cupy.__version__,
+                "CUPY_TF32": os.environ.get("CUPY_TF32")}
+    except Exception as e:  # noqa: BLE001 - the record must not stop the check
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+# ------------------------------------------------------------------------------- kernels
+
+def _close(ctx, name, got, want, atol, rtol=1e-4):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    err = float(np.max(np.abs(got - want))) if got.size else 0.0
+    ok = got.shape == want.shape and bool(np.allclose(got, want, atol=atol, rtol=rtol))
+    return ctx.check(name, ok, max_abs_err=err, atol=atol)
+
+
+def _loss_close(ctx, name, be, loss, want):
+    be.synchronize()  # synchronize! (the loss is read only once the stream is done)
+    got = float(loss)
+    return ctx.check(name, abs(got - want) <= 1e-4 * max(abs(want), 1.0), got=got, want=want)
+
+
+def kernel_problem(seed: int = 0) -> dict:
+    """Small random inputs (host): B=37 rows (row 3 without features, row 5 without labels),
+    500 features, hidden 70, 1001 labels; sizes that are not multiples of any block size."""
+    import scipy.sparse as sps
+
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    B, F, nh, L = 37, 500, 70, 1001
+    X = sps.random(B, F, density=0.05, format="lil", dtype=f32, random_state=seed + 1)
+    X[3, :] = 0
+    Y = sps.random(B, L, density=0.004, format="lil", dtype=f32, random_state=seed + 2)
+    Y[5, :] = 0
+    Y[0, 7] = 1.0  # at least one label in the batch
+    X, Y = X.tocsr(), Y.tocsr()
+    Y.data[:] = 1.0
+    return {
+        "B": B, "F": F, "nh": nh, "L": L, "X": X, "Y": Y, "rng": rng,
+        "W1": rng.standard_normal((F, nh)).astype(f32),
+        "b1": rng.standard_normal(nh).astype(f32),
+        "W2": (rng.standard_normal((nh, L)) * 0.1).astype(f32),
+        "b2": (rng.standard_normal(L) * 0.1).astype(f32),
+        "dZ1": rng.standard_normal((B, nh)).astype(f32),
+    }
+
+
+def check_sparse_layer(ctx, be, ref, pb):
+    X, W1, b1, dZ1 = pb["X"], pb["W1"], pb["b1"], pb["dZ1"]
+    ip, ix, d = be.csr_parts(X)
+    H = be.zeros((pb["B"], pb["nh"]))
+    be.sparse_forward(ip, ix, d, be.asarray(W1), be.asarray(b1), H)
+    _close(ctx, "sparse_forward", be.to_host(H),
+           ref.sparse_forward(X.indptr, X.indices, X.data, W1, b1), 1e-4)
+    Wd, bd = be.asarray(W1.copy()), be.asarray(b1.copy())
+    be.sparse_backward_update(ip, ix, d, be.asarray(dZ1), Wd, bd, 0.1)
+    Wr, br = ref.sparse_backward_update(X.indptr, X.indices, X.data, dZ1, W1, b1, 0.1)
+    _close(ctx, "sparse_backward_update W1", be.to_host(Wd), Wr, 1e-4)
+    _close(ctx, "sparse_backward_update b1", be.to_host(bd), br, 1e-4)
+    rows, g, gb = be.sparse_grad(ip, ix, d, be.asarray(dZ1))
+    r_rows, r_g, r_gb = ref.sparse_grad(X.indptr, X.indices, X.data, dZ1)
+    ctx.check("sparse_grad rows", np.array_equal(be.to_host(rows), r_rows))
+    _close(ctx, "sparse_grad grad_rows", be.to_host(g), r_g, 1e-4)
+    _close(ctx, "sparse_grad grad_b1", be.to_host(gb), r_gb, 1e-4)
+    Wd = be.asarray(W1.copy())
+    be.sparse_rows_update(Wd, be.asarray(r_rows), be.asarray(r_g), 0.1)
+    _close(ctx, "sparse_rows_update", be.to_host(Wd),
+           ref.sparse_rows_update(W1, r_rows, r_g, 0.1), 1e-5)
+    Hr = ref.sparse_forward(X.indptr, X.indices, X.data, W1, b1).astype(np.float32)
+    dHd = be.asarray(dZ1.copy())
+    be.relu_backward(dHd, be.asarray(Hr))
+    _close(ctx, "relu_backward", be.to_host(dHd), ref.relu_backward(dZ1, Hr), 0.0, 0.0)
+
+
+def check_output_layer(ctx, be, ref, pb):
+    X, Y, W1, b1, W2, b2 = pb["X"], pb["Y"], pb["W1"], pb["b1"], pb["W2"], pb["b2"]
+    f64 = np.float64
+    Hr = ref.sparse_forward(X.indptr, X.indices, X.data, W1, b1).astype(np.float32)
+    yp, yi = be.asarray(Y.indptr), be.asarray(Y.indices)
+    Z = (Hr @ W2 + b2).astype(np.float32)
+    Zd = be.asarray(Z.copy())
+    loss = be.softmax_xent(Zd, yp, yi, 0.5)
+    dZr, loss_r = ref.softmax_xent(Z.astype(f64), Y.indptr, Y.indices, 0.5)
+    _loss_close(ctx, "softmax_xent loss", be, loss, loss_r)
+    _close(ctx, "softmax_xent dZ", be.to_host(Zd), dZr, 1e-6)
+    Hd = be.asarray(Hr)
+    step_r = ref.output_layer_step(Hr.astype(f64), W2.astype(f64), b2.astype(f64), Y.indptr,
+                                   Y.indices, 0.5)
+    grad_r = ref.output_layer_grad(Hr.astype(f64), W2.astype(f64), b2.astype(f64), Y.indptr,
+                                   Y.indices)
+    for chunk in (None, 300):
+        tag = f"chunk={chunk}"
+        W2d, b2d, dHo = be.asarray(W2.copy()), be.asarray(b2.copy()), be.zeros(Hr.shape)
+        loss = be.output_layer_step(Hd, W2d, b2d, yp, yi, 0.5, dHo, label_chunk=chunk)
+        _loss_close(ctx, f"output_layer_step {tag} loss", be, loss, step_r[0])
+        _close(ctx, f"output_layer_step {tag} W2", be.to_host(W2d), step_r[1], 1e-5)
+        _close(ctx, f"output_layer_step {tag} b2", be.to_host(b2d), step_r[2], 1e-5)
+        _close(ctx, f"output_layer_step {tag} dH", be.to_host(dHo), step_r[3], 1e-5)
+        lg, dW2, db2, dHg = be.output_layer_grad(Hd, be.asarray(W2), be.asarray(b2), yp, yi,
+                                                 label_chunk=chunk)
+        _loss_close(ctx, f"output_layer_grad {tag} loss", be, lg, grad_r[0])
+        _close(ctx, f"output_layer_grad {tag} dW2", be.to_host(dW2), grad_r[1], 1e-5)
+        _close(ctx, f"output_layer_grad {tag} db2", be.to_host(db2), grad_r[2], 1e-5)
+        _close(ctx, f"output_layer_grad {tag} dH", be.to_host(dHg), grad_r[3], 1e-5)
+        idx, val = be.predict_scores_topk(Hd, be.asarray(W2), be.asarray(b2), 5,
+                                          label_chunk=chunk)
+        _check_topk(ctx, f"predict_scores_topk {tag}", be, idx, val, Z, 5)
+    idx, val = be.topk(be.asarray(Z), 5)
+    _check_topk(ctx, "topk", be, idx, val, Z, 5)
+
+
+def _check_topk(ctx, name, be, idx, val, Z, k):
+    """The returned values are the k largest of each row, in descending order, and each is the
+    score of the label returned beside it (ties may pick either label)."""
+    idx, val = be.to_host(idx), be.to_host(val)
+    _, want = engine_reference().topk(Z, k)
+    picked = np.take_along_axis(Z, np.asarray(idx, dtype=np.int64), axis=1)
+    ok = (idx.shape == want.shape and bool(np.allclose(val, want, atol=1e-5, rtol=1e-5))
+          and bool(np.allclose(picked, val, atol=1e-5, rtol=1e-5)))
+    ctx.check(name, ok, max_abs_err=float(np.max(np.abs(val - want))) if ok else None)
+
+
+def check_merge_and_adagrad(ctx, be, ref, pb):
+    rng = pb["rng"]
+    f32 = np.float32
+    a1, a2, a3 = (rng.standard_normal(1000).astype(f32) for _ in range(3))
+    o = be.empty(1000)
+    be.weighted_sum([be.asarray(a1), be.asarray(a2)], [0.3, 0.7], o)
+    _close(ctx, "weighted_sum", be.to_host(o), ref.weighted_sum([a1, a2], [0.3, 0.7]), 1e-6)
+    be.momentum(be.asarray(a1), be.asarray(a2), be.asarray(a3), 0.9, o)
+    _close(ctx, "momentum", be.to_host(o), ref.momentum(a1, a2, a3, 0.9), 1e-6)
+    x, diff = be.asarray(a1.copy()), be.empty(1000)
+    be.elastic(x, be.asarray(a2), 0.1, diff)
+    x_r, diff_r = ref.elastic(a1, a2, 0.1)
+    _close(ctx, "elastic x", be.to_host(x), x_r, 1e-6)
+    _close(ctx, "elastic diff", be.to_host(diff), diff_r, 1e-6)
+    acc0 = np.abs(a3)
+    w, acc = be.asarray(a1.copy()), be.asarray(acc0.copy())
+    be.adagrad_dense(w, be.asarray(a2), acc, 0.05, 1e-10)
+    w_r, acc_r = ref.adagrad_dense(a1, a2, acc0, 0.05, 1e-10)
+    _close(ctx, "adagrad_dense w", be.to_host(w), w_r, 1e-5)
+    _close(ctx, "adagrad_dense acc", be.to_host(acc), acc_r, 1e-5)
+    W = rng.standard_normal((300, 70)).astype(f32)
+    A = np.abs(rng.standard_normal((300, 70))).astype(f32)
+    rows = np.unique(rng.integers(0, 300, 90)).astype(np.int64)
+    G = rng.standard_normal((rows.size, 70)).astype(f32)
+    Wd, Ad = be.asarray(W.copy()), be.asarray(A.copy())
+    be.adagrad_rows(Wd, be.asarray(rows), be.asarray(G), Ad, 0.05, 1e-10)
+    W_r, A_r = ref.adagrad_rows(W, rows, G, A, 0.05, 1e-10)
+    _close(ctx, "adagrad_rows W", be.to_host(Wd), W_r, 1e-5)
+    _close(ctx, "adagrad_rows acc", be.to_host(Ad), A_r, 1e-5)
+
+
+KERNEL_GROUPS = {"sparse_layer": check_sparse_layer, "output_layer": check_output_layer,
+                 "merge_and_adagrad": check_merge_and_adagrad}
+
+
+def section_kernels(ctx: Context) -> None:
+    """Every launcher of the backend against the reference; a group that raises is recorded as
+    a failed check and the next group still runs."""
+    be = engine_backend(ctx.args.device)
+    ref = engine_reference()
+    pb = kernel_problem(ctx.args.seed)
+    for name, group in KERNEL_GROUPS.items():
+        t = time.perf_counter()
         try:
-            if cpu_sim not in cpu_ref:
-                cpu_ref[cpu_sim] = _adaptive_simulated(cpu_sim, data, **cfg)
-            ref = cpu_ref[cpu_sim]
-            sim = _adaptive_simulated(gpu_sim, data, **cfg)
-            real = _adaptive_threads(gpu_real, data, **cfg)
-            d_sim = abs(sim["P@1"] - ref["P@1"])
-            d_real = abs(real["P@1"] - ref["P@1"])
-            entry = {"cpu_simulated": ref, "gpu_simulated": sim, "gpu_threads": real,
-                     "same_assignment": sim["updates"] == ref["updates"],
-                     "dP@1_simulated": d_sim, "dP@1_threads": d_real,
-                     "ok_simulated": d_sim <= 0.02, "ok_threads": d_real <= 0.05}
-            print(f"adaptive {gpu_sim:20s} simulated: P@1 {sim['P@1']:.4f} vs CPU "
-                  f"{ref['P@1']:.4f} (|d| {d_sim:.4f} <= 0.02: {entry['ok_simulated']}); "
-                  f"updates {sim['updates']} vs {ref['updates']}; "
-                  f"{sim['samples_per_s']:.0f} samples/s (sequential steps)")
-            print(f"adaptive {gpu_real:20s} threads:   P@1 {real['P@1']:.4f} "
-                  f"(|d| vs CPU {d_real:.4f} <= 0.05: {entry['ok_threads']}); "
-                  f"{real['samples_per_s']:.0f} samples/s; last batches "
-                  f"{[d['batch_size'] for d in real['last_period']]}")
-            ok = ok and entry["ok_simulated"] and entry["ok_threads"]
-        except Exception as e:  # noqa: BLE001 - report, fail the section, keep the report
-            import traceback
-
-            traceback.print_exc()
-            entry["error"] = f"{type(e).__name__}: {e}"
-            print(f"adaptive {gpu_real}: FAILED {entry['error']}")
-            ok = False
-        out["runs"].append({"gpu_spec": gpu_real, **entry})
-    report["adaptive"] = out
-    return ok
+            group(ctx, be, ref, pb)
+        except Exception as e:  # noqa: BLE001 - one broken launcher must not hide the others
+            ctx.check(f"{name} ran", False, error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc())
+        ctx.put(f"seconds_{name}", round(time.perf_counter() - t, 2))
 
 
-#: further sections run after check_kernels (each ``section(args, report) -> bool``)
-SECTIONS = [check_adaptive]
+# ------------------------------------------------------------------------------- fits
+
+def fit_specs(section: str, device: str) -> tuple[str, str, str, dict | None]:
+    """``(algorithm, spec under test, CPU reference spec, algorithm_params)`` of a fit section."""
+    if section == "fit_single":
+        return "single", device, "cpu", None
+    if section == "sync":
+        return "sync", f"{device},{device}", "cpu,cpu", None
+    if section == "adaptive":
+        return "adaptive", f"{device},{device}@0.5", "cpu,cpu@0.5", dict(ADAPTIVE_PARAMS)
+    raise ValueError(f"{section!r} is not a fit section; expected one of {list(FIT_TOLERANCE)}")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if not _has_cuda():
-        print("bench/gpu_check.py needs a CUDA GPU with CuPy (cupy.is_available() is False).")
-        print("SKIPPED: no CUDA device")
-        return 0
+def _fit_record(clf, seconds: float, quality: dict) -> dict:
+    fin = final_record(clf.history_)
+    merges = [r for r in clf.history_ if r.get("event") == "merge"]
+    rec = {"wall_s": round(seconds, 2), "train_time_s": fin.get("train_time"),
+           "samples": fin.get("samples"), "mean_loss": fin.get("mean_loss"),
+           "events": sorted({r.get("event") for r in clf.history_}), "merges": len(merges),
+           **quality}
+    if fin.get("train_time"):
+        rec["samples_per_s"] = fin["samples"] / fin["train_time"]
+    if merges:
+        rec["last_merge"] = [{k: d.get(k) for k in ("device", "batch_size", "updates", "weight")}
+                             for d in merges[-1].get("devices", [])]
+    return rec
+
+
+def run_fit_section(ctx: Context, section: str) -> None:
+    """Fit on the device under test and on the CPU (same seed, same parameters), evaluate both
+    on the CPU, and check the fit ran cleanly and P@1 agrees within ``FIT_TOLERANCE``."""
+    args = ctx.args
+    algorithm, spec, cpu_spec, algo_params = fit_specs(section, args.device)
+    X, Y, Xt, Yt = load_data(args.data)
+    ctx.put("data", {"path": str(args.data), "n_train": X.shape[0], "n_test": Xt.shape[0],
+                     "n_features": X.shape[1], "n_labels": Y.shape[1]})
+    params = {"devices": spec, "algorithm": algorithm, "seed": args.seed,
+              "algorithm_params": algo_params}
+    if args.epochs is not None:
+        params["epochs"] = args.epochs
+    ctx.put("params", params)
+    t = time.perf_counter()
+    clf = engine_fit(X, Y, **params)
+    rec = _fit_record(clf, time.perf_counter() - t, engine_evaluate(clf, Xt, Yt))
+    ctx.put("device_run", rec)
+    troubles = history_troubles(clf.history_)
+    ctx.check("trained cleanly", not troubles, events=troubles)
+    if section in args.cpu_p1:
+        cpu_p1, source = args.cpu_p1[section], "--cpu-p1"
+    else:
+        t = time.perf_counter()
+        cpu = engine_fit(X, Y, **dict(params, devices=cpu_spec))
+        cpu_rec = _fit_record(cpu, time.perf_counter() - t, engine_evaluate(cpu, Xt, Yt))
+        ctx.put("cpu_run", dict(cpu_rec, devices=cpu_spec))
+        cpu_p1, source = cpu_rec["P@1"], cpu_spec
+    tol = FIT_TOLERANCE[section]
+    diff = abs(rec["P@1"] - cpu_p1)
+    ctx.check(f"|P@1 - CPU P@1| <= {tol}", diff <= tol, p1=rec["P@1"], cpu_p1=cpu_p1,
+              cpu_source=source, diff=diff)
+    if section == "fit_single" and spec.startswith("cuda"):
+        # Last, so that a failure of the GPU inference path leaves the training checks intact.
+        try:
+            gpu = engine_evaluate(clf, Xt, Yt, on_gpu=True)
+        except Exception as e:  # noqa: BLE001 - recorded as a failed check
+            ctx.check("GPU inference ran", False, error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc())
+        else:
+            ctx.put("gpu_inference", gpu)
+            d = abs(gpu["P@1"] - rec["P@1"])
+            ctx.check("|P@1 of GPU inference - CPU inference| <= 0.005", d <= 0.005, diff=d)
+
+
+def section_fit_single(ctx: Context) -> None:
+    run_fit_section(ctx, "fit_single")
+
+
+def section_sync(ctx: Context) -> None:
+    run_fit_section(ctx, "sync")
+
+
+def section_adaptive(ctx: Context) -> None:
+    run_fit_section(ctx, "adaptive")
+
+
+# ------------------------------------------------------------------------------- throughput
+
+def throughput_shape(scale: float) -> dict:
+    """The Amazon-670K shape with features and labels multiplied by ``scale`` (at least 1)."""
+    return {"n_features": max(1, round(AMAZON_670K["n_features"] * scale)),
+            "n_labels": max(1, round(AMAZON_670K["n_labels"] * scale)),
+            "hidden": THROUGHPUT_HIDDEN, "batch_size": THROUGHPUT_BATCH}
+
+
+def projected_epoch_s(samples_per_s: float, n_train: int = AMAZON_670K["n_train"]) -> float:
+    """Seconds of one epoch over ``n_train`` samples at ``samples_per_s``."""
+    return n_train / samples_per_s if samples_per_s > 0 else float("inf")
+
+
+def gemm_share(gemm_s: dict, step_s: float) -> float:
+    """Share of a step's time that the GEMMs alone take (may exceed 1 with measurement noise)."""
+    return sum(gemm_s.values()) / step_s if step_s > 0 else float("nan")
+
+
+def time_engine_steps(be, params, batches, lr: float, warmup: int) -> dict:
+    """Engine steps on pre-sliced host batches (upload included, as in training): wall-clock
+    seconds per step after ``warmup`` steps, and the last loss read after synchronising."""
+    for Xb, Yb in batches[:warmup]:
+        engine_train_step(be, params, Xb, Yb, lr)
+    be.synchronize()  # synchronize!
+    timed = batches[warmup:]
     t0 = time.perf_counter()
-    report = {"argv": sys.argv[1:]}
-    ok = check_kernels(args, report)
-    for section in SECTIONS:
-        ok = section(args, report) and ok
-    report["seconds"] = time.perf_counter() - t0
-    out = args.out
-    if out is None:
-        base = os.environ.get("OUT")
-        out = (Path(base) if base else Path(__file__).resolve().parent / "results") / \
-            "gpu_check.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"# wrote {out} ({report['seconds']:.0f} s)")
-    return 0 if ok else 1
+    loss = None
+    for Xb, Yb in timed:
+        loss = engine_train_step(be, params, Xb, Yb, lr)
+    be.synchronize()  # synchronize!
+    dt = time.perf_counter() - t0
+    return {"steps": len(timed), "step_ms": 1e3 * dt / len(timed),
+            "samples_per_s": sum(Xb.shape[0] for Xb, _ in timed) / dt,
+            "last_loss_sum": float(loss)}
+
+
+def time_gemms(be, W2, B: int, repeat: int = 10) -> dict:
+    """The step's three GEMMs alone at its shapes, median seconds each: ``Z = H @ W2``,
+    ``dH = dZ @ W2.T`` and the in-place update ``W2 -= lr * H.T @ dZ``."""
+    xp = be.xp
+    h, L = W2.shape
+    with on_device(be):
+        H = xp.ones((B, h), dtype=xp.float32)
+        Z = xp.empty((B, L), dtype=xp.float32)
+        dH = xp.empty((B, h), dtype=xp.float32)
+        Wc = W2.copy()
+        xp.matmul(H, W2, out=Z)
+        Z *= 1e-6
+        if be.name == "cuda":
+            import cupy.cublas
+
+            def update():
+                cupy.cublas.gemm("T", "N", H, Z, out=Wc, alpha=-1e-3, beta=1.0)
+        else:
+            def update():
+                xp.subtract(Wc, 1e-3 * (H.T @ Z), out=Wc)
+        fns = {"forward H@W2": lambda: xp.matmul(H, W2, out=Z),
+               "backward dZ@W2.T": lambda: xp.matmul(Z, W2.T, out=dH),
+               "update W2 += H.T@dZ": update}
+        out = {k: float(np.median(time_calls(be, f, repeat))) for k, f in fns.items()}
+    be.synchronize()  # synchronize!
+    return out
+
+
+def torch_step_rate(device: str, X, Y, params, batches, lr: float, warmup: int) -> dict:
+    """The same network in PyTorch (``bench/torch_baseline.py``'s ``SparseMLP``: EmbeddingBag
+    with sparse gradient + bias + ReLU + Linear, softmax cross-entropy against ``y/|y|``, plain
+    SGD) from the engine's initial weights, on the same host batches; each step includes the
+    batch's upload. Timed with CUDA events on a GPU."""
+    try:
+        import torch
+        import torch_baseline as tb
+    except ImportError as e:
+        raise SectionSkipped(f"PyTorch not importable: {e}") from None
+    dev = torch.device(device)
+    n_features, n_labels = X.shape[1], Y.shape[1]
+    model = tb.SparseMLP(n_features, n_labels, params[0].shape[1], sparse=True,
+                         init=params).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    host = [tb.csr_to_batch(Xb, Yb) for Xb, Yb in batches]
+    on_gpu = dev.type == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def step(b):
+        inp, off = b.input.to(dev), b.offsets.to(dev)
+        psw, target = b.per_sample_weights.to(dev), b.target.to(dev)
+        if not target.is_coalesced():  # batch_loss reads target.indices()
+            target = target.coalesce()
+        opt.zero_grad(set_to_none=True)
+        loss = tb.batch_loss(model(inp, off, psw), target, 1.0 / b.n_rows)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for b in host[:warmup]:
+        step(b)
+    timed = host[warmup:]
+    if on_gpu:
+        torch.cuda.synchronize(dev)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for b in timed:
+        loss = step(b)
+    if on_gpu:
+        stop.record()
+        torch.cuda.synchronize(dev)
+    wall = time.perf_counter() - t0
+    gpu_s = start.elapsed_time(stop) / 1e3 if on_gpu else wall
+    out = {"torch": torch.__version__, "steps": len(timed), "step_ms": 1e3 * wall / len(timed),
+           "event_step_ms": 1e3 * gpu_s / len(timed),
+           "samples_per_s": sum(b.n_rows for b in timed) / wall,
+           "last_loss_mean": float(loss.detach())}
+    if on_gpu:
+        out["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(dev))
+        out["allow_tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
+    return out
+
+
+def section_throughput(ctx: Context) -> None:
+    """Samples/s, projected epoch, GEMM share and peak memory at the Amazon-670K shape, and
+    the same network in PyTorch beside it."""
+    args = ctx.args
+    shape = throughput_shape(args.scale)
+    B, warmup = shape["batch_size"], 3
+    n_rows = max(args.steps + warmup, args.fit_steps) * B
+    ctx.put("shape", dict(shape, synthetic_rows=n_rows))
+    t = time.perf_counter()
+    X, Y = synthetic_rows(n_rows, shape["n_features"], shape["n_labels"], args.seed)
+    ctx.put("data", {"seconds": round(time.perf_counter() - t, 2),
+                     "nnz_per_row": X.nnz / n_rows, "labels_per_row": Y.nnz / n_rows})
+    batches = [(X[i * B:(i + 1) * B], Y[i * B:(i + 1) * B]) for i in range(args.steps + warmup)]
+    host_params = engine_init_params(X, shape["n_labels"], shape["hidden"], args.seed)
+    lr = 0.1
+
+    be = engine_backend(args.device)
+    if be.name == "cuda":
+        be.xp.get_default_memory_pool().free_all_blocks()
+    params = [be.asarray(p) for p in host_params]
+    eng = time_engine_steps(be, params, batches, lr, warmup)
+    eng["memory"] = device_memory(be)
+    ctx.put("engine_step", eng)
+    ctx.check("engine loss finite", bool(np.isfinite(eng["last_loss_sum"])),
+              loss=eng["last_loss_sum"])
+    gemms = time_gemms(be, params[2], B)
+    share = gemm_share(gemms, eng["step_ms"] / 1e3)
+    ctx.put("gemms_ms", {k: 1e3 * v for k, v in gemms.items()})
+    ctx.put("gemm_share_of_step", share)
+    del params
+    if be.name == "cuda":
+        be.xp.get_default_memory_pool().free_all_blocks()
+
+    if ctx.left() > 20:
+        fit_rows = args.fit_steps * B
+        t = time.perf_counter()
+        clf = engine_fit(X[:fit_rows], Y[:fit_rows], devices=args.device, algorithm="single",
+                         hidden=shape["hidden"], batch_size=B, epochs=1, lr=lr, seed=args.seed)
+        fit = _fit_record(clf, time.perf_counter() - t, {})
+        ctx.put("single_fit", fit)
+        ctx.check("single fit trained cleanly", not history_troubles(clf.history_),
+                  events=history_troubles(clf.history_))
+        rate = fit.get("samples_per_s") or eng["samples_per_s"]
+    else:
+        ctx.put("single_fit", {"skipped": f"{ctx.left():.0f} s left of the section's limit"})
+        rate = eng["samples_per_s"]
+    epoch = projected_epoch_s(rate)
+    ctx.put("projected_epoch_s", epoch)
+    if args.scale == 1.0:  # the goal is for the full shape only
+        ctx.target(f"projected Amazon-670K epoch <= {TARGET_EPOCH_S:.0f} s",
+                   epoch <= TARGET_EPOCH_S, epoch_s=epoch, samples_per_s=rate)
+
+    if ctx.left() > 15:
+        try:
+            tor = torch_step_rate(args.device, X, Y, host_params, batches, lr, warmup)
+        except SectionSkipped as e:
+            logger.info("PyTorch comparison skipped: %s", e)
+            ctx.put("torch_step", {"skipped": str(e)})
+            return
+        ctx.put("torch_step", tor)
+        ratio = eng["samples_per_s"] / tor["samples_per_s"]
+        ctx.put("engine_over_torch", ratio)
+        ctx.target("engine step >= PyTorch step", ratio >= 1.0, ratio=ratio)
+    else:
+        ctx.put("torch_step", {"skipped": f"{ctx.left():.0f} s left of the section's limit"})
+
+
+SECTIONS = {
+    "kernels": Section("kernels", section_kernels, SECTION_LIMITS_S["kernels"]),
+    "fit_single": Section("fit_single", section_fit_single, SECTION_LIMITS_S["fit_single"]),
+    "throughput": Section("throughput", section_throughput, SECTION_LIMITS_S["throughput"]),
+    "sync": Section("sync", section_sync, SECTION_LIMITS_S["sync"]),
+    "adaptive": Section("adaptive", section_adaptive, SECTION_LIMITS_S["adaptive"]),
+}
+
+
+# ------------------------------------------------------------------------------- main
+
+def _setup_logging(stream, tag: str = "") -> None:
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {tag}%(message)s", "%H:%M:%S"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.child is not None:
+        _setup_logging(sys.stdout, f"[{args.child}] ")
+        return child_main(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tee = Tee(args.out / LOG_NAME)
+    _setup_logging(tee)
+    report_path = args.out / REPORT_NAME
+
+    def write(report):
+        _common.write_result(report_path, report)
+
+    def metadata(gpu):
+        extra = {"gpu": gpu, "gpu_libraries": _common.library_versions(GPU_LIBRARIES)}
+        return _common.result_metadata(machine_extra=extra, argv=[__file__, *argv])
+
+    try:
+        if args.device != "cpu" and not engine_cuda_available():
+            reason = ("no CUDA device: bench/gpu_check.py needs a GPU with CuPy "
+                      "(xmc_engine.backends.cuda_available() is False)")
+            report = new_report(args, metadata(None))
+            for rec in report["sections"].values():
+                rec.update(status="skipped", reason=reason)
+            report.update(status="skipped", reason=reason, finished=True,
+                          summary=summarise(report))
+            write(report)
+            logger.info("SKIPPED: %s; wrote %s", reason, report_path)
+            return 0
+        report = new_report(args, metadata(gpu_info(args.device)))
+        write(report)
+        logger.info("gpu_check on %s: sections %s, budget %.0f s -> %s", args.device,
+                    ",".join(args.sections), args.budget, report_path)
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+            execute = make_child_executor(Path(__file__).resolve(), argv, Path(tmp), tee.write)
+            run_sections([SECTIONS[s] for s in args.sections], execute, report, write,
+                         budget_s=args.budget)
+        summary = report["summary"]
+        logger.info("done: %s; wrote %s", json.dumps({k: v for k, v in summary.items() if v}),
+                    report_path)
+        return 1 if summary["failed"] else 0
+    finally:
+        logger.handlers.clear()
+        logger.propagate = True
+        tee.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: a non-daemon thread left by the engine (recorded in the report) must not
+    # keep the process, and so the time budget, waiting.
+    os._exit(rc)

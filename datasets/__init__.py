@@ -5,6 +5,8 @@ Every loader returns canonical ``scipy.sparse.csr_matrix`` on the host: ``X`` fl
 ``(n_samples, n_features)`` and ``Y`` float32 ones of shape ``(n_samples, n_labels)``.
 """
 
+from xmc_engine.errors import DatasetFormatError
+
 from .fetch import FetchError, fetch
 from .io import load_libsvm, load_npz, load_split, load_xc, save_npz, save_xc
 from .registry import (
@@ -20,6 +22,7 @@ from .stats import describe
 from .synthetic import PRESETS, make_synthetic
 
 __all__ = [
+    "DatasetFormatError",
     "DatasetInfo",
     "FetchError",
     "PRESETS",

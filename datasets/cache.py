@@ -33,7 +33,7 @@ import numpy as np
 from xmc_engine import _env
 from xmc_engine.errors import DatasetFormatError
 
-from .io import atomic_write, xy_arrays, xy_from_npz
+from .npz import atomic_write, xy_arrays, xy_from_npz
 
 logger = logging.getLogger(__name__)
 

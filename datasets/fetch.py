@@ -56,9 +56,9 @@ def fetch(name: str, *, url: str | None = None, dest=None, sha256: str | None = 
     FetchError
         With the URL, the reason and where to put a hand-downloaded copy.
     """
-    from .registry import _lookup
+    from .registry import find_dataset_info
 
-    info = _lookup(name)
+    info = find_dataset_info(name)
     key = info.name if info is not None else name
     if url is None and info is not None:
         url = info.url

@@ -24,8 +24,6 @@ import bz2
 import gzip
 import logging
 import lzma
-import os
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -35,19 +33,20 @@ import scipy.sparse as sp
 from xmc_engine.errors import DatasetFormatError
 
 from . import _parse
+from .npz import atomic_write, xy_arrays, xy_from_npz
 
 logger = logging.getLogger(__name__)
 
-_OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
+#: file suffix -> opener of a compressed file (text mode with ``"rt"``)
+OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
 _INDEX_MAX = 2**31 - 1
-NPZ_FORMAT = "xmc-engine/xy-csr/1"
 
 
 # ----------------------------------------------------------------------------------------- bytes
 def compression_of(path) -> str | None:
     """``"xz"``, ``"gz"``, ``"bz2"`` from the file suffix, or ``None`` for plain text."""
     suffix = Path(path).suffix.lower()
-    return suffix[1:] if suffix in _OPENERS else None
+    return suffix[1:] if suffix in OPENERS else None
 
 
 def read_bytes(path) -> bytes:
@@ -61,7 +60,7 @@ def read_bytes(path) -> bytes:
         When the file does not exist.
     """
     path = Path(path)
-    opener = _OPENERS.get(path.suffix.lower())
+    opener = OPENERS.get(path.suffix.lower())
     if opener is None:
         return path.read_bytes()
     try:
@@ -77,7 +76,7 @@ def read_bytes(path) -> bytes:
 def read_head(path, n_bytes: int = 4096) -> bytes:
     """The first ``n_bytes`` of the decompressed file (for sniffing the format)."""
     path = Path(path)
-    opener = _OPENERS.get(path.suffix.lower(), open)
+    opener = OPENERS.get(path.suffix.lower(), open)
     try:
         with opener(path, "rb") as fh:
             return fh.read(n_bytes)
@@ -232,7 +231,7 @@ def save_xc(path, X, Y) -> Path:
     n_labels = Y.shape[1]
     body = _format_rows(X, Y)
     header = f"{n_samples} {n_features} {n_labels}\n".encode()
-    opener = _OPENERS.get(path.suffix.lower())
+    opener = OPENERS.get(path.suffix.lower())
 
     def write(tmp):
         if opener is None:
@@ -290,24 +289,6 @@ def _format_rows(X, Y) -> bytes:
         lines.append(f"{lab} {f}" if f else lab)
     lines.append("")
     return "\n".join(lines).encode()
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path`` (same folder)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 # -------------------------------------------------------------------------------------- LIBSVM
@@ -418,36 +399,6 @@ def save_npz(path, X, Y) -> Path:
 
     atomic_write(path, write)
     return path
-
-
-def xy_arrays(X, Y, **extra) -> dict:
-    """The arrays that :func:`save_npz` stores, plus ``extra``."""
-    return dict(format=np.array(NPZ_FORMAT), X_indptr=X.indptr, X_indices=X.indices,
-                X_data=X.data, X_shape=np.array(X.shape, dtype=np.int64),
-                Y_indptr=Y.indptr, Y_indices=Y.indices, Y_shape=np.array(Y.shape, dtype=np.int64),
-                **extra)
-
-
-def xy_from_npz(z, name: str):
-    """Rebuild ``(X, Y)`` from an opened npz written by :func:`save_npz`; raise if malformed."""
-    try:
-        if str(z["format"]) != NPZ_FORMAT:
-            raise DatasetFormatError(f"{name}: unknown npz format {str(z['format'])!r}")
-        xs, ys = (tuple(int(v) for v in z[k]) for k in ("X_shape", "Y_shape"))
-        y_indices = z["Y_indices"]
-        X = sp.csr_matrix((z["X_data"], z["X_indices"], z["X_indptr"]), shape=xs)
-        Y = sp.csr_matrix((np.ones(len(y_indices), dtype=np.float32), y_indices, z["Y_indptr"]),
-                          shape=ys)
-    except DatasetFormatError:
-        raise
-    except (KeyError, ValueError, TypeError, OSError, EOFError) as exc:
-        raise DatasetFormatError(f"{name}: not a valid xmc-engine npz ({exc})") from exc
-    if X.dtype != np.float32 or X.shape[0] != Y.shape[0]:
-        raise DatasetFormatError(f"{name}: inconsistent arrays (dtype {X.dtype}, "
-                                 f"{X.shape[0]} vs {Y.shape[0]} rows)")
-    X.has_canonical_format = True
-    Y.has_canonical_format = True
-    return X, Y
 
 
 def load_npz(path):

@@ -181,7 +181,8 @@ def list_datasets() -> list[DatasetInfo]:
     return _local_infos() + _remote_infos() + _synthetic_infos()
 
 
-def _lookup(name: str) -> DatasetInfo | None:
+def find_dataset_info(name: str) -> DatasetInfo | None:
+    """The :class:`DatasetInfo` of a registered name (case and punctuation ignored), or None."""
     key = _norm(name)
     if key == "syntheticdefault":
         key = "synthetic"
@@ -193,7 +194,7 @@ def _lookup(name: str) -> DatasetInfo | None:
 
 def get_dataset_info(name: str) -> DatasetInfo:
     """The :class:`DatasetInfo` of a registered name; ``KeyError`` naming the known ones."""
-    info = _lookup(name)
+    info = find_dataset_info(name)
     if info is None:
         known = ", ".join(i.name for i in list_datasets())
         raise KeyError(f"unknown dataset {name!r}; known: {known}")
@@ -223,7 +224,7 @@ def resolve(path_or_name) -> tuple[Path, Path | None]:
                 raise XMCError(f"folder {p} holds no train.txt[.xz|.gz|.bz2]")
             return train, test
         return train, _find(p, "test")
-    info = _lookup(str(path_or_name))
+    info = find_dataset_info(str(path_or_name))
     if info is None:
         known = ", ".join(i.name for i in list_datasets())
         raise XMCError(f"{path_or_name!r} is neither a file, a folder nor a known dataset "
@@ -268,7 +269,8 @@ def load_dataset(path_or_name, *, cache: bool = True, seed: int = 0):
     X_test, Y_test : scipy.sparse.csr_matrix or None
         ``None`` when only a single file was given.
     """
-    info = None if Path(str(path_or_name)).expanduser().exists() else _lookup(str(path_or_name))
+    name = str(path_or_name)
+    info = None if Path(name).expanduser().exists() else find_dataset_info(name)
     if info is not None and info.kind == "synthetic":
         preset = "default" if info.name == "synthetic" else info.name[len("synthetic-"):]
         return make_synthetic(preset, seed=seed)

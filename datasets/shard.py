@@ -16,7 +16,7 @@ import numpy as np
 
 from xmc_engine.errors import DatasetFormatError
 
-from .io import _OPENERS, build_xy, parse_header, parse_rows
+from .io import OPENERS, build_xy, parse_header, parse_rows
 
 __all__ = ["load_xc_rows", "load_xc_shard", "shard_range"]
 
@@ -37,7 +37,7 @@ def shard_range(n_samples: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def _open(path: Path):
-    opener = _OPENERS.get(path.suffix.lower())
+    opener = OPENERS.get(path.suffix.lower())
     return opener(path, "rb") if opener is not None else open(path, "rb")
 
 

@@ -29,10 +29,9 @@ Versions
 ``softmax_xent_kernel``  @cuda.jit, one block per row, shared-memory tree reductions (no warp
                          intrinsics, so it runs in the simulator).
 ``softmax_chunk_stats_*`` / ``softmax_chunk_grad_*``  the two passes of the label-chunked path.
-Host level (written once against an array module ``xp`` through a small ops adapter):
-``output_layer_step``, ``output_layer_grad``, ``predict_scores_topk``. The GEMMs go to BLAS/cuBLAS
-(``xp.matmul(..., out=)``; the W2 update is one GEMM with ``beta = 1``; on the CPU the chunked
-path also accumulates dH and updates each strided W2 chunk with ``beta = 1`` GEMMs, no copies).
+CPU helpers of the host-level output layer: ``sum_parts_cpu`` (per-thread column sums -> db2),
+``axpy_serial_cpu`` / ``axpy_parallel_cpu``, ``add_bias_cpu``. The host-level step (GEMMs, label
+chunks) lives in :mod:`xmc_engine.output_layer`, written once against the backend.
 Launchers take a numba stream and never synchronise.
 """
 
@@ -58,8 +57,9 @@ _TMIN = np.float32(-125.0)
 _ONE = np.float32(1.0)
 _HALF = np.float32(0.5)
 _F0 = np.float32(0.0)
-_NEG = np.float32(-1.0e30)  # "minus infinity" of running maxima (fastmath assumes finite values;
-#                              -1e30 * log2(e) is still a finite float32)
+#: start value of running row maxima: "minus infinity" that stays finite (the kernels are compiled
+#: with fastmath, which assumes finite values; -1e30 * log2(e) is still a finite float32)
+RUNNING_MAX_START = np.float32(-1.0e30)
 _SH = 256  # shared-memory reduction buffer (>= any block size used)
 
 
@@ -119,7 +119,7 @@ def _row_max_bias(z, bias, use_bias, lanes):
     n = z.shape[0]
     nf = n - n % _LANES
     for k in range(_LANES):
-        lanes[k] = _NEG
+        lanes[k] = RUNNING_MAX_START
     if use_bias:
         for j0 in range(0, nf, _LANES):
             for k in range(_LANES):
@@ -130,7 +130,7 @@ def _row_max_bias(z, bias, use_bias, lanes):
         for j0 in range(0, nf, _LANES):
             for k in range(_LANES):
                 lanes[k] = max(z[j0 + k], lanes[k])
-    m = _NEG
+    m = RUNNING_MAX_START
     for k in range(_LANES):
         m = max(lanes[k], m)
     for j in range(nf, n):
@@ -273,7 +273,7 @@ def chunk_loss_cpu(m, s, ysum, y_indptr, lse):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _sum_parts(parts, out, alpha, beta):
+def sum_parts_cpu(parts, out, alpha, beta):
     """out = beta * out + alpha * parts.sum(0) (serial: a few parts of one row each).
 
     ``beta == 0`` never reads ``out`` (it may be uninitialised: 0 * NaN is NaN)."""
@@ -288,7 +288,7 @@ def _sum_parts(parts, out, alpha, beta):
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
-def _axpy_2d(Y, X, alpha):
+def axpy_parallel_cpu(Y, X, alpha):
     """Y += alpha * X (Y may be a strided view)."""
     a32 = np.float32(alpha)
     for i in prange(Y.shape[0]):
@@ -297,7 +297,7 @@ def _axpy_2d(Y, X, alpha):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _axpy_serial(Y, X, alpha):
+def axpy_serial_cpu(Y, X, alpha):
     """Y += alpha * X, 1-D or 2-D, serial (small arrays: a parallel region costs more)."""
     a32 = np.float32(alpha)
     for i in np.ndindex(Y.shape):
@@ -310,7 +310,8 @@ SERIAL_BELOW = 1 << 16
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _add_bias(Z, b):
+def add_bias_cpu(Z, b):
+    """Z += b on every row (parallel over rows)."""
     for i in prange(Z.shape[0]):
         for j in range(Z.shape[1]):
             Z[i, j] += b[j]
@@ -468,149 +469,3 @@ def softmax_chunk_grad_launch(Zc, bias_c, c0, y_indptr, y_indices, lse, scale, s
     if Zc.shape[0] > 0:
         launch(softmax_chunk_grad_kernel, rows_grid(Zc.shape[0]), _row_block(), stream,
                Zc, bias_c, np.int64(c0), y_indptr, y_indices, lse, np.float32(scale))
-
-
-# ---------------------------------------------------------------------------------- host level
-def _chunks(L, label_chunk):
-    C = L if not label_chunk or label_chunk >= L else int(label_chunk)
-    return C, [(c0, min(L, c0 + C)) for c0 in range(0, L, C)]
-
-
-def output_layer_step(H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None, backend):
-    """One SGD step of the output layer; returns the summed loss of the batch.
-
-    ``Z = H @ W2 + b2``; ``dZ = (softmax(Z) - y/|y|) / B``; ``dH_out[:] = dZ @ W2.T`` (old W2);
-    ``W2 -= lr * H.T @ dZ``; ``b2 -= lr * dZ.sum(0)``. With ``label_chunk=C`` the logits are
-    produced C labels at a time and the full (B, L) matrix is never held (two passes: row
-    statistics, then recompute -> gradient -> dH accumulation -> immediate W2/b2 chunk update).
-    The loss is a Python float on the CPU and a 0-d device array on CUDA (``float()`` syncs).
-    """
-    return _output_layer(H, W2, b2, y_indptr, y_indices, lr, dH_out, None, None,
-                         label_chunk, backend)
-
-
-def output_layer_grad(H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
-                      db2_out=None, label_chunk=None, backend):
-    """Gradients of the mean loss without updating: returns ``(loss_sum, dW2, db2, dH)``.
-
-    Same semantics as :func:`output_layer_step` (``dW2 = H.T @ dZ``, ``db2 = dZ.sum(0)``,
-    ``dH = dZ @ W2.T``); outputs are written into the ``*_out`` arrays when given.
-    """
-    xp = backend.xp
-    B, nh = H.shape
-    L = W2.shape[1]
-    dH_out = xp.empty((B, nh), np.float32) if dH_out is None else dH_out
-    dW2_out = xp.empty((nh, L), np.float32) if dW2_out is None else dW2_out
-    db2_out = xp.empty((L,), np.float32) if db2_out is None else db2_out
-    loss = _output_layer(H, W2, b2, y_indptr, y_indices, 0.0, dH_out, dW2_out, db2_out,
-                         label_chunk, backend)
-    return loss, dW2_out, db2_out, dH_out
-
-
-def _output_layer(H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_out, label_chunk,
-                  backend):
-    ops = backend._output_ops
-    B = H.shape[0]
-    L = W2.shape[1]
-    update = dW2_out is None
-    scale = 1.0 / max(B, 1)
-    C, chunks = _chunks(L, label_chunk)
-    if B == 0:
-        dH_out[...] = 0
-        if not update:
-            dW2_out[...] = 0
-            db2_out[...] = 0
-        return ops.loss_value(0.0)
-    if len(chunks) == 1:  # plain path: three GEMMs, logits in memory
-        Z = ops.workspace("Z", (B, L))
-        ops.matmul(H, W2, Z)                                   # GEMM 1: logits
-        db2 = db2_out if not update else ops.workspace("db2", (L,))
-        loss = ops.softmax_bias(Z, b2, y_indptr, y_indices, scale, db2)   # fused bias+xent+sum
-        ops.matmul(Z, W2.T, dH_out)                            # GEMM 2: dH with the old W2
-        if update:
-            ops.gemm_update(W2, H, Z, -lr)                     # GEMM 3: W2 -= lr H^T dZ
-            ops.axpy(b2, db2, -lr)
-        else:
-            ops.matmul(H.T, Z, dW2_out)                        # GEMM 3: dW2
-        return loss
-    # label-chunked path (DESIGN.md §2): pass 1 statistics, pass 2 recompute + update
-    m, s, ysum = ops.row_stats(B)
-    for c0, c1 in chunks:
-        Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
-        ops.matmul(H, W2[:, c0:c1], Zc)
-        ops.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
-    loss, lse = ops.chunk_loss(m, s, ysum, y_indptr)
-    dH_out[...] = 0
-    if hasattr(ops, "gemm_acc"):  # CPU: beta = 1 GEMMs on strided W2 chunks, b2 update fused
-        for c0, c1 in chunks:
-            Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
-            W2c = W2[:, c0:c1]
-            ops.matmul(H, W2c, Zc)                             # recompute the chunk's logits
-            if update:   # dZc, and b2c -= lr * dZc.sum(0) (after the kernel has read b2c)
-                ops.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, b2[c0:c1],
-                               -lr, 1.0)
-            else:
-                ops.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale,
-                               db2_out[c0:c1])
-            ops.gemm_acc(dH_out, Zc, W2c.T)                    # dH += dZc W2c^T (old W2c)
-            if update:
-                ops.gemm_update(W2c, H, Zc, -lr)               # W2c -= lr H^T dZc
-            else:
-                ops.matmul(H.T, Zc, dW2_out[:, c0:c1])
-        return loss
-    dHc = ops.workspace("dHc", dH_out.shape)
-    for c0, c1 in chunks:
-        Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
-        W2c = W2[:, c0:c1]
-        ops.matmul(H, W2c, Zc)                                 # recompute the chunk's logits
-        db2c = db2_out[c0:c1] if not update else ops.workspace("db2", (L,))[: c1 - c0]
-        ops.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, db2c)
-        ops.matmul(Zc, W2c.T, dHc)                             # dH += dZc W2c^T (old W2c)
-        ops.axpy(dH_out, dHc, 1.0)
-        if update:
-            dW2c = ops.workspace_2d("dW2c", H.shape[1], c1 - c0, C)
-            ops.matmul(H.T, Zc, dW2c)
-            ops.axpy(W2c, dW2c, -lr)
-            ops.axpy(b2[c0:c1], db2c, -lr)
-        else:
-            ops.matmul(H.T, Zc, dW2_out[:, c0:c1])
-    return loss
-
-
-def predict_scores_topk(H, W2, b2, k, *, label_chunk=None, backend):
-    """Top-k labels of ``H @ W2 + b2``: ``(idx int64 (B, k), val float32 (B, k))``, descending.
-
-    ``k`` is clipped to ``L``. With ``label_chunk`` the scores are produced chunk by chunk and the
-    running top-k is merged with each chunk's top-k (:mod:`xmc_engine.kernels.topk`).
-    """
-    ops = backend._output_ops
-    xp = backend.xp
-    B = H.shape[0]
-    L = W2.shape[1]
-    k = int(min(k, L))
-    C, chunks = _chunks(L, label_chunk)
-    idx = xp.empty((B, k), np.int64)
-    val = xp.empty((B, k), np.float32)
-    if B == 0 or k == 0:
-        return idx, val
-    for c0, c1 in chunks:
-        Zc = ops.workspace_2d("Zc", B, c1 - c0, C)
-        ops.matmul(H, W2[:, c0:c1], Zc)
-        ops.add_bias(Zc, b2[c0:c1])
-        if len(chunks) == 1:
-            ops.topk(Zc, k, idx, val)
-            break
-        kc = min(k, c1 - c0)
-        ic = xp.empty((B, kc), np.int64)
-        vc = xp.empty((B, kc), np.float32)
-        ops.topk(Zc, kc, ic, vc)
-        ic += c0
-        if c0 == 0:
-            idx, val = ic, vc
-        else:
-            kk = min(k, idx.shape[1] + kc)
-            i2 = xp.empty((B, kk), np.int64)
-            v2 = xp.empty((B, kk), np.float32)
-            ops.topk_merge(idx, val, ic, vc, i2, v2)
-            idx, val = i2, v2
-    return idx, val

@@ -177,7 +177,7 @@ def test_one_schedule_for_every_algorithm():
         assert TrainConfig(algorithm=name, lr_warmup_epochs=0.25).warmup_epochs == 0.25
     with pytest.raises(ConfigError, match="lr_warmup_epochs"):
         TrainConfig(lr_warmup_epochs=-1.0)
-    with pytest.raises(ConfigError, match="unknown key"):
+    with pytest.raises(ConfigError, match="lr_decay: option.* of the run.*--lr-decay"):
         TrainConfig(algorithm="adaptive", algorithm_params={"lr_decay": 0.5})
 
 

@@ -1,35 +1,100 @@
-"""Backend objects: the interface of backends/__init__.py, on every available backend."""
+"""Backend objects: the declared protocol (backends/base.py), on every available backend."""
 
 from __future__ import annotations
 
 import inspect
+import typing
 
 import numpy as np
 import pytest
 import scipy.sparse as sps
 from xmc_engine.kernels import reference
 
-from xmc_engine.backends import get_backend
+from xmc_engine.backends import Backend, SchedulerBackend, get_backend
+from xmc_engine.scheduler.replica import HostBackend
 
 F32 = np.float32
 
-METHODS = [
-    "asarray", "to_host", "csr_parts", "synchronize", "thread_budget", "empty", "zeros",
-    "copy_into", "sparse_forward", "sparse_backward_update", "sparse_grad", "sparse_rows_update",
-    "relu_backward", "softmax_xent", "output_layer_step", "output_layer_grad",
-    "predict_scores_topk", "topk", "weighted_sum", "momentum", "elastic",
-]
+def protocol_members(proto):
+    """``(attributes, methods)`` a Protocol class declares, its Protocol bases included."""
+    attrs, methods = set(), {}
+    for cls in reversed(proto.__mro__):
+        if cls is typing.Protocol or typing.Protocol not in cls.__mro__:
+            continue
+        attrs |= set(cls.__dict__.get("__annotations__", {}))
+        methods.update({k: v for k, v in vars(cls).items()
+                        if callable(v) and not k.startswith("_")})
+    return attrs, methods
 
 
-def test_cpu_and_cuda_backends_mirror_each_other():
-    from xmc_engine.backends import cpu, cuda  # importing cuda.py must work without a GPU
+def declared(cls, name):
+    """Whether ``cls`` defines ``name`` as a class attribute or annotates it (set per object)."""
+    return any(name in vars(c) or name in vars(c).get("__annotations__", {}) for c in cls.__mro__)
 
-    def params(f):
-        return [p for p in inspect.signature(f).parameters if p != "self"]
 
-    for name in METHODS:
-        c, g = getattr(cpu.CPUBackend, name), getattr(cuda.CUDABackend, name)
-        assert params(c) == params(g), name
+def check_implements(cls, proto):
+    """Every attribute and method of ``proto`` on ``cls``, the methods with the same parameters:
+    names, kinds and defaults, in order (``self`` aside: a staticmethod matches a method)."""
+    attrs, methods = protocol_members(proto)
+    missing = sorted(a for a in attrs if not declared(cls, a))
+    assert not missing, f"{cls.__name__} lacks attributes {missing} of {proto.__name__}"
+    for name, fn in methods.items():
+        assert hasattr(cls, name), f"{cls.__name__} lacks {proto.__name__}.{name}"
+
+        def params(f):
+            return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()
+                    if p.name != "self"]
+
+        assert params(getattr(cls, name)) == params(fn), f"{cls.__name__}.{name}"
+
+
+def test_protocols_declare_what_the_engine_calls():
+    attrs, methods = protocol_members(Backend)
+    assert {"name", "xp", "sp", "device_id", "threads", "tracks_rows"} <= attrs
+    assert {"activate", "thread_budget", "synchronize", "fence", "to_float", "all_finite",
+            "merge_rows", "copy_rows", "gemm_acc", "output_layer_step", "topk"} <= set(methods)
+    s_attrs, s_methods = protocol_members(SchedulerBackend)
+    assert s_attrs < attrs and set(s_methods) < set(methods)
+
+
+def test_cpu_backend_implements_the_whole_protocol():
+    from xmc_engine.backends.cpu import CPUBackend
+
+    check_implements(CPUBackend, Backend)
+    assert isinstance(CPUBackend(), Backend)
+
+
+def test_cuda_backend_implements_the_whole_protocol():
+    """Checked on the class: ``backends.cuda`` imports without CuPy (it imports CuPy only when
+    a backend is constructed)."""
+    from xmc_engine.backends.cuda import CUDABackend
+
+    check_implements(CUDABackend, Backend)
+    assert CUDABackend.threads is None and CUDABackend.tracks_rows is False
+
+
+def test_host_backend_implements_the_scheduler_part():
+    check_implements(HostBackend, SchedulerBackend)
+    assert isinstance(HostBackend(), SchedulerBackend)
+
+
+def test_mirror_check_catches_a_renamed_parameter_or_default():
+    class Bad:
+        def synchronize(self):
+            pass
+
+    class Proto(typing.Protocol):
+        def synchronize(self, timeout=1.0):
+            ...
+
+    with pytest.raises(AssertionError, match="Bad.synchronize"):
+        check_implements(Bad, Proto)
+
+
+def test_capability_flags_are_plain_booleans(backend_name):
+    be = get_backend(backend_name)
+    assert isinstance(be.tracks_rows, bool)
+    assert be.threads is None or be.threads >= 1
 
 
 def test_attributes(backend_name):
@@ -108,6 +173,15 @@ def test_topk_merge_ops_and_copies(backend_name):
     c = be.zeros(s.shape)
     be.copy_into(c, a)
     np.testing.assert_array_equal(be.to_host(c), s)
+
+
+def test_upload_returns_equal_arrays(backend_name):
+    be = get_backend(backend_name)
+    arrays = [np.arange(5, dtype=np.int64), np.ones(3, F32), np.zeros(0, np.int32)]
+    out = be.upload(arrays)
+    for got, want in zip(out, arrays, strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(be.to_host(got), want)
 
 
 def test_cpu_thread_budget_is_per_thread():

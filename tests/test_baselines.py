@@ -12,13 +12,13 @@ from tests._trainer import make_trainer
 from tests.test_estimator import tiny_data
 from xmc_engine import XMCClassifier
 from xmc_engine.algorithms import EASGD, Crossbow, SyncSGD, get_algorithm
-from xmc_engine.algorithms.sync import allreduce_grads
 from xmc_engine.backends import get_backend
 from xmc_engine.config import CrossbowConfig, EASGDConfig, SyncConfig
 from xmc_engine.devices import parse_devices
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import MLPReplica, ModelShape, init_params
 from xmc_engine.scheduler import FakeReplica, MergeContext
+from xmc_engine.scheduler.merge import reduce_gradients
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_allreduce_sparse_union_and_weights():
         dense.append((full, b))
         grads.append([(rows, g1), b])
     w = [0.5, 0.25, 0.25]
-    out = allreduce_grads(grads + [None], w + [0.0])
+    out = reduce_gradients(grads + [None], w + [0.0], get_backend("cpu", threads=1))
     rows, g1 = out[0]
     np.testing.assert_array_equal(rows, [0, 1, 3, 5, 7, 9])
     ref = sum(wi * f for wi, (f, _) in zip(w, dense, strict=True))

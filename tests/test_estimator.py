@@ -85,10 +85,11 @@ def test_chunked_equals_plain(toy):
 
 
 @pytest.mark.parametrize("bad, msg", [
-    (lambda X, Y: (X.toarray(), Y), "scipy.sparse"),
-    (lambda X, Y: (X, Y[:-1]), "rows"),
-    (lambda X, Y: (X, Y * 2), "binary"),
-    (lambda X, Y: (X.astype(np.complex64), Y), "dtype"),
+    (lambda X, Y: (X.toarray()[0], Y), "X must be 2-D"),
+    (lambda X, Y: (X, Y[:-1]), "Y has 499 rows but X has 500"),
+    (lambda X, Y: (X, Y * 2), "Y row 0: value 2.0 is not 0 or 1"),
+    (lambda X, Y: (X.astype(np.complex64), Y), "Complex data not supported: X"),
+    (lambda X, Y: (X, np.ones(X.shape[0])), "MultiLabelBinarizer"),
 ])
 def test_bad_input_is_value_error(toy, bad, msg):
     Xtr, Ytr, _, _ = toy
@@ -196,3 +197,76 @@ def test_multi_device_evaluates_between_merge_periods(toy, tmp_path):
     assert ckpts and ckpts[-1]["samples"] == 1000 and any(r["samples"] % 500 for r in ckpts)
     final = [r for r in log if r["event"] == "final"][0]
     assert final["samples"] == 1000
+
+
+@pytest.fixture(scope="module")
+def fitted(toy):
+    Xtr, Ytr, _, _ = toy
+    return XMCClassifier(hidden=[32, 16], epochs=8, batch_size=32, lr=0.5, threads=1,
+                         eval_k=4).fit(Xtr, Ytr)
+
+
+def test_predict_is_a_top1_indicator_matrix(fitted, toy):
+    _, _, Xte, _ = toy
+    labels, _ = fitted.predict_topk(Xte, 3)
+    P = fitted.predict(Xte)
+    assert sp.isspmatrix_csr(P) and P.shape == (100, 25) and P.dtype == np.float32
+    np.testing.assert_array_equal(P.indices, labels[:, 0])
+    np.testing.assert_array_equal(P.data, 1.0)
+    P3 = fitted.predict(Xte, k=3)
+    np.testing.assert_array_equal(P3.indices.reshape(100, 3), np.sort(labels, axis=1))
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        fitted.predict(Xte, k=0)
+
+
+def test_scores_as_sparse_rows(fitted, toy):
+    _, _, Xte, _ = toy
+    labels, logits = fitted.predict_topk(Xte, 4)
+    D = fitted.decision_function(Xte)  # default k = eval_k = 4
+    assert D.shape == (100, 25) and D.getnnz(axis=1).tolist() == [4] * 100
+    np.testing.assert_allclose(np.take_along_axis(D.toarray(), labels, axis=1), logits)
+    P = fitted.predict_proba(Xte)
+    # probabilities of the same labels, in the same order, a softmax of the logits
+    Pd = np.take_along_axis(P.toarray(), labels, axis=1)
+    assert np.all(np.diff(Pd, axis=1) <= 1e-7) and np.all(Pd > 0) and np.all(Pd <= 1)
+    shift = np.log(Pd) - logits  # minus the row's log normaliser, in every column
+    np.testing.assert_allclose(shift, np.repeat(shift[:, :1], 4, axis=1), atol=1e-4)
+    # over every label a row sums to 1: the host normaliser matches the engine's logits
+    full = fitted.predict_proba(Xte, k=100)
+    np.testing.assert_allclose(np.asarray(full.sum(axis=1)).ravel(), 1.0, rtol=1e-4)
+
+
+def test_predict_with_threshold(fitted, toy):
+    _, _, Xte, _ = toy
+    probs = fitted.predict_proba(Xte, k=25).toarray()
+    for t in (0.05, 0.2, 0.5):
+        P = fitted.predict(Xte, threshold=t)
+        np.testing.assert_array_equal(P.toarray(), (probs >= t).astype(np.float32))
+        assert 0 < P.nnz < 25 * 100
+    top2 = fitted.predict(Xte, k=2, threshold=0.05).toarray()
+    assert top2.sum(axis=1).max() <= 2 and np.all(top2 <= (probs >= 0.05))
+    for bad in (0, 1.5, "0.5", True):
+        with pytest.raises(ValueError, match="threshold"):
+            fitted.predict(Xte, threshold=bad)
+
+
+def test_score_is_p_at_1_or_the_named_metric(fitted, toy):
+    _, _, Xte, Yte = toy
+    metrics = fitted.evaluate(Xte, Yte, ks=(1, 3))
+    assert fitted.score(Xte, Yte) == metrics["P@1"]
+    assert fitted.score(Xte, Yte, metric="nDCG@3") == metrics["nDCG@3"]
+    assert fitted.score(Xte, Yte, metric="PSP@3") == metrics["PSP@3"]
+    for bad in ("P1", "P@0", "F1@3"):
+        with pytest.raises(ValueError, match="metric"):
+            fitted.score(Xte, Yte, metric=bad)
+
+
+def test_tiny_training_sets(toy):
+    """One and two rows train; propensity metrics are left out below 3 training rows."""
+    Xtr, Ytr, Xte, Yte = toy
+    for n in (1, 2):
+        m = XMCClassifier(hidden=4, epochs=1, threads=1).fit(Xtr[:n], Ytr[:n])
+        metrics = m.evaluate(Xte, Yte)
+        assert "P@1" in metrics and "PSP@1" not in metrics
+    m = XMCClassifier(hidden=4, epochs=1, threads=1).fit(Xtr[:3], Ytr[:3])
+    assert "PSP@1" in m.evaluate(Xte, Yte)

@@ -8,7 +8,7 @@ def test_sum_parts_ignores_uninitialised_output_when_beta_is_zero():
     # The b2 gradient buffer comes from np.empty: beta = 0 must not read it (0 * NaN = NaN).
     parts = np.arange(12, dtype=np.float32).reshape(3, 4)
     out = np.full(4, np.nan, dtype=np.float32)
-    output_layer._sum_parts(parts, out, 0.5, 0.0)
+    output_layer.sum_parts_cpu(parts, out, 0.5, 0.0)
     np.testing.assert_allclose(out, 0.5 * parts.sum(0))
 
 

@@ -25,7 +25,7 @@ FAST = settings(max_examples=40, deadline=None)
 
 
 class KernelBackend(HostBackend):
-    """A backend *with* merge launchers (counts calls), to test the kernel path."""
+    """A backend whose merge launchers count their calls: the merges go through them."""
 
     def __init__(self):
         self.calls = {"weighted_sum": 0, "momentum": 0, "elastic": 0}
@@ -113,7 +113,7 @@ def test_norm_trend_rules():
         NormTrend("sometimes")
 
 
-@pytest.mark.parametrize("backend", [None, HostBackend(), KernelBackend()])
+@pytest.mark.parametrize("backend", [HostBackend(), KernelBackend()])
 @FAST
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 5))
 def test_identical_replicas_merge_to_themselves(backend, seed, n):
@@ -125,7 +125,7 @@ def test_identical_replicas_merge_to_themselves(backend, seed, n):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", [None, KernelBackend()])
+@pytest.mark.parametrize("backend", [HostBackend(), KernelBackend()])
 @FAST
 @given(seed=st.integers(0, 2**31), n=st.integers(2, 5), data=st.data())
 def test_order_does_not_matter(backend, seed, n, data):
@@ -145,7 +145,7 @@ def test_one_hot_weights_select_one_replica(seed, n, k):
     reps = replicas(seed, n, np.float32)
     w = np.zeros(n)
     w[k] = 1.0
-    out = weighted_merge(reps, w, [np.empty(s, np.float32) for s in SHAPES])
+    out = weighted_merge(reps, w, [np.empty(s, np.float32) for s in SHAPES], HostBackend())
     for a, b in zip(out, reps[k], strict=True):
         np.testing.assert_array_equal(a, b)  # exact
 
@@ -154,15 +154,15 @@ def test_one_hot_weights_select_one_replica(seed, n, k):
 def test_nonfinite_replica_is_caught(bad_value):
     reps = replicas(0, 3)
     reps[1][0][2, 1] = bad_value
-    assert find_nonfinite(reps) == [1]
+    assert find_nonfinite(reps, HostBackend()) == [1]
     with pytest.raises(DivergenceError, match=r"\[1\]"):
-        weighted_merge(reps, [0.2, 0.3, 0.5], empty())
+        weighted_merge(reps, [0.2, 0.3, 0.5], empty(), HostBackend())
     # with weight 0 the bad replica is skipped and cannot poison the merge
-    out = weighted_merge(reps, [0.5, 0.0, 0.5], empty())
+    out = weighted_merge(reps, [0.5, 0.0, 0.5], empty(), HostBackend())
     assert all(np.isfinite(a).all() for a in out)
 
 
-@pytest.mark.parametrize("backend", [None, KernelBackend()])
+@pytest.mark.parametrize("backend", [HostBackend(), KernelBackend()])
 @FAST
 @given(seed=st.integers(0, 2**31), mu=st.floats(0.0, 0.99))
 def test_momentum_matches_formula(backend, seed, mu):
@@ -175,12 +175,12 @@ def test_momentum_matches_formula(backend, seed, mu):
 def test_momentum_zero_is_exact_copy():
     wbar, z1, z2 = replicas(3, 3)
     z1[0][0, 0] = np.inf  # ignored entirely when mu == 0
-    out = central_momentum(wbar, z1, z2, 0.0, empty())
+    out = central_momentum(wbar, z1, z2, 0.0, empty(), HostBackend())
     for o, w in zip(out, wbar, strict=True):
         np.testing.assert_array_equal(o, w)
 
 
-@pytest.mark.parametrize("backend", [None, KernelBackend()])
+@pytest.mark.parametrize("backend", [HostBackend(), KernelBackend()])
 def test_elastic_update(backend):
     x, c = replicas(5, 2)
     x0 = [a.copy() for a in x]
@@ -200,7 +200,7 @@ def test_kernel_path_is_used():
 
 def test_l2_norm():
     p = [np.full((2, 2), 1.0), np.full(3, 2.0)]
-    assert l2_norm(p) == pytest.approx(np.sqrt(4 + 12))
+    assert l2_norm(p, HostBackend()) == pytest.approx(np.sqrt(4 + 12))
 
 
 # -- the CPU backend's merge helpers: all_finite (NaN/inf check) and the parallel broadcast copy --
@@ -229,7 +229,7 @@ def test_find_nonfinite_uses_the_backend_check():
     reps[2][1][1] = np.nan
     reps[0][0][399, 299] = np.inf
     assert find_nonfinite(reps, be) == [0, 2]
-    assert find_nonfinite(reps) == [0, 2]  # no backend: the float64-sum path agrees
+    assert find_nonfinite(reps, HostBackend()) == [0, 2]  # NumPy's isfinite agrees
 
 
 @pytest.mark.parametrize("shape", [(3,), (300, 300), (70_000,)])
@@ -244,3 +244,37 @@ def test_cpu_copy_into_copies_small_and_large_arrays(shape):
     d64 = np.zeros(shape, np.float64)  # other dtypes: np.copyto's conversion
     be.copy_into(d64, src)
     np.testing.assert_array_equal(d64, src.astype(np.float64))
+
+
+# -- the all-reduce of synchronous SGD ------------------------------------------------------------
+def sparse_grads(seed, n_rows, dtype):
+    """Gradients in grad_batch's layout: W1 over a random subset of 9 rows, two dense arrays."""
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(9, size=n_rows, replace=False)).astype(np.int64)
+    return [(rows, rng.standard_normal((n_rows, 3)).astype(dtype)),
+            rng.standard_normal(3).astype(dtype), rng.standard_normal((3, 4)).astype(dtype)]
+
+
+@pytest.mark.parametrize("backend", ["host", "cpu"])
+def test_reduce_gradients_is_the_weighted_sum_over_the_union_of_rows(backend):
+    from xmc_engine.backends import get_backend
+    from xmc_engine.scheduler.merge import reduce_gradients
+
+    be = HostBackend() if backend == "host" else get_backend("cpu", threads=1)
+    dtype = np.float64 if backend == "host" else np.float32
+    grads = [sparse_grads(0, 4, dtype), None, sparse_grads(1, 6, dtype), sparse_grads(2, 2, dtype)]
+    weights = [0.5, 0.2, 0.3, 0.0]  # device 1 has no gradient, device 3 weight 0
+    out = reduce_gradients(grads, weights, be)
+    dense_w1 = np.zeros((9, 3))
+    for g, wi in zip(grads, weights, strict=True):
+        if g is not None:
+            dense_w1[g[0][0]] += wi * g[0][1]
+    rows = np.union1d(grads[0][0][0], grads[2][0][0])  # device 3's rows: weight 0, left out
+    np.testing.assert_array_equal(out[0][0], rows)
+    np.testing.assert_allclose(out[0][1], dense_w1[rows], rtol=1e-6)
+    for k in (1, 2):
+        np.testing.assert_allclose(out[k], 0.5 * grads[0][k] + 0.3 * grads[2][k], rtol=1e-5,
+                                   atol=1e-6)
+    assert all(o.dtype == dtype for o in [out[0][1], out[1], out[2]])
+    with pytest.raises(ValueError, match="no device"):
+        reduce_gradients([None, grads[0]], [0.5, 0.0], be)

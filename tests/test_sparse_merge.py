@@ -209,5 +209,5 @@ def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorit
             assert s["flag"] == d["flag"]
             assert ([x["weight"] for x in s["devices"]]
                     == pytest.approx([x["weight"] for x in d["devices"]], rel=1e-9))
-        assert np.sqrt(sum(sq_norms(sparse_params))) == pytest.approx(sparse_log[-1]["norm"],
+        assert np.sqrt(sum(sq_norms(sparse_params, be))) == pytest.approx(sparse_log[-1]["norm"],
                                                                     rel=1e-5)

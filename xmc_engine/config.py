@@ -356,6 +356,12 @@ def algorithm_config(name: str, options=None, *, source: str = "algorithm_params
         default = type(options)()
         options = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
                    if getattr(options, f.name) != getattr(default, f.name)}
+    if isinstance(options, dict):
+        shared = sorted(set(options) & {f.name for f in dataclasses.fields(TrainConfig)})
+        if shared:
+            raise ConfigError(f"{source} of {name!r}: {', '.join(shared)}: option(s) of the run, "
+                              f"not of the algorithm; set them as TrainConfig / XMCClassifier "
+                              f"parameters (--{shared[0].replace('_', '-')} on the command line)")
     return cls.from_dict(options, source=f"{source} of {name!r}")
 
 

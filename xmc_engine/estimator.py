@@ -1,104 +1,105 @@
-"""``XMCClassifier``: the estimator surface of the engine (STYLE.md "Estimator surface").
+"""``XMCClassifier``: the scikit-learn estimator surface of the engine (STYLE.md "Estimator
+surface").
 
 ``fit(X, Y)`` trains a sparse-input MLP (:mod:`xmc_engine.model`) with one of the algorithms of
-DESIGN.md §4 on the devices of a spec string; ``predict_topk(X, k)`` returns the top-k labels
-and scores; ``save(dir)`` / ``XMCClassifier.load(dir)`` store a folder with ``config.json`` and
-``params.npz`` (no pickle).
+DESIGN.md §4 on the devices of a spec string. ``predict`` returns a 0/1 indicator matrix,
+``predict_proba`` / ``decision_function`` the top-k probabilities / logits as sparse rows,
+``score`` P@1, ``predict_topk`` the top-k labels and scores as dense arrays; ``save(dir)`` /
+``XMCClassifier.load(dir)`` store a folder with ``config.json`` and ``params.npz`` (no pickle).
+
+The estimator's parameters are the fields of :class:`~xmc_engine.config.TrainConfig` plus the
+run folder options (``log_dir``, ``checkpoint_every``); they are read from the dataclass when
+this module is imported, so a field added to the config is a parameter here too. scikit-learn is
+not a dependency: ``get_params``, ``set_params`` and ``__sklearn_tags__`` follow its protocol
+without importing it (the tags import it when scikit-learn asks for them).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
+import numbers
 from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_engine.config import TrainConfig
+from xmc_engine.config import ALGORITHMS, EVAL_ROWS, TrainConfig
 from xmc_engine.errors import CheckpointError, ConfigError
 from xmc_engine.model import ModelShape, predict_topk
+from xmc_engine.validation import check_k, check_X, check_Y, parse_every
 
 logger = logging.getLogger(__name__)
 
 MODEL_FORMAT = "xmc-engine-model/1"
 
+#: Most logits (rows x labels) held at once when every label's score is needed (64 MB float32).
+LOGIT_BLOCK = 1 << 24
 
-# -- input validation ------------------------------------------------------------------------
-def _to_host_csr(M, name: str):
-    """Accept SciPy sparse (any format) or CuPy CSR; return SciPy CSR."""
-    if hasattr(M, "get") and type(M).__module__.startswith("cupyx"):
-        M = M.get()
-    if not sp.issparse(M):
-        raise ValueError(f"{name} must be a scipy.sparse matrix (CSR preferred), "
-                         f"got {type(M).__name__}")
-    return M.tocsr()
+#: The nested parameter holding the algorithm's options (``algorithm_params__merge_period``).
+NESTED = "algorithm_params"
 
 
-def check_X(X, n_features: int | None = None, name: str = "X") -> sp.csr_matrix:
-    """Validate a feature matrix: sparse, finite, numeric; returns canonical float32 CSR."""
-    X = _to_host_csr(X, name)
-    if X.ndim != 2:
-        raise ValueError(f"{name} must be 2-D, got shape {X.shape}")
-    if not np.issubdtype(X.dtype, np.number) or np.issubdtype(X.dtype, np.complexfloating):
-        raise ValueError(f"{name} must have a real numeric dtype, got {X.dtype}")
-    if n_features is not None and X.shape[1] != n_features:
-        raise ValueError(f"{name} has {X.shape[1]} features, the model expects {n_features}")
-    X = X.astype(np.float32, copy=False)
-    if X.nnz and not np.isfinite(X.data).all():
-        bad = int(np.flatnonzero(~np.isfinite(X.data))[0])
-        row = int(np.searchsorted(X.indptr, bad, side="right") - 1)
-        raise ValueError(f"{name} row {row}: non-finite value {X.data[bad]}")
-    if not X.has_canonical_format:
-        X = X.copy()
-        X.sum_duplicates()
-    return X
-
-
-def check_Y(Y, n_samples: int, n_labels: int | None = None, name: str = "Y") -> sp.csr_matrix:
-    """Validate a label matrix: sparse, binary (0/1), ``n_samples`` rows."""
-    Y = _to_host_csr(Y, name)
-    if Y.shape[0] != n_samples:
-        raise ValueError(f"{name} has {Y.shape[0]} rows but X has {n_samples}")
-    if n_labels is not None and Y.shape[1] != n_labels:
-        raise ValueError(f"{name} has {Y.shape[1]} labels, the model expects {n_labels}")
-    Y = Y.copy()
-    Y.sum_duplicates()
-    Y.eliminate_zeros()
-    if Y.nnz and not np.all(Y.data == 1):
-        bad = Y.data[Y.data != 1][0]
-        raise ValueError(f"{name} must be binary (0/1), found value {bad}")
-    return Y.astype(np.float32)
-
-
-def parse_every(spec) -> tuple[str, float] | None:
-    """``"20000"`` / ``20000`` -> every 20,000 samples; ``"60s"`` -> every 60 seconds."""
-    if spec is None or spec == "" or spec == 0:
+def _signature_default(f: dataclasses.Field):
+    """The estimator's default for config field ``f``: the field's default, a list default as a
+    tuple, and ``None`` (the config's own default, taken in ``fit``) for other mutable ones."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is dataclasses.MISSING:  # a required field: fit will say so
         return None
-    s = str(spec).strip().lower()
+    value = f.default_factory()
+    return tuple(value) if isinstance(value, list) else None
+
+
+CONFIG_FIELDS = dataclasses.fields(TrainConfig)
+
+#: Parameter name -> default, in signature order: the config's fields, then the run folder.
+PARAM_DEFAULTS = {f.name: _signature_default(f) for f in CONFIG_FIELDS}
+PARAM_DEFAULTS.update(log_dir=None, checkpoint_every=None)
+
+
+def _option_defaults(algorithm) -> dict | None:
+    """Options of ``algorithm`` with their defaults (the fields of its options dataclass,
+    :data:`xmc_engine.config.ALGORITHMS`), or ``None`` when the name is not an algorithm (``fit``
+    refuses it)."""
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if cls is None:
+        return None
+    return dataclasses.asdict(cls())
+
+
+def _equal(a, b) -> bool:
     try:
-        if s.endswith("s"):
-            value, unit = float(s[:-1]), "seconds"
-        else:
-            value, unit = float(s), "samples"
-    except ValueError:
-        raise ConfigError(f"checkpoint_every={spec!r}: expected a sample count like 20000 "
-                          "or seconds like 60s") from None
-    if not value > 0:
-        raise ConfigError(f"checkpoint_every={spec!r}: must be > 0")
-    return unit, value
+        return a is b or bool(a == b)
+    except (TypeError, ValueError):  # arrays and other values without a truth value
+        return False
+
+
+def _rows_matrix(labels: np.ndarray, values: np.ndarray, n_labels: int) -> sp.csr_matrix:
+    """CSR ``(n_samples, n_labels)`` holding ``values[i, j]`` at column ``labels[i, j]``;
+    explicit zeros are kept (a logit or probability of 0 is a score, not a missing entry)."""
+    n, k = labels.shape
+    M = sp.csr_matrix((values.ravel(), labels.ravel(), np.arange(0, n * k + 1, k)),
+                      shape=(n, n_labels))
+    M.sort_indices()
+    return M
 
 
 class XMCClassifier:
     """Extreme multi-label classifier: a sparse-input MLP trained with (Adaptive) SGD.
 
+    Every parameter is keyword-only, stored unmodified by ``__init__`` and validated by
+    ``fit`` (``ConfigError``, a ``ValueError``, naming the parameter).
+
     Parameters
     ----------
-    hidden : int or list of int, default 128
+    hidden : int or sequence of int, default (128,)
         Hidden layer widths (first layer sparse, the rest dense).
     epochs, batch_size, lr : training length, base batch size ``B``, base learning rate.
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
         the schedule of every algorithm (``lr_warmup_epochs=None``: each algorithm's own
-        warm-up, none for one device, one epoch for the multi-device algorithms).
+        warm-up).
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"sgd", "adagrad"}
@@ -107,92 +108,189 @@ class XMCClassifier:
     devices : str
         Device spec, e.g. ``"cpu"``, ``"cpu,cpu@0.5"``, ``"cuda:0,cuda:0"``, ``"auto"``.
     algorithm : str
-        ``"single"`` (one device), ``"adaptive"`` (Adaptive SGD), ``"average"`` (the paper's GD).
-    algorithm_params : dict
-        Options of the algorithm (see :mod:`xmc_engine.algorithms`).
+        ``"single"`` (one device), ``"adaptive"`` (Adaptive SGD), ``"average"`` (the paper's GD),
+        ``"sync"``, ``"easgd"``, ``"crossbow"`` (DESIGN.md §4).
+    algorithm_params : dict or None
+        Options of the algorithm (see :mod:`xmc_engine.algorithms`); ``None``: all defaults.
+        Each option is also a nested parameter ``algorithm_params__<option>`` of
+        ``get_params(deep=True)`` / ``set_params``, so a grid search can tune it.
     seed : int
         Seeds initialisation and shuffling; a one-device run with a fixed ``threads`` repeats
         exactly.
     threads : int or None
-        CPU threads (None: all cores, split over the CPU devices; a device with several
-        threads then times a few steps under 1 and all of them and keeps the faster).
+        CPU threads (None: all cores, split over the CPU devices, calibrated per run).
     eval_every : float
-        Evaluate on ``eval_set`` every this many epochs (0: only at the end). On several
-        devices an evaluation waits for the next merge barrier (the central model); several
-        nodes evaluate at epoch ends.
+        Evaluate on ``eval_set`` every this many epochs (0: only at the end).
+    eval_k : int
+        Largest cut-off of the evaluation metrics, and the number of scores per row that
+        ``predict_proba`` and ``decision_function`` return by default.
+    propensity_a, propensity_b : float
+        Constants of the Jain et al. label propensities behind PSP@k and PSnDCG@k.
     log_dir : str or None
         Folder for ``log.jsonl`` and checkpoints.
     checkpoint_every : int or str or None
         Checkpoint every N samples (``20000``) or seconds (``"60s"``); needs ``log_dir``.
 
-    Attributes (after ``fit``)
-    --------------------------
+    Attributes
+    ----------
     n_features_, n_labels_ : int
-    params_ : list of numpy arrays (see :mod:`xmc_engine.model`)
-    history_ : list of dict, the run-log records of the last ``fit``
+        Shape of the training data (``n_features_in_`` is scikit-learn's name of the first).
+    params_ : list of numpy.ndarray
+        float32, host, the order of :mod:`xmc_engine.model`.
+    history_ : list of dict
+        The run-log records of the last ``fit``.
+    metrics_ : dict or None
+        The last evaluation on ``eval_set``.
+    label_frequency_ : numpy.ndarray
+        int64 ``(n_labels,)``: training rows per label (for the propensities).
+    n_train_ : int
+        Training rows.
+
+    Notes
+    -----
+    ``X`` and ``Y`` may be sparse or dense, of any real dtype; :mod:`xmc_engine.validation`
+    says what is accepted and how it is normalised.
     """
 
-    def __init__(self, hidden=128, epochs=10, batch_size=256, lr=1.0, lr_warmup_epochs=None,
-                 lr_decay=0.0, label_chunk=None, optimizer="sgd", devices="cpu",
-                 algorithm="single", algorithm_params=None, seed=0, threads=None,
-                 eval_every=1.0, eval_k=5, propensity_a=0.55, propensity_b=1.5, log_dir=None,
-                 checkpoint_every=None):
-        self.hidden = hidden
-        self.epochs = epochs
-        self.batch_size = batch_size
-        self.lr = lr
-        self.lr_warmup_epochs = lr_warmup_epochs
-        self.lr_decay = lr_decay
-        self.label_chunk = label_chunk
-        self.optimizer = optimizer
-        self.devices = devices
-        self.algorithm = algorithm
-        self.algorithm_params = algorithm_params
-        self.seed = seed
-        self.threads = threads
-        self.eval_every = eval_every
-        self.eval_k = eval_k
-        self.propensity_a = propensity_a
-        self.propensity_b = propensity_b
-        self.log_dir = log_dir
-        self.checkpoint_every = checkpoint_every
+    def __init__(self, **params):
+        unknown = sorted(set(params) - set(PARAM_DEFAULTS))
+        if unknown:
+            raise TypeError(f"XMCClassifier got unexpected parameter(s) {', '.join(unknown)}; "
+                            f"valid: {', '.join(PARAM_DEFAULTS)}")
+        for name, default in PARAM_DEFAULTS.items():
+            setattr(self, name, params.get(name, default))
 
-    # -- configuration -----------------------------------------------------------------------
+    # -- the scikit-learn parameter protocol ----------------------------------------------------
+    def get_params(self, deep: bool = True) -> dict:
+        """Parameters of this estimator.
+
+        Parameters
+        ----------
+        deep : bool
+            Also list each option of the chosen algorithm as ``algorithm_params__<option>``:
+            the value in ``algorithm_params`` or else the option's default.
+
+        Returns
+        -------
+        dict
+        """
+        params = {name: getattr(self, name) for name in PARAM_DEFAULTS}
+        if deep:
+            options = _option_defaults(self.algorithm) or {}
+            if isinstance(self.algorithm_params, dict):
+                options.update(self.algorithm_params)
+            params.update({f"{NESTED}__{key}": value for key, value in options.items()})
+        return params
+
+    def set_params(self, **params) -> XMCClassifier:
+        """Set parameters; ``algorithm_params__<option>=v`` sets one algorithm option.
+
+        The options go into a new dict (the one passed to ``__init__`` is never modified) and
+        are checked against the options of ``algorithm`` (after any new ``algorithm`` of the
+        same call is set) when that is a registered algorithm.
+
+        Returns
+        -------
+        XMCClassifier
+            ``self``.
+
+        Raises
+        ------
+        ValueError
+            For an unknown parameter or algorithm option.
+        """
+        plain, nested = {}, {}
+        for key, value in params.items():
+            name, sep, option = key.partition("__")
+            if name not in PARAM_DEFAULTS or (sep and name != NESTED):
+                raise ValueError(f"invalid parameter {key!r} for XMCClassifier; valid: "
+                                 f"{', '.join(PARAM_DEFAULTS)} and {NESTED}__<option>")
+            (nested if sep else plain)[option if sep else name] = value
+        if nested:
+            algorithm = plain.get("algorithm", self.algorithm)
+            known = _option_defaults(algorithm)
+            unknown = sorted(set(nested) - set(known or {}))
+            if known is not None and unknown:
+                names = ", ".join(f"{NESTED}__{u}" for u in unknown)
+                raise ValueError(f"invalid parameter(s) {names}: algorithm {algorithm!r} "
+                                 f"has the options {', '.join(sorted(known))}")
+            current = plain.get(NESTED, self.algorithm_params)
+            plain[NESTED] = {**(current if isinstance(current, dict) else {}), **nested}
+        for name, value in plain.items():
+            setattr(self, name, value)
+        return self
+
+    def __sklearn_tags__(self):
+        """scikit-learn's tags: a multi-label classifier of 2-D (sparse or dense) input that
+        needs a 2-D 0/1 indicator target (``single_output=False``); a multi-class class vector
+        is refused (``multi_class=False``: binarise it first)."""
+        from sklearn.utils import ClassifierTags, InputTags, Tags, TargetTags
+
+        return Tags(estimator_type="classifier",
+                    target_tags=TargetTags(required=True, two_d_labels=True, multi_output=True,
+                                           single_output=False),
+                    classifier_tags=ClassifierTags(multi_class=False, multi_label=True),
+                    input_tags=InputTags(sparse=True))
+
+    def __repr__(self) -> str:
+        changed = [f"{name}={value!r}" for name, value in self.get_params(deep=False).items()
+                   if not _equal(value, PARAM_DEFAULTS[name])]
+        return f"XMCClassifier({', '.join(changed)})"
+
+    # -- configuration --------------------------------------------------------------------------
     def get_config(self) -> TrainConfig:
-        return TrainConfig(
-            hidden=self.hidden, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-            lr_warmup_epochs=self.lr_warmup_epochs, lr_decay=self.lr_decay,
-            label_chunk=self.label_chunk, optimizer=self.optimizer, devices=self.devices,
-            algorithm=self.algorithm,
-            algorithm_params=dict(self.algorithm_params or {}), seed=self.seed,
-            threads=self.threads, eval_every=self.eval_every, eval_k=self.eval_k,
-            propensity_a=self.propensity_a, propensity_b=self.propensity_b)
+        """The :class:`TrainConfig` of the current parameters (validated; ``ConfigError``)."""
+        kwargs = {}
+        for f in CONFIG_FIELDS:
+            value = getattr(self, f.name)
+            if value is None and f.default is dataclasses.MISSING:
+                continue  # None stands for the config's own (mutable) default
+            kwargs[f.name] = dict(value) if isinstance(value, dict) else value
+        try:
+            return TrainConfig(**kwargs)
+        except TypeError as exc:  # a comparison in the config's checks met a wrong type
+            raise ConfigError(f"XMCClassifier: a parameter has the wrong type ({exc}); "
+                              f"given {kwargs}") from None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, **kwargs) -> XMCClassifier:
-        d = cfg.to_dict()
-        return cls(**d, **kwargs)
+        """An estimator with the fields of ``cfg`` as parameters (``kwargs``: the others)."""
+        return cls(**cfg.to_dict(), **kwargs)
 
-    # -- training ------------------------------------------------------------------------------
+    # -- training -------------------------------------------------------------------------------
     def fit(self, X, Y, eval_set=None, *, resume: bool = False) -> XMCClassifier:
-        """Train on ``X`` (n_samples, n_features) and binary ``Y`` (n_samples, n_labels).
+        """Train on ``X`` and the 0/1 label matrix ``Y``.
 
-        ``eval_set=(X_test, Y_test)`` is evaluated every ``eval_every`` epochs (time excluded
-        from ``train_time``). ``resume=True`` continues from the newest valid checkpoint in
-        ``log_dir``. Returns ``self``.
+        Parameters
+        ----------
+        X : sparse matrix or 2-D array-like, shape (n_samples, n_features)
+        Y : sparse matrix or 2-D array-like, shape (n_samples, n_labels), values 0/1
+        eval_set : pair (X_test, Y_test), optional
+            Evaluated every ``eval_every`` epochs (time excluded from ``train_time``).
+        resume : bool
+            Continue from the newest valid checkpoint in ``log_dir``.
+
+        Returns
+        -------
+        XMCClassifier
+            ``self``.
         """
         from xmc_engine.training import fit_model
 
         cfg = self.get_config()
-        X = check_X(X)
+        every = parse_every(self.checkpoint_every)
+        X = check_X(X, min_samples=1)
         Y = check_Y(Y, X.shape[0])
         if eval_set is not None:
+            if not isinstance(eval_set, (tuple, list)) or len(eval_set) != 2:
+                raise ValueError("eval_set must be a pair (X_test, Y_test), got "
+                                 f"{type(eval_set).__name__}")
             Xt = check_X(eval_set[0], X.shape[1], name="X_test")
-            Yt = check_Y(eval_set[1], Xt.shape[0], Y.shape[1], name="Y_test")
+            Yt = check_Y(eval_set[1], Xt.shape[0], Y.shape[1], name="Y_test", x_name="X_test")
             eval_set = (Xt, Yt)
+        result = fit_model(cfg, X, Y, eval_set, log_dir=self.log_dir, checkpoint_every=every,
+                           resume=resume)
         self.n_features_, self.n_labels_ = X.shape[1], Y.shape[1]
-        result = fit_model(cfg, X, Y, eval_set, log_dir=self.log_dir,
-                           checkpoint_every=parse_every(self.checkpoint_every), resume=resume)
         self.params_ = result["params"]
         self.history_ = result["history"]
         self.metrics_ = result.get("metrics")
@@ -202,7 +300,12 @@ class XMCClassifier:
         self.n_train_ = int(result.get("n_train", X.shape[0]))
         return self
 
-    # -- inference -----------------------------------------------------------------------------
+    @property
+    def n_features_in_(self) -> int:
+        """scikit-learn's name of ``n_features_``."""
+        return self.n_features_
+
+    # -- inference ------------------------------------------------------------------------------
     def _check_fitted(self):
         if not hasattr(self, "params_"):
             raise RuntimeError("this XMCClassifier is not fitted yet; call fit() or load()")
@@ -212,38 +315,188 @@ class XMCClassifier:
 
         return get_backend(getattr(self, "_backend_name", "cpu"), threads=self.threads)
 
-    def predict_topk(self, X, k: int = 5, *, row_chunk: int = 4096):
+    def _topk(self, X: sp.csr_matrix, k: int, row_chunk: int = EVAL_ROWS):
+        """:meth:`predict_topk` on an already validated ``X``."""
+        be = self._inference_backend()
+        params = [be.asarray(p) for p in self.params_]
+        return predict_topk(be, params, X, k, row_chunk=row_chunk, label_chunk=self.label_chunk)
+
+    def predict_topk(self, X, k: int = 5, *, row_chunk: int = EVAL_ROWS):
         """Top-``k`` labels and scores per row.
+
+        Parameters
+        ----------
+        X : sparse matrix or 2-D array-like, shape (n_samples, n_features)
+        k : int
+            Labels per row (``>= 1``); more than ``n_labels_`` gives all of them.
+        row_chunk : int
+            Rows scored at once.
 
         Returns
         -------
-        labels : numpy.ndarray (n_samples, k) int64, by descending score
-        scores : numpy.ndarray (n_samples, k) float32 (logits)
+        labels : numpy.ndarray (n_samples, min(k, n_labels_)) int64, by descending score
+        scores : numpy.ndarray (n_samples, min(k, n_labels_)) float32 (logits)
         """
         self._check_fitted()
-        if int(k) < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        k = check_k(k)
+        row_chunk = check_k(row_chunk, "row_chunk")
+        return self._topk(check_X(X, self.n_features_), k, row_chunk)
+
+    def _log_normaliser(self, X: sp.csr_matrix) -> np.ndarray:
+        """``log sum_l exp(z_l)`` per row of validated ``X`` (float64, host).
+
+        The engine's prediction keeps only the top-k logits, so the softmax normaliser is
+        computed here on the host with the forward of :mod:`xmc_engine.model` (ReLU hidden
+        layers, linear output), in blocks of at most ``LOGIT_BLOCK`` logits.
+        """
+        W = [np.asarray(p) for p in self.params_]
+        out = np.empty(X.shape[0], dtype=np.float64)
+        rows = max(1, LOGIT_BLOCK // self.n_labels_)
+        for start in range(0, X.shape[0], rows):
+            H = np.maximum(X[start:start + rows] @ W[0] + W[1], 0)
+            for i in range(2, len(W) - 2, 2):
+                H = np.maximum(H @ W[i] + W[i + 1], 0)
+            Z = (H @ W[-2] + W[-1]).astype(np.float64)
+            m = Z.max(axis=1)
+            out[start:start + rows] = m + np.log(np.exp(Z - m[:, None]).sum(axis=1))
+        return out
+
+    def _k_or_eval_k(self, k) -> int:
+        return check_k(self.eval_k if k is None else k)
+
+    def decision_function(self, X, *, k: int | None = None) -> sp.csr_matrix:
+        """The top-``k`` logits of every row as a sparse matrix.
+
+        Parameters
+        ----------
+        X : sparse matrix or 2-D array-like, shape (n_samples, n_features)
+        k : int, optional
+            Scores kept per row (default ``eval_k``).
+
+        Returns
+        -------
+        scipy.sparse.csr_matrix, float32, shape (n_samples, n_labels_)
+            Entry ``(i, l)`` is label ``l``'s logit when ``l`` is among row ``i``'s top ``k``;
+            the other entries are not stored (they are lower, not zero).
+        """
+        labels, scores = self.predict_topk(X, self._k_or_eval_k(k))
+        return _rows_matrix(labels, scores, self.n_labels_)
+
+    def predict_proba(self, X, *, k: int | None = None) -> sp.csr_matrix:
+        """The top-``k`` softmax probabilities of every row as a sparse matrix.
+
+        The model is trained with a softmax over all labels, so a row's probabilities over all
+        ``n_labels_`` labels sum to 1; the stored top ``k`` sum to at most 1.
+
+        Parameters
+        ----------
+        X : sparse matrix or 2-D array-like, shape (n_samples, n_features)
+        k : int, optional
+            Probabilities kept per row (default ``eval_k``).
+
+        Returns
+        -------
+        scipy.sparse.csr_matrix, float32, shape (n_samples, n_labels_)
+        """
+        self._check_fitted()
+        k = self._k_or_eval_k(k)
         X = check_X(X, self.n_features_)
-        be = self._inference_backend()
-        params = [be.asarray(p) for p in self.params_]
-        return predict_topk(be, params, X, int(k), row_chunk=row_chunk,
-                            label_chunk=self.label_chunk)
+        labels, scores = self._topk(X, k)
+        probs = np.exp(scores - self._log_normaliser(X)[:, None]).astype(np.float32)
+        return _rows_matrix(labels, probs, self.n_labels_)
+
+    def predict(self, X, *, k: int | None = None, threshold: float | None = None):
+        """Predicted labels as a 0/1 indicator matrix (usable by ``sklearn.metrics``).
+
+        Parameters
+        ----------
+        X : sparse matrix or 2-D array-like, shape (n_samples, n_features)
+        k : int, optional
+            Without ``threshold``: the ``k`` best labels of each row (default 1, the label
+            that P@1, :meth:`score`, rates). With it: look only at the ``k`` best.
+        threshold : float in (0, 1], optional
+            Keep the labels whose softmax probability is at least ``threshold`` (none, one or
+            several per row; at most ``1 / threshold`` since the probabilities sum to 1).
+
+        Returns
+        -------
+        scipy.sparse.csr_matrix, float32 ones, shape (n_samples, n_labels_)
+        """
+        if threshold is None:
+            labels, _ = self.predict_topk(X, 1 if k is None else k)
+            return _rows_matrix(labels, np.ones(labels.shape, np.float32), self.n_labels_)
+        if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
+                or not 0 < threshold <= 1):
+            raise ValueError(f"threshold must be a probability in (0, 1], got {threshold!r}")
+        most = int(1.0 / threshold)  # more labels cannot all reach the threshold
+        P = self.predict_proba(X, k=most if k is None else min(check_k(k), most))
+        P.data = (P.data >= threshold).astype(np.float32)
+        P.eliminate_zeros()
+        return P
+
+    def score(self, X, Y, *, metric: str = "P@1") -> float:
+        """A top-k metric on ``(X, Y)``, higher is better (scikit-learn's ``score``).
+
+        Parameters
+        ----------
+        X : sparse matrix or 2-D array-like, shape (n_samples, n_features)
+        Y : sparse matrix or 2-D array-like, shape (n_samples, n_labels_), values 0/1
+        metric : str
+            A key of :meth:`evaluate`'s result: ``"P@k"``, ``"nDCG@k"``, ``"R@k"``,
+            ``"PSP@k"`` or ``"PSnDCG@k"`` for any ``k >= 1``.
+
+        Returns
+        -------
+        float
+        """
+        name, _, at = str(metric).partition("@")
+        if not at.isdigit() or int(at) < 1:
+            raise ValueError(f"metric={metric!r}: expected a name and a cut-off, e.g. 'P@1', "
+                             "'nDCG@5', 'PSP@3', 'R@5'")
+        result = self.evaluate(X, Y, ks=(int(at),))
+        if metric not in result:
+            raise ValueError(f"metric={metric!r}: not one of {', '.join(result)}")
+        return result[metric]
 
     def evaluate(self, X, Y, ks=(1, 3, 5)) -> dict[str, float]:
-        """P@k, nDCG@k, PSP@k, PSnDCG@k and R@k on ``(X, Y)``."""
+        """P@k, nDCG@k, R@k, PSP@k and PSnDCG@k on ``(X, Y)``.
+
+        The propensity-scored metrics are left out (with a warning) for a model trained on
+        fewer than 3 rows, where the Jain et al. propensities are undefined.
+
+        Parameters
+        ----------
+        X : sparse matrix or 2-D array-like, shape (n_samples, n_features)
+        Y : sparse matrix or 2-D array-like, shape (n_samples, n_labels_), values 0/1
+        ks : int or iterable of int
+            Cut-offs, each ``>= 1``.
+
+        Returns
+        -------
+        dict of str to float
+        """
         from xmc_engine.metrics import TopKMetrics, jain_propensity
 
         self._check_fitted()
+        ks = (ks,) if isinstance(ks, numbers.Integral) else tuple(ks)
+        ks = tuple(check_k(k, "ks") for k in ks)
+        if not ks:
+            raise ValueError("ks must hold at least one cut-off")
         X = check_X(X, self.n_features_)
         Y = check_Y(Y, X.shape[0], self.n_labels_)
-        prop = jain_propensity(self.label_frequency_, n_samples=self.n_train_,
-                               A=self.propensity_a, B=self.propensity_b)
-        m = TopKMetrics(ks=tuple(ks), propensity=prop)
-        labels, _ = self.predict_topk(X, max(ks))
+        prop = None
+        if self.n_train_ >= 3:
+            prop = jain_propensity(self.label_frequency_, n_samples=self.n_train_,
+                                   A=self.propensity_a, B=self.propensity_b)
+        else:
+            logger.warning("PSP@k and PSnDCG@k left out: propensities need at least 3 training "
+                           "rows, this model saw %d", self.n_train_)
+        m = TopKMetrics(ks=ks, propensity=prop)
+        labels, _ = self._topk(X, max(ks))
         m.update(labels, Y)
         return m.result()
 
-    # -- devices -------------------------------------------------------------------------------
+    # -- devices --------------------------------------------------------------------------------
     def to_cpu(self) -> XMCClassifier:
         """Run inference on the CPU backend (parameters always stay on the host here)."""
         self._backend_name = "cpu"
@@ -257,16 +510,17 @@ class XMCClassifier:
         self._backend_name = "cuda"
         return self
 
-    # -- persistence ---------------------------------------------------------------------------
+    # -- persistence ----------------------------------------------------------------------------
     def save(self, path) -> Path:
         """Write ``config.json`` + ``params.npz`` into folder ``path`` (atomically)."""
         from xmc_engine.checkpoint import save_model_dir
 
         self._check_fitted()
-        shape = ModelShape(self.n_features_, self.n_labels_, tuple(self.get_config().hidden))
+        cfg = self.get_config()
+        shape = ModelShape(self.n_features_, self.n_labels_, tuple(cfg.hidden))
         config = {
             "format": MODEL_FORMAT,
-            "train_config": self.get_config().to_dict(),
+            "train_config": cfg.to_dict(),
             "n_features": self.n_features_,
             "n_labels": self.n_labels_,
             "n_train": int(self.n_train_),
@@ -306,10 +560,16 @@ class XMCClassifier:
                                   else np.zeros(shape.n_labels, dtype=np.int64))
         return model
 
-    def __repr__(self) -> str:
-        return (f"XMCClassifier(hidden={self.hidden!r}, epochs={self.epochs}, "
-                f"batch_size={self.batch_size}, lr={self.lr}, devices={self.devices!r}, "
-                f"algorithm={self.algorithm!r}, seed={self.seed})")
+
+def _init_signature() -> inspect.Signature:
+    """``__init__(self, *, hidden=(128,), epochs=10, ...)``: what scikit-learn's ``clone`` and
+    the estimator checks read, generated from :data:`PARAM_DEFAULTS`."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + [inspect.Parameter(name, kw, default=d) for name, d in PARAM_DEFAULTS.items()])
 
 
-__all__ = ["XMCClassifier", "check_X", "check_Y", "parse_every"]
+XMCClassifier.__init__.__signature__ = _init_signature()
+
+__all__ = ["XMCClassifier", "MODEL_FORMAT"]

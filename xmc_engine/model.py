@@ -25,10 +25,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_engine.batches import RowGather
+from xmc_engine.config import EVAL_ROWS, OPTIMIZERS
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZERS = ("sgd", "adagrad")
+
 ADAGRAD_EPS = 1e-10
 
 
@@ -83,13 +84,10 @@ def init_params_for_data(shape: ModelShape, X, seed: int = 0) -> list[np.ndarray
     """:func:`init_params` with ``W1`` sized by the training rows ``X``: variance
     ``1 / avg_nnz`` (non-zeros per row), feature values not counted.
 
-    Scaling ``W1`` up for small feature values as well (variance ``1 / (avg_nnz x mean squared
-    value)``: unit pre-activation variance, as before) made it large where the values are
-    tf-idf weights, and a step, Adagrad's above all (about ``lr`` per weight whatever the
-    gradient), then moves it slowly: debian_debtags (mean squared value 0.021), hidden 256, one
-    device, 4 epochs, P@1 0.759 with it against 0.822 without (Adagrad lr 0.1), 0.53 against
-    0.74 at the best epoch (SGD lr 1); rcv1sub1 0.527 against 0.582. Binary features
-    (delicious, bibtex) are the same either way.
+    Why not unit pre-activation variance (``1 / (avg_nnz x mean squared value)``): with tf-idf
+    features the values are small, the weights would come out large, and a step (Adagrad's above
+    all, about ``lr`` per weight whatever the gradient) then moves them slowly; binary features
+    are the same either way. Measured: ``bench/RESULTS.md``, "Quality on small real datasets".
     """
     avg_nnz = max(X.nnz / max(X.shape[0], 1), 1.0)
     return init_params(shape, seed, avg_nnz=avg_nnz)
@@ -99,14 +97,14 @@ class MLPReplica:
     """One model copy on one device, trained on rows of a training set.
 
     Implements the Replica protocol of :mod:`xmc_engine.scheduler`: ``train_batch(rows, lr)``,
-    ``params()``, ``set_params(params)``; on a backend with a row-sparse merge (the CPU) also
+    ``params()``, ``set_params(params)``; on a backend with ``tracks_rows`` (the CPU) also
     ``changed_rows()`` and ``set_params(params, rows=...)``: the replica records which ``W1``
     rows its steps changed since its parameters were last set, so that a merge reads and writes
     only those rows (:func:`xmc_engine.scheduler.merge.merge_changed_rows`).
 
     Parameters
     ----------
-    backend : backend object (:mod:`xmc_engine.backends`)
+    backend : :class:`~xmc_engine.backends.base.Backend`
     X : scipy.sparse.csr_matrix, (n_samples, n_features) float32, host
     Y : scipy.sparse.csr_matrix, (n_samples, n_labels), host (binary)
     params : list of host float32 arrays (see module docstring); copied to the device
@@ -132,9 +130,8 @@ class MLPReplica:
         self._acc = ([backend.zeros(p.shape) for p in self._params]
                      if optimizer == "adagrad" else None)
         # W1 rows changed by steps since the last set_params (a step changes only the rows of
-        # its batch's features); None where the backend cannot merge rows.
-        self._changed = (np.zeros(X.shape[1], dtype=np.bool_)
-                         if hasattr(backend, "merge_rows") else None)
+        # its batch's features); None where the backend's merges are dense.
+        self._changed = np.zeros(X.shape[1], dtype=np.bool_) if backend.tracks_rows else None
 
     def calibrate_threads(self, batch_size: int, max_threads: int) -> int:
         """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``
@@ -156,7 +153,7 @@ class MLPReplica:
         if self._acc is None or not state:
             return
         for dst, src in zip(self._acc, state, strict=True):
-            dst[...] = self.backend.asarray(np.asarray(src, dtype=np.float32))
+            self.backend.copy_into(dst, np.asarray(src, dtype=np.float32))
 
     # -- Replica protocol ----------------------------------------------------------------------
     def params(self) -> list:
@@ -164,17 +161,15 @@ class MLPReplica:
 
     def set_params(self, params, rows=None) -> None:
         """Copy ``params`` into this replica. With ``rows`` (int64 ``W1`` row numbers, on a
-        backend with ``copy_rows``) only those rows of ``W1`` are copied, and every other
+        backend with ``tracks_rows``) only those rows of ``W1`` are copied, and every other
         parameter in full: the caller vouches that the other rows already hold ``params[0]``'s
         values (a row-sparse merge). Either way the record of changed rows starts afresh."""
         be = self.backend
         for k, (dst, src) in enumerate(zip(self._params, params, strict=True)):
             if k == 0 and rows is not None:
                 be.copy_rows(dst, src, rows)
-            elif hasattr(be, "copy_into"):
-                be.copy_into(dst, src)
             else:
-                dst[...] = be.asarray(src)
+                be.copy_into(dst, src)
         if self._changed is not None:
             self._changed[:] = False
 
@@ -227,21 +222,31 @@ class MLPReplica:
             apply_grads(self.backend, self._params, grads, lr)
 
 
-def _hidden_forward(be, params, Xb):
-    """Hidden activations of a host CSR batch: list of (B, hidden[k]) arrays on the backend."""
-    xp = be.xp
-    indptr, indices, data = be.csr_parts(Xb)
+def _hidden_forward(be, params, x_parts, n_rows: int):
+    """Hidden activations of a batch given as CSR parts on the backend: list of
+    (n_rows, hidden[k]) arrays.
+
+    Call it with the backend active (:meth:`~xmc_engine.backends.base.SchedulerBackend.activate`):
+    the activations are then allocated on the backend's stream."""
     W1, b1 = params[0], params[1]
-    H = xp.empty((Xb.shape[0], W1.shape[1]), dtype=xp.float32)
-    be.sparse_forward(indptr, indices, data, W1, b1, H)
+    H = be.empty((n_rows, W1.shape[1]))
+    be.sparse_forward(*x_parts, W1, b1, H)
     acts = [H]
     for k in range((len(params) - 4) // 2):
         W, b = params[2 + 2 * k], params[3 + 2 * k]
         Hk = acts[-1] @ W
         Hk += b
-        xp.maximum(Hk, 0, out=Hk)
+        be.xp.maximum(Hk, 0, out=Hk)
         acts.append(Hk)
-    return (indptr, indices, data), acts
+    return acts
+
+
+def _upload_batch(be, Xb, Yb) -> tuple:
+    """``((indptr, indices, data), (y_indptr, y_indices))`` of a host batch on the backend, in
+    one transfer (the labels' values are not used)."""
+    ip, ix, d, yp, yi = be.upload([Xb.indptr, Xb.indices, np.asarray(Xb.data, np.float32),
+                                   Yb.indptr, Yb.indices])
+    return (ip, ix, d), (yp, yi)
 
 
 def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None) -> float:
@@ -249,7 +254,7 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
 
     Parameters
     ----------
-    be : backend
+    be : :class:`~xmc_engine.backends.base.Backend`
     params : list of arrays on ``be`` (module docstring order), updated in place
     Xb : scipy.sparse.csr_matrix (B, n_features) float32, or a
         :class:`~xmc_engine.batches.CSRBatch`, host
@@ -258,26 +263,27 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
 
     Returns
     -------
-    float : loss summed over the batch rows (rows without labels contribute 0)
+    float : loss summed over the batch rows (rows without labels contribute 0); reading it waits
+        for the backend's stream
     """
-    xp = be.xp
-    (indptr, indices, data), acts = _hidden_forward(be, params, Xb)
-    y_indptr, y_indices, _ = be.csr_parts(Yb)
-    W2, b2 = params[-2], params[-1]
-    dH = xp.empty_like(acts[-1])
-    loss = be.output_layer_step(acts[-1], W2, b2, y_indptr, y_indices, lr, dH,
-                                label_chunk=label_chunk)
-    # Extra dense hidden layers, last to first.
-    for k in reversed(range(len(acts) - 1)):
-        W, b = params[2 + 2 * k], params[3 + 2 * k]
-        be.relu_backward(dH, acts[k + 1])
-        d_prev = dH @ W.T
-        W -= lr * (acts[k].T @ dH)
-        b -= lr * dH.sum(axis=0)
-        dH = d_prev
-    be.relu_backward(dH, acts[0])
-    be.sparse_backward_update(indptr, indices, data, dH, params[0], params[1], lr)
-    return float(loss)
+    with be.activate():  # every array of the step is allocated on the backend's stream
+        (indptr, indices, data), (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
+        acts = _hidden_forward(be, params, (indptr, indices, data), Xb.shape[0])
+        W2, b2 = params[-2], params[-1]
+        dH = be.empty(acts[-1].shape)
+        loss = be.output_layer_step(acts[-1], W2, b2, y_indptr, y_indices, lr, dH,
+                                    label_chunk=label_chunk)
+        # Extra dense hidden layers, last to first.
+        for k in reversed(range(len(acts) - 1)):
+            W, b = params[2 + 2 * k], params[3 + 2 * k]
+            be.relu_backward(dH, acts[k + 1])
+            d_prev = dH @ W.T
+            W -= lr * (acts[k].T @ dH)
+            b -= lr * dH.sum(axis=0)
+            dH = d_prev
+        be.relu_backward(dH, acts[0])
+        be.sparse_backward_update(indptr, indices, data, dH, params[0], params[1], lr)
+        return be.to_float(loss)  # synchronize!
 
 
 def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[float, list]:
@@ -287,51 +293,49 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
     taken with its weights before the step), built on the backend's ``output_layer_grad`` and
     ``sparse_grad``. ``grads`` layout: :meth:`MLPReplica.grad_batch`.
     """
-    (indptr, indices, data), acts = _hidden_forward(be, params, Xb)
-    y_indptr, y_indices, _ = be.csr_parts(Yb)
-    W2, b2 = params[-2], params[-1]
-    loss, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
-                                              label_chunk=label_chunk)
-    dense: list = []
-    for k in reversed(range(len(acts) - 1)):
-        W = params[2 + 2 * k]
-        be.relu_backward(dH, acts[k + 1])
-        dense = [acts[k].T @ dH, dH.sum(axis=0)] + dense
-        dH = dH @ W.T
-    be.relu_backward(dH, acts[0])
-    rows, grad_rows, grad_b1 = be.sparse_grad(indptr, indices, data, dH)
-    return float(loss), [(rows, grad_rows), grad_b1, *dense, dW2, db2]
+    with be.activate():
+        (indptr, indices, data), (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
+        acts = _hidden_forward(be, params, (indptr, indices, data), Xb.shape[0])
+        W2, b2 = params[-2], params[-1]
+        loss, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
+                                                  label_chunk=label_chunk)
+        dense: list = []
+        for k in reversed(range(len(acts) - 1)):
+            W = params[2 + 2 * k]
+            be.relu_backward(dH, acts[k + 1])
+            dense = [acts[k].T @ dH, dH.sum(axis=0)] + dense
+            dH = dH @ W.T
+        be.relu_backward(dH, acts[0])
+        rows, grad_rows, grad_b1 = be.sparse_grad(indptr, indices, data, dH)
+        return be.to_float(loss), [(rows, grad_rows), grad_b1, *dense, dW2, db2]  # synchronize!
 
 
 def apply_grads(be, params, grads, lr: float) -> None:
     """In-place SGD ``p -= lr * g`` for ``grads`` in the :meth:`MLPReplica.grad_batch` layout.
 
     ``W1`` through ``sparse_rows_update`` (touched rows only); dense arrays through the
-    backend's fused ``axpy`` when it has one (no temporary the size of ``W2``). ``grads`` may be
-    host arrays: they are copied to the device of ``be`` first (no copy on the CPU backend).
+    backend's ``axpy`` (no temporary the size of ``W2``). ``grads`` may be host arrays: they are
+    copied to the device of ``be`` first (no copy on the CPU backend).
     """
     rows, grad_rows = grads[0]
-    if len(rows):
-        be.sparse_rows_update(params[0], be.asarray(rows, dtype=np.int64),
-                              be.asarray(grad_rows, dtype=np.float32), lr)
-    ops = getattr(be, "_output_ops", None)
-    for p, g in zip(params[1:], grads[1:], strict=True):
-        g = be.asarray(g, dtype=np.float32)
-        if ops is not None:
-            ops.axpy(p, g, -float(lr))
-        else:
-            p -= np.float32(lr) * g
+    with be.activate():
+        if len(rows):
+            be.sparse_rows_update(params[0], be.asarray(rows, dtype=np.int64),
+                                  be.asarray(grad_rows, dtype=np.float32), lr)
+        for p, g in zip(params[1:], grads[1:], strict=True):
+            be.axpy(p, be.asarray(g, dtype=np.float32), -float(lr))
 
 
 def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -> None:
     """In-place Adagrad (Duchi et al. 2011) for ``grads`` in the :meth:`MLPReplica.grad_batch`
     layout: ``acc += g^2; p -= lr g / (sqrt(acc) + eps)``; ``W1`` on its touched rows only."""
     rows, grad_rows = grads[0]
-    if len(rows):
-        be.adagrad_rows(params[0], be.asarray(rows, dtype=np.int64),
-                        be.asarray(grad_rows, dtype=np.float32), acc[0], lr, eps)
-    for p, g, a in zip(params[1:], grads[1:], acc[1:], strict=True):
-        be.adagrad_dense(p, be.asarray(g, dtype=np.float32), a, lr, eps)
+    with be.activate():
+        if len(rows):
+            be.adagrad_rows(params[0], be.asarray(rows, dtype=np.int64),
+                            be.asarray(grad_rows, dtype=np.float32), acc[0], lr, eps)
+        for p, g, a in zip(params[1:], grads[1:], acc[1:], strict=True):
+            be.adagrad_dense(p, be.asarray(g, dtype=np.float32), a, lr, eps)
 
 
 def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,
@@ -363,7 +367,7 @@ def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,
     return best
 
 
-def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = 4096,
+def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,
                  label_chunk: int | None = None):
     """Top-``k`` labels and scores for every row of ``X``, computed in row chunks.
 
@@ -379,9 +383,10 @@ def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = 4096,
     scores = np.empty((n, k_eff), dtype=np.float32)
     for start in range(0, n, row_chunk):
         stop = min(n, start + row_chunk)
-        _, acts = _hidden_forward(be, params, X[start:stop])
-        idx, val = be.predict_scores_topk(acts[-1], params[-2], params[-1], k_eff,
-                                          label_chunk=label_chunk)
-        labels[start:stop] = be.to_host(idx)
-        scores[start:stop] = be.to_host(val)
+        with be.activate():
+            acts = _hidden_forward(be, params, be.csr_parts(X[start:stop]), stop - start)
+            idx, val = be.predict_scores_topk(acts[-1], params[-2], params[-1], k_eff,
+                                              label_chunk=label_chunk)
+            labels[start:stop] = be.to_host(idx)
+            scores[start:stop] = be.to_host(val)
     return labels, scores

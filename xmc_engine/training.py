@@ -34,13 +34,13 @@ class Evaluator:
     """Top-k metrics of the current parameters on a held-out set (DESIGN.md §5)."""
 
     def __init__(self, cfg: TrainConfig, eval_set, label_counts, n_train: int, label_chunk):
-        from xmc_engine.metrics import jain_propensity
+        from xmc_engine.metrics import propensity_or_none
 
         self.X, self.Y = eval_set
         self.k = max(5, cfg.eval_k)
         self.label_chunk = label_chunk
-        self.propensity = jain_propensity(label_counts, n_samples=n_train,
-                                          A=cfg.propensity_a, B=cfg.propensity_b)
+        self.propensity = propensity_or_none(label_counts, n_train, A=cfg.propensity_a,
+                                             B=cfg.propensity_b)
 
     def __call__(self, be, params) -> dict[str, float]:
         from xmc_engine.metrics import TopKMetrics
@@ -271,9 +271,16 @@ class _Driver:
         arrays = dict(zip(self.shape.param_names, host_params(self.trainer), strict=True))
         arrays.update(checkpoint_extra(self.trainer))
         meta = {k: self.state[k] for k in ("epoch", "samples", "train_time")}
-        path = self.ckpts.save(meta, arrays)
+        self._reset_ckpt_clock()  # a failed write is retried at the next checkpoint, not sooner
+        try:
+            path = self.ckpts.save(meta, arrays)
+        except OSError as exc:  # disk full, quota: the run goes on; the old checkpoints stay
+            last = self._last_checkpoint()
+            self.log.write("checkpoint_failed", error=str(exc), last_checkpoint=last, **meta)
+            logger.warning("checkpoint at %d samples failed (%s); training continues, the last "
+                           "good checkpoint is %s", meta["samples"], exc.strerror or exc, last)
+            return
         self.log.write("checkpoint", path=str(path), **meta)
-        self._reset_ckpt_clock()
 
     def _ckpt_due(self) -> bool:
         if self.every is None:
@@ -323,7 +330,9 @@ class _Driver:
                     stop = min(self._next_stop(), total)
                     stop_after = self.epoch_samples + max(stop - st["samples"], 1)
                 try:
-                    res = tr.run_epoch(epoch, stop_after=stop_after)
+                    # several nodes stop together, at the end of an epoch (collectives)
+                    res = tr.run_epoch(epoch, stop_after=stop_after, should_stop=(
+                        None if self.multi_node else self.stop_requested))
                 except DivergenceError as exc:
                     self._diverged(exc)
                 n = self.n if self.multi_node else res["samples"]  # every node did an epoch

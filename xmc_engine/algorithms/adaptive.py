@@ -60,13 +60,12 @@ class AdaptiveSGD(Policy):
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
         # sum(W1**2) of the central model, kept up to date by the row-sparse merge.
         self._sq_w1 = None
-        xp = self.backend.xp
-        self._wbar = [xp.empty_like(a) for a in self.central]
+        self._wbar = self.empty_params(self.central)
         if c.momentum > 0:
             # z_{t-1} and z_{t-2} start at the initial model: the first merge has no momentum.
             self._z1 = self.central
-            self._z2 = [xp.array(a, copy=True) for a in self.central]
-            self._spare = [xp.empty_like(a) for a in self.central]
+            self._z2 = self.copy_params(self.central)
+            self._spare = self.empty_params(self.central)
 
     def batch_sizes(self) -> list[int]:
         return list(self.controller.batch_sizes)

@@ -34,7 +34,7 @@ class ModelAveraging(Policy):
 
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
-        self._spare = [self.backend.xp.empty_like(a) for a in self.central]
+        self._spare = self.empty_params(self.central)
 
     def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         if self.config.sparse_merge:

@@ -97,8 +97,17 @@ class Policy:
         self.central = self.copy_params(replicas[0].params())
 
     def copy_params(self, params: Sequence) -> list:
-        """A copy of ``params`` on this policy's backend (the central model's storage)."""
-        return [self.backend.xp.array(a, copy=True) for a in params]
+        """A copy of ``params`` on this policy's backend, made on its stream (the central
+        model's storage; never on a GPU's null stream)."""
+        out = self.empty_params(params)
+        for dst, src in zip(out, params, strict=True):
+            self.backend.copy_into(dst, src)
+        return out
+
+    def empty_params(self, params: Sequence) -> list:
+        """Uninitialised arrays shaped like ``params`` on this policy's backend (merge
+        scratch), allocated on its stream."""
+        return [self.backend.empty(a.shape, a.dtype) for a in params]
 
     # -- per period ----------------------------------------------------------------------------
     def batch_sizes(self) -> list[int]:

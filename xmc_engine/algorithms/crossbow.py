@@ -53,9 +53,8 @@ class Crossbow(ElasticPolicy):
 
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
-        xp = self.backend.xp
-        self._wbar = [xp.empty_like(a) for a in self.central]
-        self._z_prev = [xp.array(a, copy=True) for a in self.central]  # no momentum at first
+        self._wbar = self.empty_params(self.central)
+        self._z_prev = self.copy_params(self.central)  # no momentum at first
 
     def alpha_for(self, n: int) -> float:
         return self.config.alpha if self.config.alpha > 0 else 1.0 / n

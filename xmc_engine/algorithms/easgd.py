@@ -58,7 +58,7 @@ class ElasticPolicy(Policy):
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
         self.alpha = self.alpha_for(self.n_devices)
-        self._diff = [self.backend.xp.empty_like(a) for a in self.central]  # elastic scratch
+        self._diff = self.empty_params(self.central)  # elastic scratch
 
     def alpha_for(self, n: int) -> float:
         """The elastic coefficient ``α`` on ``n`` devices."""
@@ -88,7 +88,7 @@ class EASGD(ElasticPolicy):
 
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
-        self._spare = [self.backend.xp.empty_like(a) for a in self.central]
+        self._spare = self.empty_params(self.central)
 
     def alpha_for(self, n: int) -> float:
         c = self.config

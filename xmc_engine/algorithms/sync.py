@@ -5,7 +5,7 @@ The scheme of TensorFlow's MirroredStrategy, Horovod and PyTorch DDP (e.g. Goyal
 Every step ``t`` the global batch ``G_t`` is split over the ``n`` devices (``b_i`` rows each),
 each device computes the gradient of its mean loss at the common model ``w_t``, and::
 
-    ḡ_t = Σ_i (b_i / Σ_j b_j) ∇ℓ_i(w_t)          (gradient all-reduce, on the host)
+    ḡ_t = Σ_i (b_i / Σ_j b_j) ∇ℓ_i(w_t)          (gradient all-reduce)
     w_{t+1} = w_t − lr(t) ḡ_t                     (the same update on every replica)
 
 so the run equals one device stepping on the global batch. The ``W1`` gradient is row-sparse
@@ -14,8 +14,10 @@ the pace (every step waits for the last gradient).
 
 In the one training loop (:class:`xmc_engine.scheduler.Trainer`) a period is one global step:
 each device takes one batch and its :meth:`SyncSGD.step` computes the gradient without updating;
-the merge reduces the gradients on the host and every device applies the same update in its
-own worker.
+the merge reduces the gradients and every device applies the same update in its
+own worker. The reduction runs on the first device's backend
+(:func:`~xmc_engine.scheduler.merge.reduce_gradients`: on GPUs by peer reads, never through the
+host).
 
 Global batch
 ------------
@@ -39,70 +41,11 @@ import numpy as np
 
 from xmc_engine.algorithms.base import Policy
 from xmc_engine.errors import ConfigError, DivergenceError
+from xmc_engine.scheduler.merge import reduce_gradients
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SyncSGD", "allreduce_grads"]
-
-
-def _weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """``Σ_k w_k a_k`` of host arrays (same shape and dtype) in one output, no temporaries."""
-    out = np.empty_like(arrays[0])
-    if len(arrays) == 1 or out.dtype != np.float32:  # the kernel computes in float32
-        np.multiply(arrays[0], out.dtype.type(weights[0]), out=out)
-        for a, w in zip(arrays[1:], weights[1:], strict=True):
-            out += out.dtype.type(w) * a
-        return out
-    from xmc_engine.kernels.merge import weighted_sum_cpu
-
-    weighted_sum_cpu([np.ascontiguousarray(a) for a in arrays], list(weights), out)
-    return out
-
-
-def allreduce_grads(grads: Sequence[list | None], weights: Sequence[float]) -> list:
-    """Weighted sum of per-device gradients on the host (the all-reduce of synchronous SGD).
-
-    Parameters
-    ----------
-    grads : list (n_devices) of gradient lists or ``None``
-        Host arrays in the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch`: entry 0 is
-        row-sparse ``(rows int64 (n_rows_i,) sorted unique, grad_rows (n_rows_i, h))``, the
-        others dense. ``None`` (a device without rows this step) is skipped.
-    weights : sequence of float, shape (n_devices,)
-        ``b_i / Σ_j b_j``: each device's share of the global batch, so that the result is the
-        gradient of the mean loss over the whole global batch. Weight 0 is skipped.
-
-    Returns
-    -------
-    list
-        Same layout: ``W1`` over the sorted union of the devices' rows (rows a device did not
-        touch contribute 0), dense entries ``Σ_i w_i g_i``. Fresh arrays (inputs untouched).
-    """
-    used = [i for i, g in enumerate(grads) if g is not None and weights[i] != 0.0]
-    if not used:
-        raise ValueError("allreduce_grads: no device contributed a gradient")
-    w = [float(weights[i]) for i in used]
-    row_sets = [np.asarray(grads[i][0][0], dtype=np.int64) for i in used]
-    parts = [np.asarray(grads[i][0][1]) for i in used]
-    if len(used) == 1:
-        rows = row_sets[0].copy()
-        g1 = np.multiply(parts[0], parts[0].dtype.type(w[0]))
-    else:
-        rows = np.unique(np.concatenate(row_sets))
-        g1 = np.zeros((rows.shape[0], *parts[0].shape[1:]), dtype=parts[0].dtype)
-        for r, g, wi in zip(row_sets, parts, w, strict=True):
-            # rows are unique within a device, so fancy-index += is an exact scatter-add
-            g1[np.searchsorted(rows, r)] += g.dtype.type(wi) * g
-    out = [(rows, g1)]
-    for k in range(1, len(grads[used[0]])):
-        out.append(_weighted_sum([np.asarray(grads[i][k]) for i in used], w))
-    return out
-
-
-def _to_host(backend, grads: list) -> list:
-    rows, g1 = grads[0]
-    return ([(backend.to_host(rows), backend.to_host(g1))]
-            + [backend.to_host(g) for g in grads[1:]])
+__all__ = ["SyncSGD"]
 
 
 class SyncSGD(Policy):
@@ -142,10 +85,10 @@ class SyncSGD(Policy):
         return [lr] * self.n_devices
 
     def step(self, device: int, replica, rows: np.ndarray, lr: float) -> float:
-        """The gradient of the device's rows, kept (on the host) for the merge; no update."""
+        """The gradient of the device's rows, kept on its device for the merge; no update."""
         loss, grads = replica.grad_batch(rows)
-        self._grads[device] = (len(rows), _to_host(replica.backend, grads))  # synchronize!
-        return float(loss)
+        self._grads[device] = (len(rows), grads)
+        return replica.backend.to_float(loss)  # synchronize!
 
     def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         """All-reduce the period's gradients, then every live device applies the same step."""
@@ -158,7 +101,8 @@ class SyncSGD(Policy):
         total = sum(g[0] for g in got if g is not None)
         weights = [g[0] / total if g is not None else 0.0 for g in got]
         if total:
-            g = allreduce_grads([x[1] if x is not None else None for x in got], weights)
+            g = reduce_gradients([x[1] if x is not None else None for x in got], weights,
+                                 self.backend)
             ctx.run_on_devices(lambda i: replicas[i].apply_grads(g, ctx.lrs[i]))
         self._live = min(i for i in range(self.n_devices) if i not in ctx.excluded)
         return {"weights": weights, "nonfinite": []}

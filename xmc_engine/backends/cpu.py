@@ -1,6 +1,7 @@
 """CPU backend: NumPy/SciPy arrays, the ``@njit`` kernels of :mod:`xmc_engine.kernels`, BLAS GEMMs.
 
-Mirrors :mod:`xmc_engine.backends.cuda` method by method (interface: ``backends/__init__.py``).
+Implements the whole :class:`xmc_engine.backends.base.Backend` protocol, mirroring
+:mod:`xmc_engine.backends.cuda` method by method.
 Every kernel runs with ``nogil=True``, so several CPU devices driven by different host threads run
 truly in parallel (numba ``omp`` threading layer); each thread sets its own budget with
 :meth:`CPUBackend.thread_budget` (DESIGN.md §3).
@@ -9,12 +10,13 @@ truly in parallel (numba ``omp`` threading layer); each thread sets its own budg
 from __future__ import annotations
 
 import ctypes
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numba
 import numpy as np
 import scipy.sparse
 
+from xmc_engine import output_layer as host_output_layer
 from xmc_engine.batches import CSRBatch
 from xmc_engine.kernels import (
     adagrad,
@@ -73,108 +75,6 @@ def sgemm_rm(alpha, A, Bm, beta, C):
     return True
 
 
-class _CPUOutputOps:
-    """Adapter used by the host-level output-layer functions (:mod:`kernels.output_layer`).
-
-    Workspaces are kept between steps: a step allocates nothing of size B x L or n_hidden x L.
-    """
-
-    def __init__(self, backend):
-        self._ws = {}
-
-    def workspace(self, name, shape, dtype=_F32):
-        n = int(np.prod(shape))
-        buf = self._ws.get(name)
-        if buf is None or buf.size < n or buf.dtype != dtype:
-            buf = self._ws[name] = np.empty(n, dtype)
-        return buf[:n].reshape(shape)
-
-    @staticmethod
-    def _n_parts(B):
-        return max(1, min(numba.get_num_threads(), B))
-
-    def workspace_2d(self, name, rows, cols, max_cols):
-        buf = self.workspace(name, (rows * max_cols,))
-        return buf[: rows * cols].reshape(rows, cols)
-
-    @staticmethod
-    def loss_value(x):
-        return float(x)
-
-    @staticmethod
-    def matmul(a, b, out):
-        np.matmul(a, b, out=out)
-
-    def gemm_update(self, W, A, Bm, alpha):
-        """W += alpha * A.T @ Bm in one BLAS call (beta = 1), W may be a strided view."""
-        if sgemm_rm(alpha, A.T, Bm, 1.0, W):
-            return
-        tmp = self.workspace("gemm_tmp", W.shape)
-        np.matmul(A.T, Bm, out=tmp)
-        output_layer._axpy_2d(W, tmp, alpha)
-
-    def gemm_acc(self, C, A, Bm, alpha=1.0):
-        """C += alpha * A @ Bm in one BLAS call (beta = 1); strided views, no copies."""
-        if sgemm_rm(alpha, A, Bm, 1.0, C):
-            return
-        tmp = self.workspace("gemm_tmp", C.shape)
-        np.matmul(A, Bm, out=tmp)
-        self.axpy(C, tmp, alpha)
-
-    @staticmethod
-    def axpy(y, x, alpha):
-        if y.ndim == 1:
-            output_layer._axpy_serial(y, x, alpha)
-        elif y.size < output_layer.SERIAL_BELOW:
-            output_layer._axpy_serial(y, x, alpha)
-        else:
-            output_layer._axpy_2d(y, x, alpha)
-
-    def softmax_bias(self, Z, b2, y_indptr, y_indices, scale, db2_out):
-        loss_rows = self.workspace("loss_rows", (Z.shape[0],), np.float64)
-        parts = self.workspace("colsum_parts", (self._n_parts(Z.shape[0]), Z.shape[1]))
-        output_layer.softmax_xent_fused_cpu(Z, b2, True, y_indptr, y_indices, scale, loss_rows,
-                                            parts)
-        output_layer._sum_parts(parts, db2_out, 1.0, 0.0)
-        return float(loss_rows.sum())
-
-    def row_stats(self, B):
-        m, s, ysum = (self.workspace(k, (B,)) for k in ("row_m", "row_s", "row_ysum"))
-        m.fill(output_layer._NEG)  # not -inf: the kernels are compiled with fastmath
-        s.fill(0.0)
-        ysum.fill(0.0)
-        return m, s, ysum
-
-    def chunk_stats(self, Zc, b2c, c0, y_indptr, y_indices, m, s, ysum):
-        output_layer.softmax_chunk_stats_cpu(Zc, b2c, c0, y_indptr, y_indices, m, s, ysum,
-                                             self._n_parts(Zc.shape[0]))
-
-    def chunk_loss(self, m, s, ysum, y_indptr):
-        lse = self.workspace("row_lse", m.shape)
-        return float(output_layer.chunk_loss_cpu(m, s, ysum, y_indptr, lse)), lse
-
-    def chunk_grad(self, Zc, b2c, c0, y_indptr, y_indices, lse, scale, db2c_out, alpha=1.0,
-                   beta=0.0):
-        """dZ chunk in place; ``db2c_out = beta * db2c_out + alpha * dZc.sum(0)`` (with
-        ``alpha = -lr, beta = 1`` that is the b2 chunk's SGD update)."""
-        parts = self.workspace_2d("colsum_parts_c", self._n_parts(Zc.shape[0]), Zc.shape[1],
-                                  Zc.shape[1])
-        output_layer.softmax_chunk_grad_cpu(Zc, b2c, c0, y_indptr, y_indices, lse, scale, parts)
-        output_layer._sum_parts(parts, db2c_out, alpha, beta)
-
-    @staticmethod
-    def add_bias(Z, b):
-        output_layer._add_bias(Z, b)
-
-    @staticmethod
-    def topk(Z, k, idx, val):
-        topk.topk_cpu(Z, k, idx, val)
-
-    @staticmethod
-    def topk_merge(ia, va, ib, vb, io, vo):
-        topk.topk_merge_cpu(ia, va, ib, vb, io, vo)
-
-
 class CPUBackend:
     """Host device: NumPy arrays, ``@njit(nogil=True)`` kernels, BLAS through NumPy/SciPy.
 
@@ -188,16 +88,22 @@ class CPUBackend:
     -----
     A backend object (its workspaces) belongs to one host thread at a time: give every device
     worker its own backend (:func:`xmc_engine.backends.get_backend` returns a new one per call).
+    Workspaces are kept between steps: an output-layer step allocates nothing of size
+    ``B x L`` or ``n_hidden x L``.
     """
 
     name = "cpu"
     xp = np
     sp = scipy.sparse
     device_id = None
+    threads: int
+    #: the row-sparse merge (:func:`xmc_engine.scheduler.merge.merge_changed_rows`): a dense
+    #: merge of a big ``W1`` is most of a merge's time on the host
+    tracks_rows = True
 
     def __init__(self, threads: int | None = None):
         self.threads = int(threads) if threads else numba.config.NUMBA_NUM_THREADS
-        self._output_ops = _CPUOutputOps(self)
+        self._ws: dict[str, np.ndarray] = {}
 
     def __repr__(self):
         return f"CPUBackend(threads={self.threads})"
@@ -217,12 +123,24 @@ class CPUBackend:
         return np.asarray(a)
 
     @staticmethod
+    def to_float(x) -> float:
+        """``float(x)``: host kernels have finished when they return."""
+        return float(x)
+
+    @staticmethod
     def empty(shape, dtype=_F32):
         return np.empty(shape, dtype)
 
     @staticmethod
     def zeros(shape, dtype=_F32):
         return np.zeros(shape, dtype)
+
+    def workspace(self, name, shape, dtype=_F32):
+        n = int(np.prod(shape))
+        buf = self._ws.get(name)
+        if buf is None or buf.size < n or buf.dtype != dtype:
+            buf = self._ws[name] = np.empty(n, dtype)
+        return buf[:n].reshape(shape)
 
     @staticmethod
     def copy_into(dst, src):
@@ -238,6 +156,11 @@ class CPUBackend:
             np.copyto(dst, src)
 
     @staticmethod
+    def upload(arrays):
+        """Host arrays are this backend's arrays: returned as they are."""
+        return list(arrays)
+
+    @staticmethod
     def csr_parts(X):
         """SciPy CSR (or a :class:`~xmc_engine.batches.CSRBatch`) -> ``(indptr, indices,
         data float32)`` NumPy arrays."""
@@ -249,6 +172,13 @@ class CPUBackend:
 
     def synchronize(self):
         """Nothing to wait for: CPU kernels return when done."""
+
+    def fence(self):
+        """Nothing to order: host kernels have finished when they return."""
+
+    def activate(self):
+        """Nothing to make current on the host (the protocol's worker context)."""
+        return nullcontext()
 
     @contextmanager
     def thread_budget(self, n: int | None = None):
@@ -267,6 +197,97 @@ class CPUBackend:
                 yield
         finally:
             numba.set_num_threads(old)
+
+    # ------------------------------------------------------------------ dense arithmetic
+    @staticmethod
+    def matmul(a, b, out):
+        np.matmul(a, b, out=out)
+
+    def gemm_acc(self, C, A, Bm, alpha=1.0):
+        """C += alpha * A @ Bm in one BLAS call (beta = 1); strided views, no copies."""
+        if sgemm_rm(alpha, A, Bm, 1.0, C):
+            return
+        tmp = self.workspace("gemm_tmp", C.shape)
+        np.matmul(A, Bm, out=tmp)
+        self.axpy(C, tmp, alpha)
+
+    def gemm_update(self, W, A, Bm, alpha):
+        """W += alpha * A.T @ Bm in one BLAS call (beta = 1), W may be a strided view."""
+        self.gemm_acc(W, A.T, Bm, alpha)
+
+    @staticmethod
+    def axpy(y, x, alpha):
+        """y += alpha * x; serial below ``SERIAL_BELOW`` elements (a parallel region costs
+        more there)."""
+        if y.ndim == 1 or y.size < output_layer.SERIAL_BELOW:
+            output_layer.axpy_serial_cpu(y, x, alpha)
+        else:
+            output_layer.axpy_parallel_cpu(y, x, alpha)
+
+    # ------------------------------------------------------------------ output layer
+    @staticmethod
+    def _n_parts(B):
+        return max(1, min(numba.get_num_threads(), B))
+
+    @staticmethod
+    def softmax_xent(Z, y_indptr, y_indices, scale):
+        return float(output_layer.softmax_xent_cpu(Z, y_indptr, y_indices, scale))
+
+    def softmax_bias(self, Z, b2, y_indptr, y_indices, scale, db2_out):
+        loss_rows = self.workspace("loss_rows", (Z.shape[0],), np.float64)
+        parts = self.workspace("colsum_parts", (self._n_parts(Z.shape[0]), Z.shape[1]))
+        output_layer.softmax_xent_fused_cpu(Z, b2, True, y_indptr, y_indices, scale, loss_rows,
+                                            parts)
+        output_layer.sum_parts_cpu(parts, db2_out, 1.0, 0.0)
+        return float(loss_rows.sum())
+
+    def row_stats(self, B):
+        m, s, ysum = (self.workspace(k, (B,)) for k in ("row_m", "row_s", "row_ysum"))
+        m.fill(output_layer.RUNNING_MAX_START)  # not -inf: the kernels use fastmath
+        s.fill(0.0)
+        ysum.fill(0.0)
+        return m, s, ysum
+
+    def chunk_stats(self, Zc, b2c, c0, y_indptr, y_indices, m, s, ysum):
+        output_layer.softmax_chunk_stats_cpu(Zc, b2c, c0, y_indptr, y_indices, m, s, ysum,
+                                             self._n_parts(Zc.shape[0]))
+
+    def chunk_loss(self, m, s, ysum, y_indptr):
+        lse = self.workspace("row_lse", m.shape)
+        return float(output_layer.chunk_loss_cpu(m, s, ysum, y_indptr, lse)), lse
+
+    def chunk_grad(self, Zc, b2c, c0, y_indptr, y_indices, lse, scale, db2c_out, alpha=1.0,
+                   beta=0.0):
+        n_parts = self._n_parts(Zc.shape[0])
+        parts = self.workspace("colsum_parts_c", (n_parts * Zc.shape[1],))
+        parts = parts.reshape(n_parts, Zc.shape[1])
+        output_layer.softmax_chunk_grad_cpu(Zc, b2c, c0, y_indptr, y_indices, lse, scale, parts)
+        output_layer.sum_parts_cpu(parts, db2c_out, alpha, beta)
+
+    @staticmethod
+    def add_bias(Z, b):
+        output_layer.add_bias_cpu(Z, b)
+
+    @staticmethod
+    def topk_into(scores, k, idx, val):
+        topk.topk_cpu(scores, k, idx, val)
+
+    @staticmethod
+    def topk_merge(ia, va, ib, vb, io, vo):
+        topk.topk_merge_cpu(ia, va, ib, vb, io, vo)
+
+    def output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None):
+        return host_output_layer.output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr,
+                                                   dH_out, label_chunk=label_chunk)
+
+    def output_layer_grad(self, H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
+                          db2_out=None, label_chunk=None):
+        return host_output_layer.output_layer_grad(self, H, W2, b2, y_indptr, y_indices,
+                                                   dH_out=dH_out, dW2_out=dW2_out,
+                                                   db2_out=db2_out, label_chunk=label_chunk)
+
+    def predict_scores_topk(self, H, W2, b2, k, *, label_chunk=None):
+        return host_output_layer.predict_scores_topk(self, H, W2, b2, k, label_chunk=label_chunk)
 
     # ------------------------------------------------------------------ kernels
     @staticmethod
@@ -290,24 +311,6 @@ class CPUBackend:
     def relu_backward(dH, H):
         sparse_backward.relu_backward_cpu(dH, H)
         return dH
-
-    @staticmethod
-    def softmax_xent(Z, y_indptr, y_indices, scale):
-        return float(output_layer.softmax_xent_cpu(Z, y_indptr, y_indices, scale))
-
-    def output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None):
-        return output_layer.output_layer_step(H, W2, b2, y_indptr, y_indices, lr, dH_out,
-                                              label_chunk=label_chunk, backend=self)
-
-    def output_layer_grad(self, H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
-                          db2_out=None, label_chunk=None):
-        return output_layer.output_layer_grad(H, W2, b2, y_indptr, y_indices, dH_out=dH_out,
-                                              dW2_out=dW2_out, db2_out=db2_out,
-                                              label_chunk=label_chunk, backend=self)
-
-    def predict_scores_topk(self, H, W2, b2, k, *, label_chunk=None):
-        return output_layer.predict_scores_topk(H, W2, b2, k, label_chunk=label_chunk,
-                                                backend=self)
 
     @staticmethod
     def topk(scores, k):

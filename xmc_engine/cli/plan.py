@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from xmc_engine.cli.argtypes import user_path
 from xmc_engine.errors import ConfigError
 
 
@@ -18,12 +19,13 @@ def register(sub) -> None:
     p = sub.add_parser("plan", help="estimate the memory a run needs on each device",
                        description="Estimate the memory a training run needs on each device "
                        "and whether it fits; suggests a setting that fits when it does not.")
-    p.add_argument("--data", required=True,
+    p.add_argument("--data", type=user_path, required=True,
                    help="a file, a dataset folder or a registered name (e.g. "
                    "synthetic-amazon670k: planned from its shape, nothing is generated)")
     add_config_arguments(p, ("hidden", "batch_size", "label_chunk", "devices", "algorithm",
                              "eval_every"), "b_max=512")
-    p.add_argument("--config", default=None, help="read the config from this JSON file")
+    p.add_argument("--config", type=user_path, default=None,
+                   help="read the config from this JSON file")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="memory each pool (host, each GPU) may use, e.g. 8GiB (default: what "
                    "the machine reports, or XMC_MEMORY_BUDGET)")
@@ -35,9 +37,9 @@ def _shape(data: str) -> dict:
     """Shape keywords of :func:`plan_memory` for a registered name, a file or a folder."""
     from pathlib import Path
 
-    from xmc_engine.datasets.registry import _lookup, load_dataset
+    from xmc_engine.datasets.registry import find_dataset_info, load_dataset
 
-    info = None if Path(data).expanduser().exists() else _lookup(data)
+    info = None if Path(data).expanduser().exists() else find_dataset_info(data)
     if info is not None and None not in (info.n_train, info.n_features, info.n_labels,
                                          info.avg_nnz, info.avg_labels):
         n, t = info.n_train, info.n_test or 0

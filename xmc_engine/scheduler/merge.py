@@ -1,9 +1,11 @@
 """Model merging as pure functions: merge weights, adaptive normalization, weighted sum, momentum.
 
 arXiv 2110.07029 §III-B ("normalized model merging"), DESIGN.md §4.3. Array arguments are lists of
-parameter arrays (one list per replica, same order and shapes), on the device of ``backend``.
-The arithmetic goes through the backend's merge launchers (``weighted_sum``, ``momentum``,
-``elastic``) when the backend has them and falls back to plain ``xp`` arithmetic otherwise.
+parameter arrays (one list per replica, same order and shapes), on the device of ``backend``
+(a :class:`~xmc_engine.backends.base.SchedulerBackend`). The arithmetic goes through the backend's
+merge launchers (``all_finite``, ``weighted_sum``, ``momentum``, ``elastic``, and ``merge_rows``
+/ ``copy_rows`` where its ``tracks_rows`` flag says so), which order their reads after the
+other replicas' pending writes (``backend.fence``).
 """
 
 from __future__ import annotations
@@ -28,23 +30,13 @@ __all__ = [
     "l2_norm",
     "merge_changed_rows",
     "merge_weights",
+    "reduce_gradients",
     "sq_norms",
     "weighted_merge",
 ]
 
 #: Rules for the L2-norm trend flag of adaptive normalization (see :class:`NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
-
-
-def _xp(backend, array=None):
-    xp = getattr(backend, "xp", None)
-    if xp is not None:
-        return xp
-    if array is not None and type(array).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
 
 
 def merge_weights(updates: Sequence[float]) -> np.ndarray:
@@ -130,45 +122,35 @@ class NormTrend:
         del self.norms[:-2]
 
 
-def sq_norms(params: Sequence, backend=None) -> list[float]:
-    """``sum(a**2)`` of each array (host floats; synchronizes the device)."""
+def sq_norms(params: Sequence, backend) -> list[float]:
+    """``sum(a**2)`` of each array (host floats; on the backend's stream, after the other
+    streams' pending writes; synchronizes it)."""
+    xp = backend.xp
     out = []
-    for a in params:
-        xp = _xp(backend, a)
-        v = xp.ravel(a)
-        out.append(float(xp.dot(v, v)))
+    with backend.activate():
+        backend.fence()
+        for a in params:
+            v = xp.ravel(a)
+            out.append(backend.to_float(xp.dot(v, v)))  # synchronize!
     return out
 
 
-def l2_norm(params: Sequence, backend=None) -> float:
+def l2_norm(params: Sequence, backend) -> float:
     """L2 norm of all parameter arrays together (host float; synchronizes the device)."""
     return math.sqrt(sum(sq_norms(params, backend)))
 
 
-def find_nonfinite(replica_params: Sequence[Sequence], backend=None) -> list[int]:
+def find_nonfinite(replica_params: Sequence[Sequence], backend) -> list[int]:
     """Indices of the replicas with a NaN or infinite parameter (host list; synchronizes).
 
-    Uses the backend's ``all_finite`` when it has one (the CPU's parallel pass); otherwise a
-    sum, which propagates any NaN/inf: one reduction per array (float64 accumulation).
+    One ``backend.all_finite`` pass per array, stopping at a replica's first bad array.
     """
-    check = getattr(backend, "all_finite", None)
-    bad = []
-    for i, params in enumerate(replica_params):
-        for a in params:
-            if check is not None and isinstance(a, np.ndarray):
-                if not check(a):
-                    bad.append(i)
-                    break
-                continue
-            xp = _xp(backend, a)
-            if not math.isfinite(float(xp.sum(a, dtype=xp.float64))):
-                bad.append(i)
-                break
-    return bad
+    return [i for i, params in enumerate(replica_params)
+            if not all(backend.all_finite(a) for a in params)]
 
 
 def weighted_merge(replica_params: Sequence[Sequence], p: Sequence[float], out: Sequence,
-                   backend=None, *, check: bool = True) -> Sequence:
+                   backend, *, check: bool = True) -> Sequence:
     """Merged model ``w̄ = sum_i p_i w_i`` (arXiv 2110.07029 §III-B), written into ``out``.
 
     Parameters
@@ -181,8 +163,8 @@ def weighted_merge(replica_params: Sequence[Sequence], p: Sequence[float], out: 
     out : list of arrays
         Destination, same shapes, on the merging device; must not alias any replica's arrays.
         (Replicas on other GPUs must be peer-accessible from it, or copied there first.)
-    backend : optional
-        Uses ``backend.weighted_sum(arrays, weights, out)`` when present.
+    backend : SchedulerBackend
+        Runs ``backend.weighted_sum(arrays, weights, out)`` per parameter.
     check : bool
         Raise ``DivergenceError`` if a replica with non-zero weight is non-finite.
 
@@ -203,64 +185,43 @@ def weighted_merge(replica_params: Sequence[Sequence], p: Sequence[float], out: 
             raise DivergenceError(f"replicas {[used[j] for j in bad]} have non-finite "
                                   "parameters and a non-zero merge weight")
     ws = [w[i] for i in used]
-    kernel = getattr(backend, "weighted_sum", None)
     for k, dst in enumerate(out):
-        arrays = [replica_params[i][k] for i in used]
-        if kernel is not None:
-            kernel(arrays, ws, dst)
-            continue
-        xp = _xp(backend, dst)
-        xp.multiply(arrays[0], ws[0], out=dst)
-        for a, wi in zip(arrays[1:], ws[1:], strict=True):
-            dst += wi * a
+        backend.weighted_sum([replica_params[i][k] for i in used], ws, dst)
     return out
 
 
 def central_momentum(wbar: Sequence, z_prev: Sequence, z_prev2: Sequence, mu: float,
-                     out: Sequence, backend=None) -> Sequence:
+                     out: Sequence, backend) -> Sequence:
     """Momentum on the central model ``z_t = w̄_t + mu (z_{t-1} - z_{t-2})`` into ``out``.
 
     arXiv 2110.07029 §III-B (merge followed by momentum), DESIGN.md §4.3. All arguments are lists
     of arrays with the same shapes; ``out`` must not alias ``z_prev``. With ``mu == 0`` this is an
-    exact copy of ``wbar``. Uses ``backend.momentum(wbar, z_prev, z_prev2, mu, out)`` if present.
+    exact copy of ``wbar`` (``backend.copy_into``); otherwise ``backend.momentum``.
     """
-    kernel = getattr(backend, "momentum", None)
     for wb, z1, z2, dst in zip(wbar, z_prev, z_prev2, out, strict=True):
-        xp = _xp(backend, dst)
         if mu == 0:
             if dst is not wb:
-                xp.copyto(dst, wb)
-        elif kernel is not None:
-            kernel(wb, z1, z2, mu, dst)
+                backend.copy_into(dst, wb)
         else:
-            xp.subtract(z1, z2, out=dst)
-            dst *= mu
-            dst += wb
+            backend.momentum(wb, z1, z2, mu, dst)
     return out
 
 
 def elastic_update(x: Sequence, center: Sequence, alpha: float, diff_out: Sequence,
-                   backend=None) -> Sequence:
+                   backend) -> Sequence:
     """Elastic step ``d = alpha (x - c)``, ``x <- x - d``; returns ``diff_out`` holding ``d``.
 
     The building block of EASGD (Zhang et al. 2015) and CROSSBOW (Koliousis et al. 2019),
-    DESIGN.md §4 baselines; the caller accumulates ``d`` into the centre. Uses
-    ``backend.elastic(x, center, alpha, diff_out)`` if present.
+    DESIGN.md §4 baselines; the caller accumulates ``d`` into the centre. Runs
+    ``backend.elastic(x, center, alpha, diff_out)`` per parameter.
     """
-    kernel = getattr(backend, "elastic", None)
     for xi, c, d in zip(x, center, diff_out, strict=True):
-        if kernel is not None:
-            kernel(xi, c, alpha, d)
-            continue
-        xp = _xp(backend, xi)
-        xp.subtract(xi, c, out=d)
-        d *= alpha
-        xi -= d
+        backend.elastic(xi, c, alpha, d)
     return diff_out
 
 
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
-                       backend=None) -> float | None:
+                       backend) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
     only the ``W1`` rows some replica changed in the period (every other parameter in full).
 
@@ -283,8 +244,8 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         Merge weights, all > 0.
     central : list of arrays
         The central model, updated in place.
-    backend : optional
-        Needs ``merge_rows`` and ``copy_rows`` (the CPU backend).
+    backend : SchedulerBackend
+        Its ``tracks_rows`` flag says whether the row-sparse merge applies (the CPU backend).
 
     Returns
     -------
@@ -294,8 +255,7 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         weight of 0) or a replica is non-finite. The replicas are then untouched, the changed
         rows of ``central[0]`` may hold partial results, and the caller merges densely.
     """
-    kernel = getattr(backend, "merge_rows", None)
-    if kernel is None or not hasattr(backend, "copy_rows"):
+    if not backend.tracks_rows:
         return None
     masks = [r.changed_rows() if hasattr(r, "changed_rows") else None for r in replicas]
     w = [float(x) for x in p]
@@ -305,10 +265,57 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     if find_nonfinite([ps[1:] for ps in params], backend):
         return None
     rows = np.flatnonzero(np.logical_or.reduce(masks)).astype(np.int64)
-    finite, delta = kernel([ps[0] for ps in params], w, rows, central[0])
+    finite, delta = backend.merge_rows([ps[0] for ps in params], w, rows, central[0])
     if not finite:
         return None
     weighted_merge([ps[1:] for ps in params], w, central[1:], backend, check=False)
     for r in replicas:
         r.set_params(central, rows=rows)
     return delta
+
+
+def reduce_gradients(grads: Sequence[list | None], weights: Sequence[float], backend) -> list:
+    """Weighted sum of per-device gradients on ``backend``'s device: the all-reduce of
+    synchronous SGD, with no trip through the host on GPUs (peer reads, :meth:`fence`).
+
+    Parameters
+    ----------
+    grads : list (n_devices) of gradient lists or ``None``
+        In the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch`, on any device: entry 0
+        row-sparse ``(rows int64 (n_rows_i,) sorted unique, grad_rows (n_rows_i, h))``, the
+        others dense. ``None`` (a device without rows this step) is skipped.
+    weights : sequence of float, shape (n_devices,)
+        ``b_i / sum_j b_j``, each device's share of the global batch (the result is then the
+        gradient of the mean loss over the global batch). Weight 0 is skipped.
+    backend : SchedulerBackend
+        Where the sum is made and lives.
+
+    Returns
+    -------
+    list
+        Same layout, fresh arrays on ``backend``: ``W1`` over the sorted union of the devices'
+        rows (a row a device did not touch contributes 0), dense entries ``sum_i w_i g_i``.
+        Only the row numbers travel to the host (to form the union). Returns after the sum is
+        done (the devices may reuse their gradient buffers at once).
+    """
+    used = [i for i, g in enumerate(grads) if g is not None and weights[i] != 0.0]
+    if not used:
+        raise ValueError("reduce_gradients: no device contributed a gradient")
+    w = [float(weights[i]) for i in used]
+    with backend.activate():
+        backend.fence()
+        row_sets = [np.asarray(backend.to_host(grads[i][0][0]), dtype=np.int64) for i in used]
+        rows = np.unique(np.concatenate(row_sets))
+        first = grads[used[0]][0][1]
+        g1 = backend.zeros((rows.shape[0], *first.shape[1:]), first.dtype)
+        for r, i, wi in zip(row_sets, used, w, strict=True):
+            # rows are unique within a device, so fancy-index += is an exact scatter-add
+            at = backend.asarray(np.searchsorted(rows, r))
+            g1[at] += first.dtype.type(wi) * backend.asarray(grads[i][0][1])
+        out = [(backend.asarray(rows), g1)]
+        for k in range(1, len(grads[used[0]])):
+            like = grads[used[0]][k]
+            out.append(backend.weighted_sum([grads[i][k] for i in used], w,
+                                            backend.empty(like.shape, like.dtype)))
+        backend.synchronize()  # synchronize! the sum has read every device's buffers
+    return out

@@ -28,9 +28,8 @@ class Replica(Protocol):
     Attributes
     ----------
     backend
-        The device backend (:mod:`xmc_engine.backends`): at least ``xp``; the scheduler also uses
-        ``synchronize()``, ``thread_budget(n)`` and the merge launchers ``weighted_sum``,
-        ``momentum``, ``elastic`` when present.
+        The device backend: a :class:`~xmc_engine.backends.base.SchedulerBackend` (the
+        scheduler, the merges and the algorithms use nothing else of it).
 
     Notes
     -----
@@ -59,28 +58,79 @@ class Replica(Protocol):
 
 
 class HostBackend:
-    """Minimal NumPy backend for fakes: ``xp``, ``asarray``, ``to_host``, no merge launchers.
+    """NumPy backend of any dtype for fakes: the whole
+    :class:`~xmc_engine.backends.base.SchedulerBackend` protocol, none of the model's kernels.
 
-    The merge code falls back to plain ``xp`` arithmetic for backends without ``weighted_sum``
-    / ``momentum`` / ``elastic`` (see :mod:`xmc_engine.scheduler.merge`).
+    It is what the scheduler, the merges and the algorithms call (arrays and transfers, the
+    worker context, the merge launchers), written with plain NumPy so that
+    :class:`FakeReplica`'s float64 parameters merge exactly. ``tracks_rows`` is False: fakes
+    keep no record of changed rows, so ``merge_rows`` / ``copy_rows`` raise.
     """
 
     name = "cpu"
+    xp = np
     device_id = None
     threads = None
-    xp = np
+    tracks_rows = False
 
-    def asarray(self, a):
-        return np.asarray(a)
+    def asarray(self, a, dtype=None):
+        return np.asarray(a, dtype=dtype)
 
     def to_host(self, a):
         return np.asarray(a)
 
-    def synchronize(self) -> None:
-        pass
+    def to_float(self, x) -> float:
+        return float(x)
 
-    def thread_budget(self, n: int):
+    def empty(self, shape, dtype=np.float32):
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return np.zeros(shape, dtype)
+
+    def copy_into(self, dst, src) -> None:
+        np.copyto(dst, src)
+
+    def activate(self):
         return contextlib.nullcontext()
+
+    def thread_budget(self, n: int | None = None):
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        """Nothing queued: NumPy returns when done."""
+
+    def fence(self) -> None:
+        """Nothing to order: NumPy returns when done."""
+
+    def all_finite(self, a) -> bool:
+        return bool(np.isfinite(a).all())
+
+    def weighted_sum(self, arrays, weights, out):
+        np.multiply(arrays[0], weights[0], out=out)
+        for a, w in zip(arrays[1:], weights[1:], strict=True):
+            out += w * a
+        return out
+
+    def momentum(self, wbar, z1, z2, mu, out):
+        np.subtract(z1, z2, out=out)
+        out *= mu
+        out += wbar
+        return out
+
+    def elastic(self, x, center, alpha, diff_out):
+        np.subtract(x, center, out=diff_out)
+        diff_out *= alpha
+        x -= diff_out
+        return diff_out
+
+    def merge_rows(self, arrays, weights, rows, out):
+        raise NotImplementedError("HostBackend.tracks_rows is False: no row-sparse merge "
+                                  "(merge densely with weighted_sum)")
+
+    def copy_rows(self, dst, src, rows) -> None:
+        raise NotImplementedError("HostBackend.tracks_rows is False: no row-sparse copy "
+                                  "(copy whole arrays with copy_into)")
 
 
 class FakeReplica:

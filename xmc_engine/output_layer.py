@@ -1,0 +1,167 @@
+"""The output layer at host level: GEMMs, softmax cross-entropy and label chunks (DESIGN.md §2).
+
+Written once against the :class:`~xmc_engine.backends.base.Backend` protocol: the GEMMs go to
+``backend.matmul`` / ``gemm_acc`` / ``gemm_update`` (BLAS or cuBLAS), the softmax passes to the
+backend's launchers of :mod:`xmc_engine.kernels.output_layer`, and every scratch array comes from
+``backend.workspace`` (kept between steps: a step allocates nothing of size ``B x L`` or
+``n_hidden x L``). The backends' ``output_layer_step``, ``output_layer_grad`` and
+``predict_scores_topk`` call these functions with their device and stream current.
+
+Arrays (all on the backend's device)
+------------------------------------
+H : (B, n_hidden) float32                 hidden activations, C-contiguous
+W2 : (n_hidden, L) float32                C-contiguous, updated in place by the step
+b2 : (L,) float32                         updated in place by the step
+y_indptr : (B + 1,) int32/int64           CSR row pointers of the batch's labels (no data)
+y_indices : (n_pos,) int32/int64          label ids, unique within a row
+dH_out : (B, n_hidden) float32            gradient w.r.t. H (computed with W2 BEFORE the update)
+
+Loss and gradient: :mod:`xmc_engine.kernels.output_layer` (mean over the ``B`` rows of the batch,
+``scale = 1/B``; the summed, unscaled loss is returned).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["output_layer_grad", "output_layer_step", "predict_scores_topk"]
+
+_F32 = np.float32
+
+
+def _chunks(L: int, label_chunk: int | None) -> tuple[int, list[tuple[int, int]]]:
+    """Chunk width ``C`` and the ``[c0, c1)`` label ranges covering ``L`` labels."""
+    C = L if not label_chunk or label_chunk >= L else int(label_chunk)
+    return C, [(c0, min(L, c0 + C)) for c0 in range(0, L, C)]
+
+
+def _workspace_2d(backend, name: str, rows: int, cols: int, max_cols: int):
+    """A (rows, cols) C-contiguous view of a workspace sized for (rows, max_cols): the chunk
+    buffers keep one allocation although the last chunk is narrower."""
+    return backend.workspace(name, (rows * max_cols,))[: rows * cols].reshape(rows, cols)
+
+
+def output_layer_step(backend, H, W2, b2, y_indptr, y_indices, lr: float, dH_out, *,
+                      label_chunk: int | None = None):
+    """One SGD step of the output layer; returns the summed loss of the batch.
+
+    ``Z = H @ W2 + b2``; ``dZ = (softmax(Z) - y/|y|) / B``; ``dH_out[:] = dZ @ W2.T`` (old W2);
+    ``W2 -= lr * H.T @ dZ``; ``b2 -= lr * dZ.sum(0)``. With ``label_chunk=C`` the logits are
+    produced C labels at a time and the full (B, L) matrix is never held (two passes: row
+    statistics, then recompute -> gradient -> dH accumulation -> immediate W2/b2 chunk update).
+
+    Returns
+    -------
+    float or 0-d device array
+        A Python float on host backends; on CUDA a 0-d array queued on the backend's stream
+        (read it with ``backend.to_float``, which waits for the stream).
+    """
+    return _output_layer(backend, H, W2, b2, y_indptr, y_indices, lr, dH_out, None, None,
+                         label_chunk)
+
+
+def output_layer_grad(backend, H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
+                      db2_out=None, label_chunk: int | None = None):
+    """Gradients of the mean loss without updating: ``(loss_sum, dW2, db2, dH)``.
+
+    Same semantics as :func:`output_layer_step` (``dW2 = H.T @ dZ``, ``db2 = dZ.sum(0)``,
+    ``dH = dZ @ W2.T``); outputs are written into the ``*_out`` arrays when given, otherwise
+    into fresh arrays of the backend (float32).
+    """
+    B, nh = H.shape
+    L = W2.shape[1]
+    dH_out = backend.empty((B, nh)) if dH_out is None else dH_out
+    dW2_out = backend.empty((nh, L)) if dW2_out is None else dW2_out
+    db2_out = backend.empty((L,)) if db2_out is None else db2_out
+    loss = _output_layer(backend, H, W2, b2, y_indptr, y_indices, 0.0, dH_out, dW2_out,
+                         db2_out, label_chunk)
+    return loss, dW2_out, db2_out, dH_out
+
+
+def _output_layer(be, H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_out,
+                  label_chunk):
+    """The step (``dW2_out is None``: update W2, b2 in place) or the gradient (into the outs)."""
+    B = H.shape[0]
+    L = W2.shape[1]
+    update = dW2_out is None
+    scale = 1.0 / max(B, 1)
+    C, chunks = _chunks(L, label_chunk)
+    if B == 0:
+        dH_out[...] = 0
+        if not update:
+            dW2_out[...] = 0
+            db2_out[...] = 0
+        return 0.0
+    if len(chunks) == 1:  # plain path: three GEMMs, logits in memory
+        Z = be.workspace("Z", (B, L))
+        be.matmul(H, W2, Z)                                    # GEMM 1: logits
+        db2 = db2_out if not update else be.workspace("db2", (L,))
+        loss = be.softmax_bias(Z, b2, y_indptr, y_indices, scale, db2)  # fused bias+xent+sum
+        be.matmul(Z, W2.T, dH_out)                             # GEMM 2: dH with the old W2
+        if update:
+            be.gemm_update(W2, H, Z, -lr)                      # GEMM 3: W2 -= lr H^T dZ
+            be.axpy(b2, db2, -lr)
+        else:
+            be.matmul(H.T, Z, dW2_out)                         # GEMM 3: dW2
+        return loss
+    # label-chunked path (DESIGN.md §2): pass 1 row statistics, pass 2 recompute + update
+    m, s, ysum = be.row_stats(B)
+    for c0, c1 in chunks:
+        Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
+        be.matmul(H, W2[:, c0:c1], Zc)
+        be.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
+    loss, lse = be.chunk_loss(m, s, ysum, y_indptr)
+    dH_out[...] = 0
+    for c0, c1 in chunks:
+        Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
+        W2c = W2[:, c0:c1]
+        be.matmul(H, W2c, Zc)                                  # recompute the chunk's logits
+        if update:  # dZc, and b2c -= lr * dZc.sum(0) (after the kernel has read b2c)
+            be.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, b2[c0:c1],
+                          -lr, 1.0)
+        else:
+            be.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, db2_out[c0:c1])
+        be.gemm_acc(dH_out, Zc, W2c.T)                         # dH += dZc W2c^T (old W2c)
+        if update:
+            be.gemm_update(W2c, H, Zc, -lr)                    # W2c -= lr H^T dZc
+        else:
+            be.matmul(H.T, Zc, dW2_out[:, c0:c1])
+    return loss
+
+
+def predict_scores_topk(backend, H, W2, b2, k: int, *, label_chunk: int | None = None):
+    """Top-k labels of ``H @ W2 + b2``: ``(idx int64 (B, k), val float32 (B, k))``, descending.
+
+    ``k`` is clipped to ``L``. With ``label_chunk`` the scores are produced chunk by chunk and the
+    running top-k is merged with each chunk's top-k (:mod:`xmc_engine.kernels.topk`).
+    """
+    be = backend
+    B = H.shape[0]
+    L = W2.shape[1]
+    k = int(min(k, L))
+    C, chunks = _chunks(L, label_chunk)
+    idx = be.empty((B, k), np.int64)
+    val = be.empty((B, k), _F32)
+    if B == 0 or k == 0:
+        return idx, val
+    for c0, c1 in chunks:
+        Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
+        be.matmul(H, W2[:, c0:c1], Zc)
+        be.add_bias(Zc, b2[c0:c1])
+        if len(chunks) == 1:
+            be.topk_into(Zc, k, idx, val)
+            break
+        kc = min(k, c1 - c0)
+        ic = be.empty((B, kc), np.int64)
+        vc = be.empty((B, kc), _F32)
+        be.topk_into(Zc, kc, ic, vc)
+        ic += c0
+        if c0 == 0:
+            idx, val = ic, vc
+        else:
+            kk = min(k, idx.shape[1] + kc)
+            i2 = be.empty((B, kk), np.int64)
+            v2 = be.empty((B, kk), _F32)
+            be.topk_merge(idx, val, ic, vc, i2, v2)
+            idx, val = i2, v2
+    return idx, val
