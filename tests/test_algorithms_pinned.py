@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from xmc_engine.algorithms import get_algorithm
-from xmc_engine.algorithms.sync import allreduce_grads
 from xmc_engine.scheduler import MergeContext
-from xmc_engine.scheduler.replica import FakeReplica
+from xmc_engine.scheduler.merge import reduce_gradients
+from xmc_engine.scheduler.replica import FakeReplica, HostBackend
 
 
 def _setup(pol, reps, batch_size=4):
@@ -28,14 +28,15 @@ def _dense(rows, g1, n_rows=10):
 @pytest.mark.parametrize("dtype,rtol", [(np.float32, 1e-6), (np.float64, 1e-13)])
 def test_allreduce_of_two_devices_is_the_weighted_sum_in_the_inputs_precision(dtype, rtol):
     """``ḡ = Σ_i w_i g_i`` over the union of the two devices' ``W1`` rows, dense entries in the
-    gradients' own dtype: float64 gradients (the fakes') are summed in float64, not through the
-    float32 kernel."""
+    gradients' own dtype: float64 gradients (the fakes', on their host backend) are summed in
+    float64, without float32 weights."""
     rng = np.random.default_rng(5)
     rows = [np.array([0, 2, 5], np.int64), np.array([2, 3, 9], np.int64)]
     g1 = [rng.standard_normal((3, 4)).astype(dtype) for _ in rows]
     b = [rng.standard_normal(6).astype(dtype) for _ in rows]
     w = [0.7, 0.3]  # not float32 numbers: a float32 weight would show in float64 sums
-    out = allreduce_grads([[(r, g), bi] for r, g, bi in zip(rows, g1, b, strict=True)], w)
+    out = reduce_gradients([[(r, g), bi] for r, g, bi in zip(rows, g1, b, strict=True)], w,
+                           HostBackend())
     np.testing.assert_array_equal(out[0][0], [0, 2, 3, 5, 9])
     ref1 = w[0] * _dense(rows[0], g1[0]) + w[1] * _dense(rows[1], g1[1])
     np.testing.assert_allclose(out[0][1], ref1[out[0][0]], rtol=rtol)
@@ -50,7 +51,7 @@ def test_allreduce_skips_a_device_without_a_gradient():
     rows = np.array([1, 4], np.int64)
     g1 = np.arange(6, dtype=np.float64).reshape(2, 3)
     b = np.array([2.0, -4.0])
-    out = allreduce_grads([None, [(rows, g1), b]], [0.0, 0.5])
+    out = reduce_gradients([None, [(rows, g1), b]], [0.0, 0.5], HostBackend())
     np.testing.assert_array_equal(out[0][0], rows)
     np.testing.assert_allclose(out[0][1], 0.5 * g1)
     np.testing.assert_allclose(out[1], 0.5 * b)

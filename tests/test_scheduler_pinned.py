@@ -21,6 +21,7 @@ from xmc_engine.scheduler import FakeReplica, Schedule
 from xmc_engine.scheduler.controller import BatchSizeController
 from xmc_engine.scheduler.merge import find_nonfinite
 from xmc_engine.scheduler.queue import BatchQueue, FixedAssignmentQueue
+from xmc_engine.scheduler.replica import HostBackend
 
 
 def test_schedule_without_warmup_starts_at_lr0():
@@ -43,7 +44,7 @@ def test_find_nonfinite_names_each_bad_replica_once():
     """A replica with NaN/inf in several arrays is listed once, in replica order."""
     good = [np.ones((2, 2)), np.ones(3)]
     bad = [np.full((2, 2), np.nan), np.array([np.inf, 0.0, 1.0])]
-    for backend in (None, get_backend("cpu", threads=1)):
+    for backend in (HostBackend(), get_backend("cpu", threads=1)):
         assert find_nonfinite([bad, good, bad], backend) == [0, 2]
 
 
