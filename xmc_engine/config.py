@@ -29,6 +29,7 @@ from xmc_engine.errors import ConfigError
 __all__ = [
     "ALGORITHMS",
     "BATCH_RULES",
+    "DEFAULT_LR",
     "EVAL_ROWS",
     "FLAG_RULES",
     "OPTIMIZERS",
@@ -45,6 +46,9 @@ __all__ = [
 
 #: Optimizers of :class:`~xmc_engine.model.MLPReplica`.
 OPTIMIZERS = ("sgd", "adagrad")
+#: Each optimizer's learning rate when ``TrainConfig.lr`` is ``None``: the best of
+#: ``bench/bench_defaults.py``'s grid over the shared datasets (``bench/RESULTS.md``).
+DEFAULT_LR = {"sgd": 1.0, "adagrad": 0.05}
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
@@ -400,11 +404,11 @@ class TrainConfig(ConfigMixin):
     hidden: list[int] = field(default_factory=lambda: [128])
     epochs: float = 10
     batch_size: int = 256
-    lr: float = 1.0
+    lr: float | None = None
     lr_warmup_epochs: float | None = None
     lr_decay: float = 0.0
     label_chunk: int | None = None
-    optimizer: str = "sgd"
+    optimizer: str = "adagrad"
     devices: str = "cpu"
     algorithm: str = "single"
     algorithm_params: dict | AlgorithmConfig = field(default_factory=dict)
@@ -440,8 +444,8 @@ class TrainConfig(ConfigMixin):
             bad("epochs", "must be > 0")
         if self.batch_size < 1:
             bad("batch_size", "must be >= 1")
-        if not self.lr > 0:
-            bad("lr", "must be > 0")
+        if self.lr is not None and not self.lr > 0:
+            bad("lr", "must be > 0 (or None: the optimizer's default)")
         if self.lr_warmup_epochs is not None and not self.lr_warmup_epochs >= 0:
             bad("lr_warmup_epochs", "must be >= 0 (or None: the algorithm's own default)")
         if not self.lr_decay >= 0:
@@ -459,6 +463,12 @@ class TrainConfig(ConfigMixin):
         if self.eval_k < 1:
             bad("eval_k", "must be >= 1")
         self.algorithm_params = algorithm_config(self.algorithm, self.algorithm_params)
+
+    @property
+    def learning_rate(self) -> float:
+        """The base learning rate in effect: ``lr``, else the optimizer's
+        :data:`DEFAULT_LR`."""
+        return float(self.lr) if self.lr is not None else DEFAULT_LR[self.optimizer]
 
     @property
     def warmup_epochs(self) -> float:
