@@ -74,7 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "defaults.json"))
     p.add_argument("--resume", action="store_true",
-                   help="reuse the runs already in --out instead of training them again")
+                   help="reuse the grid runs (not the defaults' runs) already in --out and "
+                   "--previous instead of training them again")
+    p.add_argument("--previous", nargs="*", default=[],
+                   help="more result files of this script whose runs --resume reuses")
+    p.add_argument("--napkinxc", nargs="*",
+                   default=["bibtex", "delicious", "debian_debtags", "debian_builddeps"],
+                   help="datasets on which napkinXC PLT (library defaults) runs beside the grid")
     w = p.add_argument_group("warm-up study (--warmup-study: instead of the grid)")
     w.add_argument("--warmup-study", action="store_true")
     w.add_argument("--warmups", type=float, nargs="+", default=[0.0, 0.05, 0.25, 1.0])
@@ -231,16 +237,23 @@ def summarise(rows, dataset: str, epochs: int) -> dict | None:
             "configs": len(stats) - 1}
 
 
-def print_table(summary: list[dict]) -> None:
+def print_table(summary: list[dict], napkin: dict) -> None:
+    """The Markdown table of ``bench/RESULTS.md``: per dataset and epoch count the grid's best
+    configuration and the defaults (means over seeds), and napkinXC PLT where it ran."""
     print("\n| dataset | epochs | grid's best (configs) | P@1 / P@3 / P@5 | time s | defaults "
-          "| P@1 / P@3 / P@5 | time s | best - defaults P@1 |")
-    print("|---|---:|---|---|---:|---|---|---:|---:|")
+          "| P@1 / P@3 / P@5 | time s | best - defaults P@1 | napkinXC PLT P@1 / P@3 / P@5 "
+          "(time s) | defaults / napkinXC P@1 |")
+    print("|---|---:|---|---|---:|---|---|---:|---:|---|---:|")
     for s in summary:
         b, d = s["best_stats"], s["defaults_stats"]
+        n = napkin.get(s["dataset"])
+        nx = (f"{n['P@1']:.4f} / {n['P@3']:.4f} / {n['P@5']:.4f} ({n['train_time']:.1f}) "
+              f"| {d['P@1'] / n['P@1']:.3f}" if n else "| ")
         print(f"| {s['dataset']} | {s['epochs']} | {s['best']} ({s['configs']}) "
               f"| {b['P@1']:.4f} / {b['P@3']:.4f} / {b['P@5']:.4f} | {b['train_time']:.1f} "
-              f"| {s['defaults']} | {d['P@1']:.4f} / {d['P@3']:.4f} / {d['P@5']:.4f} "
-              f"| {d['train_time']:.1f} | {s['gap_P@1']:+.4f} |")
+              f"| {s['defaults']} (seeds {d['seeds']}) "
+              f"| {d['P@1']:.4f} / {d['P@3']:.4f} / {d['P@5']:.4f} "
+              f"| {d['train_time']:.1f} | {s['gap_P@1']:+.4f} | {nx} |")
 
 
 def warmup_study(args, meta) -> int:
@@ -299,10 +312,12 @@ def main(argv=None) -> int:
     if args.warmup_study:
         return warmup_study(args, meta)
     out = Path(args.out)
-    previous = {}
-    if args.resume and (old := _common.read_json(out)):
-        previous = {_key(r["dataset"], r["config"], r["seed"], r["epochs"]): r
-                    for r in old.get("rows", [])}
+    previous, napkin = {}, {}
+    for path in [out, *args.previous] if args.resume else []:
+        old = _common.read_json(path) or {}
+        previous.update({_key(r["dataset"], r["config"], r["seed"], r["epochs"]): r
+                         for r in old.get("rows", []) if r["config"]})
+        napkin.update(old.get("napkinxc", {}))
     heavy_shapes = [tuple(int(v) for v in s.split("x")) for s in args.heavy_shapes.split(",")]
     heavy_points = [(s.split(":")[0], float(s.split(":")[1])) for s in args.heavy_lrs.split(",")]
     rows, notes, summary = [], {}, []
@@ -323,6 +338,12 @@ def main(argv=None) -> int:
         else:
             search(grid, [("sgd", lr) for lr in SGD_LRS] + [("adagrad", lr) for lr in ADAGRAD_LRS],
                    [(b, h) for b in BATCHES for h in HIDDENS])
+        if name in args.napkinxc and name not in napkin:
+            from xmc_libraries import run_napkinxc_plt
+
+            napkin[name] = run_napkinxc_plt(X, Y, Xt, Yt, threads=args.threads, seed=0)
+            print(f"  napkinXC PLT: P@1 {napkin[name]['P@1']:.4f} ({napkin[name]['train_time']:.1f}"
+                  " s)", flush=True)
         notes[name]["seconds"] = time.perf_counter() - t0
         summary = [s for n in notes for e in sorted(args.epochs)
                    if (s := summarise(rows, n, e)) is not None]
@@ -332,8 +353,8 @@ def main(argv=None) -> int:
                                             "heavy_shapes": heavy_shapes,
                                             "heavy_points": heavy_points,
                                             "heavy": args.heavy},
-                                   "summary": summary, "rows": rows})
-    print_table(summary)
+                                   "summary": summary, "napkinxc": napkin, "rows": rows})
+    print_table(summary, napkin)
     print(f"\nwrote {out}")
     return 0
 

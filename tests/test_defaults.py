@@ -7,10 +7,10 @@ import logging
 
 import numpy as np
 import pytest
+from xmc_engine.datasets import make_synthetic
 
 from xmc_engine import XMCClassifier, training
 from xmc_engine.config import DEFAULT_LR, OPTIMIZERS, TrainConfig
-from xmc_engine.datasets import make_synthetic
 from xmc_engine.devices import parse_devices
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import ModelShape, init_params_for_data
@@ -64,3 +64,7 @@ def test_compile_kernels_leaves_the_params_alone_and_says_when_slow(small, monke
     for a, b in zip(params, before, strict=True):
         np.testing.assert_array_equal(a, b)
     assert any("compiling kernels" in r.getMessage() for r in caplog.records)
+
+
+def test_the_estimators_defaults_are_the_configs():
+    assert XMCClassifier().get_config() == TrainConfig()

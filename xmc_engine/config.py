@@ -48,7 +48,7 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adagrad")
 #: Each optimizer's learning rate when ``TrainConfig.lr`` is ``None``: the best of
 #: ``bench/bench_defaults.py``'s grid over the shared datasets (``bench/RESULTS.md``).
-DEFAULT_LR = {"sgd": 1.0, "adagrad": 0.05}
+DEFAULT_LR = {"sgd": 1.0, "adagrad": 0.02}
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
@@ -151,9 +151,12 @@ class AlgorithmConfig(ConfigMixin):
     """
 
     #: Warm-up (epochs) of the learning-rate ramp when ``TrainConfig.lr_warmup_epochs`` is
-    #: ``None``: one epoch of equal batches and a linear ramp for the multi-device algorithms
-    #: (the paper warms up before adapting, arXiv 2110.07029 §IV).
-    default_warmup_epochs: ClassVar[float] = 1.0
+    #: ``None``. None: ``adaptive`` on ``cpu,cpu@0.5`` reached 97 % of the best P@1 soonest
+    #: with 0 or 0.05 epochs, and a one-epoch ramp (the paper warms up, arXiv 2110.07029 §IV)
+    #: held P@1 near the popularity baseline through the ramp and took 1.7 x as long on
+    #: delicious and longer than 3 epochs on debian_debtags (``bench/RESULTS.md``, "Defaults").
+    #: A subclass may override it.
+    default_warmup_epochs: ClassVar[float] = 0.0
 
     rejoin_after: int | None = None
     fault: str | None = None
@@ -174,8 +177,6 @@ class SingleConfig(AlgorithmConfig):
         checkpoints may happen (the first barrier at or after each mark). Small enough for
         fine-grained evaluation, large enough that a barrier costs nothing measurable.
     """
-
-    default_warmup_epochs: ClassVar[float] = 0.0
 
     merge_period: int = 1024
 
@@ -383,12 +384,15 @@ class TrainConfig(ConfigMixin):
     lr, lr_warmup_epochs, lr_decay : float
         The learning-rate schedule of every algorithm
         (:class:`~xmc_engine.scheduler.controller.Schedule`): a linear ramp over
-        ``lr_warmup_epochs`` (``None``: the algorithm's own default, none for ``single``, one
-        epoch for the multi-device algorithms), then ``lr / (1 + lr_decay (e − e_warm))`` over
-        whole epochs ``e``.
+        ``lr_warmup_epochs`` (``None``: the algorithm's own
+        :attr:`AlgorithmConfig.default_warmup_epochs`, none for every algorithm), then
+        ``lr / (1 + lr_decay (e − e_warm))`` over whole epochs ``e``. ``lr=None``: the
+        optimizer's :data:`DEFAULT_LR` (:attr:`learning_rate`).
     label_chunk : int or None
         Labels per chunk of the output layer (``None``: the whole ``B x n_labels`` logits).
     optimizer : {'sgd', 'adagrad'}
+        Adagrad by default: at equal epochs it beat plain SGD (the paper's) at every learning
+        rate of the grid on every dataset of ``bench/bench_defaults.py``.
     devices : str
         Device spec (:func:`~xmc_engine.devices.parse_devices`).
     algorithm : str
@@ -403,7 +407,7 @@ class TrainConfig(ConfigMixin):
 
     hidden: list[int] = field(default_factory=lambda: [128])
     epochs: float = 10
-    batch_size: int = 256
+    batch_size: int = 64
     lr: float | None = None
     lr_warmup_epochs: float | None = None
     lr_decay: float = 0.0

@@ -132,7 +132,7 @@ class XMCClassifier:
     history_ : list of dict, the run-log records of the last ``fit``
     """
 
-    def __init__(self, hidden=128, epochs=10, batch_size=256, lr=None, lr_warmup_epochs=None,
+    def __init__(self, hidden=128, epochs=10, batch_size=64, lr=None, lr_warmup_epochs=None,
                  lr_decay=0.0, label_chunk=None, optimizer="adagrad", devices="cpu",
                  algorithm="single", algorithm_params=None, seed=0, threads=None,
                  eval_every=1.0, eval_k=5, propensity_a=0.55, propensity_b=1.5, log_dir=None,

@@ -157,8 +157,8 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, params, log=None) -> float:
     from xmc_engine.scheduler.merge import merge_changed_rows, weighted_merge
 
     t0 = time.perf_counter()
-    notice = threading.Timer(COMPILE_NOTICE_S, logger.warning,
-                             ("compiling kernels (first run after install) ...",))
+    notice = threading.Timer(COMPILE_NOTICE_S, logger.warning, (
+        "compiling kernels (first run after install; later runs load Numba's cache) ...",))
     notice.daemon = True
     notice.start()
     try:
