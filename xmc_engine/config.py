@@ -48,7 +48,7 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adagrad")
 #: Each optimizer's learning rate when ``TrainConfig.lr`` is ``None``: the best of
 #: ``bench/bench_defaults.py``'s grid over the shared datasets (``bench/RESULTS.md``).
-DEFAULT_LR = {"sgd": 1.0, "adagrad": 0.02}
+DEFAULT_LR = {"sgd": 1.0, "adagrad": 0.05}
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).

@@ -21,7 +21,7 @@ _CONFIG_OPTIONS = {
                "hidden widths, comma-separated (default 128)"),
     "epochs": ("--epochs", float, "training epochs (default 10)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 64)"),
-    "lr": ("--lr", float, "base learning rate (default: the optimizer's, 0.02 for adagrad, "
+    "lr": ("--lr", float, "base learning rate (default: the optimizer's, 0.05 for adagrad, "
            "1.0 for sgd)"),
     "lr_warmup_epochs": ("--lr-warmup-epochs", float,
                          "linear learning-rate warm-up, every algorithm (default: the "
