@@ -175,7 +175,7 @@ class Grid:
             return None
         same = _cfg(d.optimizer, d.learning_rate, d.batch_size, d.hidden[0])
         for r in self.rows:
-            if r["config"] == same and r["seed"] == seed:
+            if r["dataset"] == self.name and r["config"] == same and r["seed"] == seed:
                 return {**r, "config": {}, "same_as": _label(same)}
         return None
 

@@ -22,7 +22,7 @@ _CONFIG_OPTIONS = {
     "epochs": ("--epochs", float, "training epochs (default 10)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 64)"),
     "lr": ("--lr", float, "base learning rate (default: the optimizer's, 0.05 for adagrad, "
-           "1.0 for sgd)"),
+           "2.0 for sgd)"),
     "lr_warmup_epochs": ("--lr-warmup-epochs", float,
                          "linear learning-rate warm-up, every algorithm (default: the "
                          "algorithm's own, 0 for all)"),
