@@ -394,7 +394,7 @@ class TrainConfig(ConfigMixin):
         Labels per chunk of the output layer (``None``: the whole ``B x n_labels`` logits).
     optimizer : {'sgd', 'adagrad'}
         Adagrad by default: on every dataset of ``bench/bench_defaults.py`` its best learning
-        rate beat plain SGD's (the paper's optimizer) at equal epochs, by 0.05 to 0.34 P@1.
+        rate beat plain SGD's (the paper's optimizer) at equal epochs, by 0.03 to 0.46 P@1.
     devices : str
         Device spec (:func:`~xmc_engine.devices.parse_devices`).
     algorithm : str
