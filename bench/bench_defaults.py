@@ -19,9 +19,16 @@ the lowest epoch count only, with the first seed, and a reduced stage 2 (``--hea
 
 Results (every run, its curve and the tables) go to ``--out`` (``bench/results/defaults.json``)
 through :func:`_common.write_result`, rewritten after every dataset; ``--resume`` reuses the
-runs already in it (same dataset, configuration, seed and epochs). The committed run::
+grid runs already in it and in ``--previous`` files (same dataset, configuration, seed and
+epochs) and trains the defaults and napkinXC PLT (``--napkinxc`` datasets) afresh. The committed
+runs (each then repeated with ``--resume`` once the defaults were fixed)::
 
-    python bench/bench_defaults.py                 # all nine datasets + synth1k, synth10k
+    python bench/bench_defaults.py --datasets bibtex delicious
+    python bench/bench_defaults.py --datasets debian_debtags corel5k stackex_cooking \
+        stackex_cs rcv1sub1 synth1k imdb --epochs 5 --out bench/results/defaults_5ep.json
+    python bench/bench_defaults.py --datasets debian_builddeps synth10k \
+        --out bench/results/defaults_heavy.json
+    python bench/bench_defaults.py --warmup-study --out bench/results/defaults_warmup.json
 
 The synthetic shapes come from :func:`xmc_engine.datasets.make_synthetic` (power-law label
 popularity, exponent 0.9): ``synth1k`` 10,000 train / 2,500 test rows, 5,000 features, 1,000

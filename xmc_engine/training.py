@@ -120,7 +120,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
               warmup_epochs=cfg.warmup_epochs, n_samples=n_samples, n_features=shape.n_features,
               n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
               resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
-    compile_kernels(cfg, devices, X, Y, params, log)
+    compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm)
     try:
         if extra:
@@ -137,19 +137,22 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
 
 #: Seconds of compiling after which :func:`compile_kernels` says what it is doing.
 COMPILE_NOTICE_S = 2.0
+#: Largest hidden width of :func:`compile_kernels`' throwaway replicas.
+COMPILE_WIDTH = 8
 
 
-def compile_kernels(cfg: TrainConfig, devices, X, Y, params, log=None) -> float:
+def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
     """Compile the run's Numba kernels, or load them from Numba's on-disk cache, before the
     training clock starts, so that ``train_time`` and the first epoch hold no compilation.
 
-    One throwaway replica per device (copies of ``params``, ``cfg``'s optimizer and label
-    chunk) takes one step and one gradient on the first rows of ``X`` at learning rate 0, the
-    first device predicts their top-k, and several devices merge the throwaway replicas
-    (weighted and row-sparse). Numba compiles per argument type, not size, so the run's own
-    calls find every kernel compiled; the run's replicas and optimizer state are not touched.
-    When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says what is happening
-    (the first run after an install compiles, later runs load the cache).
+    One throwaway replica per device, of the run's depth but with at most
+    :data:`COMPILE_WIDTH` units per hidden layer (memory ``O(n_features + n_labels)``), with
+    ``cfg``'s optimizer and label chunk, takes one step and one gradient on the first rows of
+    ``X`` at learning rate 0; the first device predicts their top-k, and several devices merge
+    the throwaway replicas (weighted and row-sparse). Numba compiles per argument type (dtype,
+    dimensions, layout), not size, so the run's own calls find every kernel compiled; the run's
+    model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
+    what is happening (the first run after an install compiles, later runs load the cache).
 
     Returns the seconds spent, also written to ``log`` as a ``compile`` record.
     """
@@ -163,6 +166,8 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, params, log=None) -> float:
     notice.start()
     try:
         rows = np.arange(min(4, X.shape[0]), dtype=np.int64)
+        hidden = tuple(min(h, COMPILE_WIDTH) for h in cfg.hidden)
+        params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed)
         replicas = []
         for d in devices:
             be = get_backend(d.kind, d.index, threads=cfg.threads or d.threads)
