@@ -95,15 +95,16 @@ class XMCClassifier:
     ----------
     hidden : int or list of int, default 128
         Hidden layer widths (first layer sparse, the rest dense).
-    epochs, batch_size, lr : training length, base batch size ``B``, base learning rate.
+    epochs, batch_size, lr : training length, base batch size ``B``, base learning rate
+        (``None``: the optimizer's default, :data:`xmc_engine.config.DEFAULT_LR`).
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
         the schedule of every algorithm (``lr_warmup_epochs=None``: each algorithm's own
-        warm-up, none for one device, one epoch for the multi-device algorithms).
+        warm-up, none by default).
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
-    optimizer : {"sgd", "adagrad"}
-        Plain SGD (the paper's) or Adagrad (per-parameter accumulators, row-sparse for ``W1``;
-        each replica keeps its own, merges average parameters only).
+    optimizer : {"adagrad", "sgd"}
+        Adagrad (the default; per-parameter accumulators, row-sparse for ``W1``; each replica
+        keeps its own, merges average parameters only) or plain SGD (the paper's).
     devices : str
         Device spec, e.g. ``"cpu"``, ``"cpu,cpu@0.5"``, ``"cuda:0,cuda:0"``, ``"auto"``.
     algorithm : str
