@@ -153,11 +153,11 @@ class AlgorithmConfig(ConfigMixin):
     """
 
     #: Warm-up (epochs) of the learning-rate ramp when ``TrainConfig.lr_warmup_epochs`` is
-    #: ``None``. None: ``adaptive`` on ``cpu,cpu@0.5`` reached 97 % of the best P@1 soonest
-    #: with 0 or 0.05 epochs, and a one-epoch ramp (the paper warms up, arXiv 2110.07029 §IV)
-    #: held P@1 near the popularity baseline through the ramp and took 1.7 x as long on
-    #: delicious and longer than 3 epochs on debian_debtags (``bench/RESULTS.md``, "Defaults").
-    #: A subclass may override it.
+    #: ``None``. None: for ``adaptive`` on ``cpu,cpu@0.5`` a warm-up of 0 or 0.05 epochs gave
+    #: the highest P@1 at each early evaluation on delicious and debian_debtags, and a
+    #: one-epoch ramp (the paper warms up, arXiv 2110.07029 §IV) held debian_debtags at the
+    #: popularity baseline for half an epoch (``bench/RESULTS.md``, "Defaults"). A subclass
+    #: may override it.
     default_warmup_epochs: ClassVar[float] = 0.0
 
     rejoin_after: int | None = None
