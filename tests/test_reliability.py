@@ -128,7 +128,7 @@ def toy():
     return X[:500], Y[:500], X[500:], Y[500:]
 
 
-KW = dict(hidden=32, epochs=6, batch_size=32, lr=0.5, seed=0, devices="cpu,cpu",
+KW = dict(hidden=32, epochs=6, batch_size=32, lr=0.5, optimizer="sgd", seed=0, devices="cpu,cpu",
           algorithm="adaptive", lr_warmup_epochs=0)
 # Fixed batch sizes: these tests are about faults, and with adapting batches a loaded machine's
 # thread timing can push one device to b_max (and 2x the learning rate) on this toy problem

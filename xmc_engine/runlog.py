@@ -10,7 +10,11 @@ not know. The events the engine writes:
     Once, first. ``config`` (the full run configuration as a JSON object), ``algorithm``
     (``"adaptive"``, ``"sync"``, ``"average"``, ``"easgd"``, ``"crossbow"``, ``"single"``),
     ``devices`` (the device spec string), ``dataset``, ``n_samples``, ``n_features``,
-    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions).
+    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions), ``lr`` and
+    ``warmup_epochs`` (the values in effect, defaults resolved).
+``compile``
+    Once, before training: ``seconds`` spent compiling the kernels or loading them from Numba's
+    cache (outside ``train_time``), ``devices``.
 ``eval``
     After each evaluation. ``epoch`` (float, epochs of training data consumed), ``samples`` (int,
     training samples consumed), ``train_time`` (training seconds only; evaluation excluded),

@@ -116,9 +116,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
     evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
                  if eval_set is not None else None)
-    log.write("start", config=cfg.to_dict(), n_samples=n_samples, n_features=shape.n_features,
+    log.write("start", config=cfg.to_dict(), lr=cfg.learning_rate,
+              warmup_epochs=cfg.warmup_epochs, n_samples=n_samples, n_features=shape.n_features,
               n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
               resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
+    compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm)
     try:
         if extra:
@@ -131,6 +133,65 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         log.close()
     return {"params": host_params(trainer), "history": list(log.records), "metrics": metrics,
             "label_counts": label_counts, "n_train": n_samples}
+
+
+#: Seconds of compiling after which :func:`compile_kernels` says what it is doing.
+COMPILE_NOTICE_S = 2.0
+#: Largest hidden width of :func:`compile_kernels`' throwaway replicas.
+COMPILE_WIDTH = 8
+
+
+def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
+    """Compile the run's Numba kernels, or load them from Numba's on-disk cache, before the
+    training clock starts, so that ``train_time`` and the first epoch hold no compilation.
+
+    One throwaway replica per device, of the run's depth but with at most
+    :data:`COMPILE_WIDTH` units per hidden layer (memory ``O(n_features + n_labels)``), with
+    ``cfg``'s optimizer and label chunk, takes one step and one gradient on the first rows of
+    ``X`` at learning rate 0; the first device predicts their top-k, and several devices merge
+    the throwaway replicas (weighted and row-sparse). Numba compiles per argument type (dtype,
+    dimensions, layout), not size, so the run's own calls find every kernel compiled; the run's
+    model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
+    what is happening (the first run after an install compiles, later runs load the cache).
+
+    Returns the seconds spent, also written to ``log`` as a ``compile`` record.
+    """
+    from xmc_engine.backends import get_backend
+    from xmc_engine.scheduler.merge import merge_changed_rows, weighted_merge
+
+    t0 = time.perf_counter()
+    notice = threading.Timer(COMPILE_NOTICE_S, logger.warning, (
+        "compiling kernels (first run after install; later runs load Numba's cache) ...",))
+    notice.daemon = True
+    notice.start()
+    try:
+        rows = np.arange(min(4, X.shape[0]), dtype=np.int64)
+        hidden = tuple(min(h, COMPILE_WIDTH) for h in cfg.hidden)
+        params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed)
+        replicas = []
+        for d in devices:
+            be = get_backend(d.kind, d.index, threads=cfg.threads or d.threads)
+            rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
+                             optimizer=cfg.optimizer)
+            rep.train_batch(rows, 0.0)
+            rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
+            replicas.append(rep)
+        be = replicas[0].backend
+        predict_topk(be, replicas[0].params(), X[rows], max(5, cfg.eval_k),
+                     label_chunk=cfg.label_chunk)
+        if len(replicas) > 1:
+            weights = [1.0 / len(replicas)] * len(replicas)
+            central = [be.asarray(np.array(p, dtype=np.float32)) for p in params]
+            weighted_merge([r.params() for r in replicas], weights, central, be)
+            merge_changed_rows(replicas, weights, central, be)
+        for rep in replicas:
+            rep.backend.synchronize()
+    finally:
+        notice.cancel()
+    seconds = time.perf_counter() - t0
+    if log is not None:
+        log.write("compile", seconds=seconds, devices=[str(d) for d in devices])
+    return seconds
 
 
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
@@ -155,7 +216,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                     log.write("threads", device=str(d), threads=be.threads,
                           note="calibrated: the faster of 1 and all of the device's threads")
         replicas.append(rep)
-    schedule = Schedule(cfg.lr, cfg.warmup_epochs, cfg.lr_decay)
+    schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs, cfg.lr_decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
                    batch_size=cfg.batch_size, schedule=schedule, seed=cfg.seed, log=log,
                    rejoin_after=opts.rejoin_after, faults=opts.fault, comm=comm,
