@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import types
 import typing
@@ -74,8 +75,9 @@ def _type_ok(value, hint) -> bool:
         return isinstance(value, bool)
     if hint is int:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint is float:  # a finite real: NaN and infinities pass no comparison check below
+        return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and math.isfinite(value))
     if hint is str:
         return isinstance(value, str)
     if origin is list:
@@ -89,7 +91,8 @@ def _type_ok(value, hint) -> bool:
 
 
 def _type_name(hint) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    return name.replace("float", "a finite float")
 
 
 class ConfigMixin:
@@ -474,6 +477,11 @@ class TrainConfig(ConfigMixin):
             bad("eval_every", "must be >= 0 (0 = only at the end)")
         if self.eval_k < 1:
             bad("eval_k", "must be >= 1")
+        if self.seed < 0:
+            bad("seed", "must be >= 0")
+        for name in ("propensity_a", "propensity_b"):
+            if not getattr(self, name) > 0:
+                bad(name, "must be > 0")
         self.algorithm_params = algorithm_config(self.algorithm, self.algorithm_params)
 
     @property
@@ -495,7 +503,7 @@ class TrainConfig(ConfigMixin):
         if isinstance(d, dict) and isinstance(d.get("algorithm_params"), dict):
             # Check the options against the algorithm named in the same mapping.
             name = d.get("algorithm", cls.algorithm)
-            if name in ALGORITHMS:
+            if isinstance(name, str) and name in ALGORITHMS:
                 d = {**d, "algorithm_params": algorithm_config(
                     name, d["algorithm_params"], source=f"{source}: algorithm_params")}
         return super().from_dict(d, source=source)

@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import math
-import numbers
 import os
 import sys
 import time
@@ -123,36 +122,7 @@ def config_from_args(args) -> TrainConfig:
         base["algorithm_params"] = params
     if base.get("epochs") is not None and float(base["epochs"]).is_integer():
         base["epochs"] = int(base["epochs"])
-    return check_config(TrainConfig.from_dict(base, source="command line"), "command line")
-
-
-# Numeric TrainConfig fields; those in _MAY_BE_NONE may also be None (the algorithm's default).
-_NUMERIC_FIELDS = ("epochs", "batch_size", "lr", "lr_warmup_epochs", "lr_decay", "label_chunk",
-                   "seed", "threads", "eval_every", "eval_k", "propensity_a", "propensity_b")
-_MAY_BE_NONE = ("lr_warmup_epochs", "label_chunk", "threads")
-
-
-def check_config(cfg: TrainConfig, source: str) -> TrainConfig:
-    """Refuse, naming ``source``, values :meth:`TrainConfig.validate` lets through but a run
-    cannot use: a number that is not a finite real, propensity constants that are not > 0, a
-    negative or fractional seed (NumPy refuses it), a device spec, optimizer or algorithm that
-    is not a string. Returns ``cfg``."""
-    for name in _NUMERIC_FIELDS:
-        value = getattr(cfg, name)
-        if value is None and name in _MAY_BE_NONE:
-            continue
-        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                or not math.isfinite(value)):
-            raise ConfigError(f"{source}: {name}={value!r}: need a finite number")
-    for name in ("propensity_a", "propensity_b"):
-        if not getattr(cfg, name) > 0:
-            raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: must be > 0")
-    if not (isinstance(cfg.seed, numbers.Integral) and cfg.seed >= 0):
-        raise ConfigError(f"{source}: seed={cfg.seed!r}: need an integer >= 0")
-    for name in ("devices", "optimizer", "algorithm"):
-        if not isinstance(getattr(cfg, name), str):
-            raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: need a string")
-    return cfg
+    return TrainConfig.from_dict(base, source="command line")
 
 
 def read_config_file(path) -> dict:
@@ -183,10 +153,7 @@ def read_config_file(path) -> dict:
         raise ConfigError(f"--config {path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
     except (ValueError, OSError) as exc:  # non-finite number, a folder, unreadable, not UTF-8
         raise ConfigError(f"--config {path}: {exc}") from None
-    for name in ("devices", "optimizer", "algorithm"):  # TrainConfig looks these up first
-        if isinstance(d, dict) and not isinstance(d.get(name, ""), str):
-            raise ConfigError(f"{path}: {name}={d[name]!r}: need a string")
-    return check_config(TrainConfig.from_dict(d, source=str(path)), str(path)).to_dict()
+    return TrainConfig.from_dict(d, source=str(path)).to_dict()
 
 
 def _load_data(data, test):
@@ -237,7 +204,7 @@ def _read_run_file(run_dir: Path):
         raise ConfigError(f"{path}: invalid JSON ({exc.msg}); this run cannot be resumed") from None
     if not isinstance(run, dict) or not isinstance(run.get("data"), str):
         raise ConfigError(f"{path}: not a run file (no 'data' entry); this run cannot be resumed")
-    cfg = check_config(TrainConfig.from_dict(run.get("config"), source=str(path)), str(path))
+    cfg = TrainConfig.from_dict(run.get("config"), source=str(path))
     return cfg, run["data"], run.get("test"), run.get("checkpoint_every")
 
 
