@@ -32,6 +32,7 @@ __all__ = [
     "EVAL_ROWS",
     "FLAG_RULES",
     "OPTIMIZERS",
+    "OUTPUTS",
     "AdaptiveConfig",
     "AlgorithmConfig",
     "AverageConfig",
@@ -45,6 +46,8 @@ __all__ = [
 
 #: Optimizers of :class:`~xmc_engine.model.MLPReplica`.
 OPTIMIZERS = ("sgd", "adagrad")
+#: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
+OUTPUTS = ("exact", "sampled")
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
@@ -391,6 +394,17 @@ class TrainConfig(ConfigMixin):
     label_chunk : int or None
         Labels per chunk of the output layer (``None``: the whole ``B x n_labels`` logits).
     optimizer : {'sgd', 'adagrad'}
+    output : {'exact', 'sampled'}
+        The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.
+        ``"sampled"``: the softmax over the batch's positive labels plus ``negatives`` labels
+        drawn uniformly from the rest, with the sampled-softmax weight on the drawn ones
+        (:func:`xmc_engine.output_layer.sample_candidates`); the step costs GEMMs of
+        ``B x hidden x (positives + negatives)`` and updates only those ``W2`` columns.
+        Prediction and evaluation are exact either way; ``label_chunk`` then applies to them
+        only. When to choose which: README, "Sampled output layer".
+    negatives : int
+        ``K``, the negatives drawn per batch when ``output="sampled"`` (0: the other rows'
+        positives only). Measured: ``bench/RESULTS.md``, "Sampled output layer".
     devices : str
         Device spec (:func:`~xmc_engine.devices.parse_devices`).
     algorithm : str
@@ -411,6 +425,8 @@ class TrainConfig(ConfigMixin):
     lr_decay: float = 0.0
     label_chunk: int | None = None
     optimizer: str = "sgd"
+    output: str = "exact"
+    negatives: int = 1024
     devices: str = "cpu"
     algorithm: str = "single"
     algorithm_params: dict | AlgorithmConfig = field(default_factory=dict)
@@ -456,6 +472,10 @@ class TrainConfig(ConfigMixin):
             bad("label_chunk", "must be >= 1 or None")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"unknown; choose one of {', '.join(OPTIMIZERS)}")
+        if self.output not in OUTPUTS:
+            bad("output", f"unknown; choose one of {', '.join(OUTPUTS)}")
+        if self.negatives < 0:
+            bad("negatives", "must be >= 0 (0: only the batch's own positive labels)")
         if self.algorithm not in ALGORITHMS:
             bad("algorithm", f"unknown; choose one of {', '.join(ALGORITHMS)}")
         if self.threads is not None and self.threads < 1:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_engine.batches import RowGather
-from xmc_engine.config import EVAL_ROWS, OPTIMIZERS
+from xmc_engine.batches import CSRBatch, RowGather
+from xmc_engine.config import EVAL_ROWS, OPTIMIZERS, OUTPUTS, TrainConfig
+from xmc_engine.output_layer import sample_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +112,24 @@ class MLPReplica:
     label_chunk : int or None; output-layer label chunk (None = plain path, logits in memory)
     optimizer : ``"sgd"`` (default) or ``"adagrad"``; Adagrad keeps one accumulator per
         parameter on this device (local to the replica: merges average parameters only)
+    output : ``"exact"`` (default) or ``"sampled"``: the output layer of a step
+        (:class:`~xmc_engine.config.TrainConfig` ``output``). Sampled steps touch only the
+        ``W2`` columns and ``b2`` entries of their candidate labels (SGD and Adagrad alike);
+        :meth:`grad_batch` scatters their gradient into dense ``dW2``/``db2`` arrays, and
+        merges treat ``W2`` densely as in the exact mode.
+    negatives : int; ``K`` of the sampled mode
+    seed : int; seed of the negatives' random stream (give replicas different seeds)
     """
 
     def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None,
-                 optimizer: str = "sgd"):
+                 optimizer: str = "sgd", output: str = "exact",
+                 negatives: int = TrainConfig.negatives, seed: int = 0):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output={output!r}: choose one of {', '.join(OUTPUTS)}")
+        if negatives < 0:
+            raise ValueError(f"negatives={negatives!r}: must be >= 0")
         self.backend = backend
         self.X = X
         self.Y = Y
@@ -125,6 +138,9 @@ class MLPReplica:
         self._take_y = RowGather(Y)
         self.label_chunk = label_chunk
         self.optimizer = optimizer
+        self.output = output
+        self.negatives = int(negatives)
+        self._rng = np.random.default_rng(seed)
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         self.n_dense = (len(self._params) - 4) // 2
         self._acc = ([backend.zeros(p.shape) for p in self._params]
@@ -184,6 +200,8 @@ class MLPReplica:
         Xb = self._take_x(rows)
         if self._changed is not None:
             self._changed[Xb.indices] = True
+        if self.output == "sampled":
+            return self._sampled_step(Xb, self._take_y(rows), lr)
         if self._acc is not None:
             loss, grads = grad_step(self.backend, self._params, Xb, self._take_y(rows),
                                     label_chunk=self.label_chunk)
@@ -203,8 +221,32 @@ class MLPReplica:
         are already scaled as the mean over the batch (``apply_grads(grads, lr)`` is the step
         ``train_batch(rows, lr)`` makes). ``loss_sum`` is summed over the rows.
         """
-        return grad_step(self.backend, self._params, self._take_x(rows), self._take_y(rows),
-                         label_chunk=self.label_chunk)
+        Xb, Yb = self._take_x(rows), self._take_y(rows)
+        if self.output == "exact":
+            return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
+        be = self.backend
+        loss, grads, cols = sampled_grad_step(be, self._params, Xb, Yb, self.negatives,
+                                              self._rng)
+        with be.activate():
+            dW2, db2 = be.zeros(self._params[-2].shape), be.zeros(self._params[-1].shape)
+            be.scatter_add_columns(dW2, db2, cols, grads[-2], grads[-1], 1.0)
+        return loss, [*grads[:-2], dW2, db2]
+
+    def _sampled_step(self, Xb, Yb, lr: float) -> float:
+        """A step with the sampled output layer: ``W1`` on its touched rows, ``W2`` / ``b2``
+        on the candidate columns, the dense layers in full (SGD or Adagrad)."""
+        be, params = self.backend, self._params
+        loss, grads, cols = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng)
+        W2, b2 = params[-2], params[-1]
+        with be.activate():
+            if self._acc is not None:
+                apply_adagrad(be, params[:-2], grads[:-2], self._acc[:-2], lr)
+                be.adagrad_columns(W2, b2, self._acc[-2], self._acc[-1], cols, grads[-2],
+                                   grads[-1], lr, ADAGRAD_EPS)
+            else:
+                apply_grads(be, params[:-2], grads[:-2], lr)
+                be.scatter_add_columns(W2, b2, cols, grads[-2], grads[-1], -float(lr))
+        return loss
 
     def apply_grads(self, grads: list, lr: float) -> None:
         """This replica's optimiser step (SGD ``p -= lr * g``, or Adagrad) with gradients in
@@ -294,20 +336,51 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
     ``sparse_grad``. ``grads`` layout: :meth:`MLPReplica.grad_batch`.
     """
     with be.activate():
-        (indptr, indices, data), (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
-        acts = _hidden_forward(be, params, (indptr, indices, data), Xb.shape[0])
+        x_parts, (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
+        acts = _hidden_forward(be, params, x_parts, Xb.shape[0])
         W2, b2 = params[-2], params[-1]
         loss, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
                                                   label_chunk=label_chunk)
-        dense: list = []
-        for k in reversed(range(len(acts) - 1)):
-            W = params[2 + 2 * k]
-            be.relu_backward(dH, acts[k + 1])
-            dense = [acts[k].T @ dH, dH.sum(axis=0)] + dense
-            dH = dH @ W.T
-        be.relu_backward(dH, acts[0])
-        rows, grad_rows, grad_b1 = be.sparse_grad(indptr, indices, data, dH)
-        return be.to_float(loss), [(rows, grad_rows), grad_b1, *dense, dW2, db2]  # synchronize!
+        grads = _hidden_grads(be, params, x_parts, acts, dH)
+        return be.to_float(loss), [*grads, dW2, db2]  # synchronize!
+
+
+def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng) -> tuple[float, list, object]:
+    """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads, cols)``.
+
+    The candidate labels ``cols`` (int64, on the backend) are the batch's positives plus
+    ``negatives`` uniform draws from ``rng``
+    (:func:`xmc_engine.output_layer.sample_candidates`); ``grads`` is in the
+    :meth:`MLPReplica.grad_batch` layout except its last two entries, the gradients of
+    ``W2[:, cols]`` (n_hidden, m) and ``b2[cols]`` (m,) only (backend workspaces, valid until
+    the next sampled step).
+    """
+    W2, b2 = params[-2], params[-1]
+    cols, local_y, n_pos, log_weight = sample_candidates(Yb.indices, W2.shape[1], negatives, rng)
+    Yl = CSRBatch(Yb.indptr, local_y, local_y, (Yb.shape[0], len(cols)))
+    with be.activate():
+        x_parts, (y_indptr, y_local) = _upload_batch(be, Xb, Yl)
+        cols = be.asarray(cols)
+        acts = _hidden_forward(be, params, x_parts, Xb.shape[0])
+        loss, dW2s, db2s, dH = be.sampled_output_grad(acts[-1], W2, b2, cols, n_pos,
+                                                      log_weight, y_indptr, y_local)
+        grads = _hidden_grads(be, params, x_parts, acts, dH)
+        return be.to_float(loss), [*grads, dW2s, db2s], cols  # synchronize!
+
+
+def _hidden_grads(be, params, x_parts, acts, dH) -> list:
+    """Backward through the hidden layers from ``dH`` (the gradient of the last activations,
+    overwritten): ``[(rows, grad_rows), grad_b1, dW1_1, db1_1, ...]`` (the
+    :meth:`MLPReplica.grad_batch` layout without ``W2``, ``b2``)."""
+    dense: list = []
+    for k in reversed(range(len(acts) - 1)):
+        W = params[2 + 2 * k]
+        be.relu_backward(dH, acts[k + 1])
+        dense = [acts[k].T @ dH, dH.sum(axis=0)] + dense
+        dH = dH @ W.T
+    be.relu_backward(dH, acts[0])
+    rows, grad_rows, grad_b1 = be.sparse_grad(*x_parts, dH)
+    return [(rows, grad_rows), grad_b1, *dense]
 
 
 def apply_grads(be, params, grads, lr: float) -> None:

@@ -28,6 +28,8 @@ _CONFIG_OPTIONS = {
     "lr_decay": ("--lr-decay", float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "sgd (default) or adagrad"),
+    "output": ("--output", str, "training output layer: exact (default) or sampled"),
+    "negatives": ("--negatives", int, "negatives per batch of --output sampled"),
     "devices": ("--devices", str, "device spec, e.g. cpu | cpu,cpu@0.5 | cuda:0,cuda:0 | auto"),
     "algorithm": ("--algorithm", str, f"one of {', '.join(ALGORITHMS)}"),
     "seed": ("--seed", int, "random seed (default 0)"),
