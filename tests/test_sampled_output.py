@@ -264,3 +264,26 @@ def test_cuda_kernels_match_reference(rng, shape):
     for got, want in zip((Wd, bd, aWd, abd), refs, strict=True):
         np.testing.assert_allclose(host(got), want, rtol=1e-5, atol=1e-6)
 
+
+
+def test_memory_plan_knows_the_sampled_mode():
+    from xmc_engine.memory import plan_memory
+
+    shape = dict(n_samples=100_000, n_features=50_000, n_labels=500_000, nnz=5e6,
+                 label_nnz=4e5, budget="1TiB")
+
+    def act(plan):
+        (pool,) = plan.pools
+        return sum(v for k, v in pool.items.items() if k.startswith("activations"))
+
+    exact = plan_memory(TrainConfig(batch_size=256), **shape)
+    sampled = plan_memory(TrainConfig(batch_size=256, output="sampled", negatives=1000),
+                          **shape)
+    m = 256 * 4 + 1000  # b x labels per row + negatives
+    assert act(sampled) == 2 * 256 * 128 * 4 + 256 * m * 4 + 2 * 129 * m * 4
+    assert act(exact) > 100 * act(sampled)
+    assert sampled.settings["output"] == "sampled" and "negatives 1000" in sampled.summary()
+    ada = plan_memory(TrainConfig(output="sampled", optimizer="adagrad"), **shape)
+    P = ada.settings["param_bytes"]
+    assert ada.pools[0].total - plan_memory(TrainConfig(output="sampled"), **shape).pools[0].total \
+        == P
