@@ -287,3 +287,12 @@ def test_memory_plan_knows_the_sampled_mode():
     P = ada.settings["param_bytes"]
     assert ada.pools[0].total - plan_memory(TrainConfig(output="sampled"), **shape).pools[0].total \
         == P
+
+
+def test_thread_calibration_of_a_sampled_replica_builds_no_full_logits():
+    _, rep = _replicas("sgd", L=200, negatives=3)
+    before = [np.array(p) for p in rep.params()]
+    assert rep.calibrate_threads(32, 2) in (1, 2)
+    assert "Z" not in rep.backend._ws and "Zs" in rep.backend._ws  # the sampled path only
+    for a, b in zip(before, rep.params(), strict=True):
+        np.testing.assert_array_equal(a, b)

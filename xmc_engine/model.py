@@ -154,8 +154,10 @@ class MLPReplica:
         (:func:`calibrate_threads`) and return it; other backends are left as they are."""
         be = self.backend
         if be.name == "cpu" and max_threads > 1:
+            negatives = self.negatives if self.output == "sampled" else None
             be.threads = calibrate_threads(be, self._params, self.X, self.Y, batch_size,
-                                           max_threads, label_chunk=self.label_chunk)
+                                           max_threads, label_chunk=self.label_chunk,
+                                           negatives=negatives)
         return be.threads if be.name == "cpu" else max_threads
 
     # -- optimiser state (checkpoints) -------------------------------------------------------
@@ -412,11 +414,14 @@ def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -
 
 
 def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,
-                      label_chunk: int | None = None, steps: int = 3) -> int:
+                      label_chunk: int | None = None, negatives: int | None = None,
+                      steps: int = 3) -> int:
     """The thread budget (1 or ``max_threads``) under which a training step is faster here.
 
     Times ``steps`` steps of each budget on a real batch with ``lr = 0`` (the parameters do not
-    change). Measured on the 2-core machine this engine is developed on, one thread beat two by
+    change); with ``negatives`` the steps are those of the sampled output layer (their
+    gradients, without the column update), so that no ``B x n_labels`` logits are allocated.
+    Measured on the 2-core machine this engine is developed on, one thread beat two by
     1.3-20x (numba's OpenMP workers and OpenBLAS's both spin-wait, and fight over the cores),
     while a many-core server gains from threads: so it is measured, not assumed.
     """
@@ -424,15 +429,23 @@ def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,
 
     if max_threads <= 1 or be.name != "cpu":
         return max(1, int(max_threads))
-    rows = np.random.default_rng(0).permutation(X.shape[0])[:batch_size]
+    rng = np.random.default_rng(0)
+    rows = rng.permutation(X.shape[0])[:batch_size]
     Xb, Yb = X[rows], Y[rows]
+
+    def step():
+        if negatives is None:
+            train_step(be, params, Xb, Yb, 0.0, label_chunk=label_chunk)
+        else:
+            sampled_grad_step(be, params, Xb, Yb, negatives, rng)
+
     best, best_t = 1, float("inf")
     for n in (1, int(max_threads)):
         with be.thread_budget(n):
-            train_step(be, params, Xb, Yb, 0.0, label_chunk=label_chunk)  # warm-up
+            step()  # warm-up
             t0 = time.perf_counter()
             for _ in range(steps):
-                train_step(be, params, Xb, Yb, 0.0, label_chunk=label_chunk)
+                step()
             dt = time.perf_counter() - t0
         logger.debug("thread calibration: %d threads, %.2f ms/step", n, 1e3 * dt / steps)
         if dt < best_t:
