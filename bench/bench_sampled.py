@@ -12,12 +12,22 @@ script first checks, on a small problem, that a sampled step over every label is
 power-law shape ``synthetic:N_TRAIN:N_FEATURES:N_LABELS`` (:func:`bench._tta.load_data`).
 ``--exact-epochs`` trains the exact model for fewer epochs (its time per epoch is still
 measured, its final P@1 is then that of the shorter run: the table says so).
+
+``--steps N`` times ``N`` training steps of each configuration instead (no evaluation) and
+projects the time per epoch of ``--project-rows`` training rows (default: the data's), for shapes
+whose full epoch does not fit the time budget (the Amazon-670K shape); it also records the
+memory planner's estimate of the host pool (:func:`xmc_engine.memory.plan_memory`) beside the
+measured peak RSS.
+
+    python bench/bench_sampled.py --data synthetic:20000:135909:670091 --steps 20 \
+        --project-rows 490449
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -53,11 +63,49 @@ def check_against_exact() -> None:
         np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-5)
 
 
+def time_steps(spec: dict, Xtr, Ytr) -> dict:
+    """Seconds per training step of ``spec`` over ``spec["steps"]`` steps after two warm-up
+    steps, projected to an epoch of ``spec["project_rows"]`` rows; with the planner's estimate."""
+    from xmc_engine.backends.cpu import CPUBackend
+    from xmc_engine.config import TrainConfig
+    from xmc_engine.memory import plan_memory
+    from xmc_engine.model import MLPReplica, ModelShape, init_params_for_data
+
+    B = spec["batch_size"]
+    params = init_params_for_data(ModelShape(Xtr.shape[1], Ytr.shape[1], tuple(spec["hidden"])),
+                                  Xtr, seed=spec["seed"])
+    rep = MLPReplica(CPUBackend(spec["threads"]), Xtr, Ytr, params, optimizer=spec["optimizer"],
+                     output=spec["output"], negatives=spec["negatives"], seed=spec["seed"])
+    del params
+    order = np.random.default_rng(spec["seed"]).permutation(Xtr.shape[0])
+    batches = [order[i * B:(i + 1) * B] for i in range(spec["steps"] + 2)]
+    with rep.backend.thread_budget():
+        for rows in batches[:2]:
+            rep.train_batch(rows, spec["lr"])
+        t0 = time.perf_counter()
+        for rows in batches[2:]:
+            rep.train_batch(rows, spec["lr"])
+        s_step = (time.perf_counter() - t0) / spec["steps"]
+    n_rows = spec["project_rows"] or Xtr.shape[0]
+    cfg = TrainConfig(hidden=spec["hidden"], batch_size=B, optimizer=spec["optimizer"],
+                      output=spec["output"], negatives=spec["negatives"])
+    plan = plan_memory(cfg, n_samples=Xtr.shape[0], n_features=Xtr.shape[1],
+                       n_labels=Ytr.shape[1], nnz=Xtr.nnz, label_nnz=Ytr.nnz, budget="1TiB")
+    return {"s_per_step": s_step, "s_per_epoch": s_step * math.ceil(n_rows / B),
+            "projected_rows": n_rows, "planned_host_bytes": plan.pools[0].total}
+
+
 def run_one(spec: dict) -> dict:
     """Train one configuration (in this process); returns its record."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = load_data(spec["data"])
+    shape = {"n_train": Xtr.shape[0], "n_features": Xtr.shape[1], "n_labels": Ytr.shape[1],
+             "n_test": Xte.shape[0]}
+    if spec.get("steps"):
+        del Xte, Yte
+        return {**spec, **time_steps(spec, Xtr, Ytr), "peak_rss_mib": _common.peak_rss_mib(),
+                "data_shape": shape}
     clf = XMCClassifier(hidden=spec["hidden"], epochs=spec["epochs"],
                         batch_size=spec["batch_size"], optimizer=spec["optimizer"],
                         lr=spec["lr"], seed=spec["seed"], threads=spec["threads"],
@@ -72,9 +120,7 @@ def run_one(spec: dict) -> dict:
     return {**spec, "wall_s": wall, "train_s": last["train_time"],
             "s_per_epoch": last["train_time"] / last["epoch"], "curve": curve,
             "final": {k: last["metrics"][k] for k in METRICS},
-            "peak_rss_mib": _common.peak_rss_mib(),
-            "data_shape": {"n_train": Xtr.shape[0], "n_features": Xtr.shape[1],
-                           "n_labels": Ytr.shape[1], "n_test": Xte.shape[0]}}
+            "peak_rss_mib": _common.peak_rss_mib(), "data_shape": shape}
 
 
 def main(argv=None) -> None:
@@ -91,6 +137,10 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eval-every", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=0,
+                   help="time this many steps per configuration instead of training epochs")
+    p.add_argument("--project-rows", type=int, default=0,
+                   help="with --steps: training rows of the projected epoch (default: the data's)")
     p.add_argument("--no-exact", action="store_true", help="sampled runs only")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/"
                    "sampled_<data>.json)")
@@ -103,7 +153,8 @@ def main(argv=None) -> None:
     check_against_exact()
     base = {"data": args.data, "hidden": [args.hidden], "batch_size": args.batch_size,
             "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
-            "threads": args.threads, "eval_every": args.eval_every}
+            "threads": args.threads, "eval_every": args.eval_every, "steps": args.steps,
+            "project_rows": args.project_rows}
     specs = [] if args.no_exact else [
         {**base, "output": "exact", "negatives": 0, "epochs": args.exact_epochs or args.epochs}]
     specs += [{**base, "output": "sampled", "negatives": k, "epochs": args.epochs}
@@ -118,13 +169,24 @@ def main(argv=None) -> None:
                              f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         r = json.loads(line[0][len("RESULT "):])
         runs.append(r)
+        if args.steps:
+            print(f"{args.data} {r['output']:7s} K={r['negatives']:<6d} "
+                  f"{r['s_per_step'] * 1e3:9.1f} ms/step -> {r['s_per_epoch']:8.1f} s/epoch of "
+                  f"{r['projected_rows']} rows (projected)  peak {r['peak_rss_mib']:7.0f} MiB, "
+                  f"planned {r['planned_host_bytes'] / 2**20:7.0f} MiB", flush=True)
+            continue
         f = r["final"]
         print(f"{args.data} {r['output']:7s} K={r['negatives']:<6d} epochs={r['epochs']:<4g} "
               f"{r['s_per_epoch']:8.2f} s/epoch  peak {r['peak_rss_mib']:7.0f} MiB  "
               f"P@1 {f['P@1']:.4f} P@3 {f['P@3']:.4f} P@5 {f['P@5']:.4f} "
               f"PSP@5 {f['PSP@5']:.4f}", flush=True)
     exact = next((r for r in runs if r["output"] == "exact"), None)
-    if exact is not None:
+    if exact is not None and args.steps:
+        for r in runs:
+            r["speedup_per_epoch"] = exact["s_per_epoch"] / r["s_per_epoch"]
+            print(f"  {r['output']:7s} K={r['negatives']:<6d} {r['speedup_per_epoch']:6.1f}x "
+                  "per step")
+    elif exact is not None:
         target = exact["final"]["P@1"] - 0.01
         exact["s_to_target"] = time_to_target(exact["curve"], target)
         for r in runs:

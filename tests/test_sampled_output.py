@@ -296,3 +296,27 @@ def test_thread_calibration_of_a_sampled_replica_builds_no_full_logits():
     assert "Z" not in rep.backend._ws and "Zs" in rep.backend._ws  # the sampled path only
     for a, b in zip(before, rep.params(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_sampled_training_on_the_cuda_stand_in_equals_the_cpu(monkeypatch, optimizer):
+    """The CUDA backend's sampled path (over tests/fake_cupy.py: NumPy kernels, a ledger of
+    stream accesses) ends where the CPU backend ends, with no unordered access."""
+    from tests import fake_cupy
+    from xmc_engine.backends.cuda import CUDABackend
+
+    ledger = fake_cupy.install(monkeypatch, n_devices=1)
+    X, Y = tiny_data(n=96, n_labels=40)
+    params = init_params(ModelShape(X.shape[1], Y.shape[1], (16, 8)), seed=3)
+    reps = [MLPReplica(be, X, Y, params, optimizer=optimizer, output="sampled", negatives=6,
+                       seed=5)
+            for be in (CPUBackend(threads=1), CUDABackend(0, launch=fake_cupy.launch))]
+    for start in range(0, 96, 16):
+        losses = [r.train_batch(np.arange(start, start + 16), 0.5) for r in reps]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    g = [r.grad_batch(np.arange(16)) for r in reps]
+    assert g[1][0] == pytest.approx(g[0][0], rel=1e-4)
+    np.testing.assert_allclose(reps[1].backend.to_host(g[1][1][-2]), g[0][1][-2], atol=1e-6)
+    for a, b in zip(reps[0].params(), reps[1].params(), strict=True):
+        np.testing.assert_allclose(reps[1].backend.to_host(b), a, rtol=2e-4, atol=2e-5)
+    assert ledger.hazards == [] and ledger.null_stream_ops == []
