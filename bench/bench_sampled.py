@@ -65,7 +65,11 @@ def check_against_exact() -> None:
 
 def time_steps(spec: dict, Xtr, Ytr) -> dict:
     """Seconds per training step of ``spec`` over ``spec["steps"]`` steps after two warm-up
-    steps, projected to an epoch of ``spec["project_rows"]`` rows; with the planner's estimate."""
+    steps, projected to an epoch of ``spec["project_rows"]`` rows; with the planner's estimate.
+
+    Holds what a training run holds on the host beside the replica (the initial parameters and,
+    at the end, a host copy of the trained ones), so that the peak RSS compares with the plan.
+    """
     from xmc_engine.backends.cpu import CPUBackend
     from xmc_engine.config import TrainConfig
     from xmc_engine.memory import plan_memory
@@ -76,7 +80,6 @@ def time_steps(spec: dict, Xtr, Ytr) -> dict:
                                   Xtr, seed=spec["seed"])
     rep = MLPReplica(CPUBackend(spec["threads"]), Xtr, Ytr, params, optimizer=spec["optimizer"],
                      output=spec["output"], negatives=spec["negatives"], seed=spec["seed"])
-    del params
     order = np.random.default_rng(spec["seed"]).permutation(Xtr.shape[0])
     batches = [order[i * B:(i + 1) * B] for i in range(spec["steps"] + 2)]
     with rep.backend.thread_budget():
@@ -86,6 +89,8 @@ def time_steps(spec: dict, Xtr, Ytr) -> dict:
         for rows in batches[2:]:
             rep.train_batch(rows, spec["lr"])
         s_step = (time.perf_counter() - t0) / spec["steps"]
+    result = [np.array(p) for p in rep.params()]
+    assert all(np.isfinite(p).all() for p in result) and len(result) == len(params)
     n_rows = spec["project_rows"] or Xtr.shape[0]
     cfg = TrainConfig(hidden=spec["hidden"], batch_size=B, optimizer=spec["optimizer"],
                       output=spec["output"], negatives=spec["negatives"])
@@ -95,9 +100,24 @@ def time_steps(spec: dict, Xtr, Ytr) -> dict:
             "projected_rows": n_rows, "planned_host_bytes": plan.pools[0].total}
 
 
+def without_correction() -> None:
+    """Ablation: the sampled steps of this process get no sampled-softmax weight on their
+    negatives (``log_weight = 0``: a plain softmax over the candidates)."""
+    from xmc_engine import model, output_layer
+
+    def uncorrected(*args):
+        cols, local_y, n_pos, _ = output_layer.sample_candidates(*args)
+        return cols, local_y, n_pos, 0.0
+
+    model.sample_candidates = uncorrected
+
+
 def run_one(spec: dict) -> dict:
     """Train one configuration (in this process); returns its record."""
     from xmc_engine import XMCClassifier
+
+    if not spec.get("correction", True):
+        without_correction()
 
     Xtr, Ytr, Xte, Yte = load_data(spec["data"])
     shape = {"n_train": Xtr.shape[0], "n_features": Xtr.shape[1], "n_labels": Ytr.shape[1],
@@ -141,6 +161,8 @@ def main(argv=None) -> None:
                    help="time this many steps per configuration instead of training epochs")
     p.add_argument("--project-rows", type=int, default=0,
                    help="with --steps: training rows of the projected epoch (default: the data's)")
+    p.add_argument("--ablate-correction", action="store_true",
+                   help="also run each K without the sampled-softmax weight on the negatives")
     p.add_argument("--no-exact", action="store_true", help="sampled runs only")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/"
                    "sampled_<data>.json)")
@@ -157,8 +179,10 @@ def main(argv=None) -> None:
             "project_rows": args.project_rows}
     specs = [] if args.no_exact else [
         {**base, "output": "exact", "negatives": 0, "epochs": args.exact_epochs or args.epochs}]
-    specs += [{**base, "output": "sampled", "negatives": k, "epochs": args.epochs}
-              for k in args.negatives]
+    specs += [{**base, "output": "sampled", "negatives": k, "epochs": args.epochs,
+               "correction": corr}
+              for k in args.negatives for corr in ((True, False) if args.ablate_correction
+                                                   else (True,))]
     runs = []
     for spec in specs:
         proc = subprocess.run([sys.executable, __file__, "--data", args.data, "--one",
@@ -176,7 +200,8 @@ def main(argv=None) -> None:
                   f"planned {r['planned_host_bytes'] / 2**20:7.0f} MiB", flush=True)
             continue
         f = r["final"]
-        print(f"{args.data} {r['output']:7s} K={r['negatives']:<6d} epochs={r['epochs']:<4g} "
+        tag = "" if r.get("correction", True) else " no-logQ"
+        print(f"{args.data} {r['output']:7s} K={r['negatives']:<6d}{tag} epochs={r['epochs']:<4g} "
               f"{r['s_per_epoch']:8.2f} s/epoch  peak {r['peak_rss_mib']:7.0f} MiB  "
               f"P@1 {f['P@1']:.4f} P@3 {f['P@3']:.4f} P@5 {f['P@5']:.4f} "
               f"PSP@5 {f['PSP@5']:.4f}", flush=True)
@@ -193,7 +218,8 @@ def main(argv=None) -> None:
             r["s_to_target"] = time_to_target(r["curve"], target)
             r["speedup_per_epoch"] = exact["s_per_epoch"] / r["s_per_epoch"]
             r["dP@1"] = r["final"]["P@1"] - exact["final"]["P@1"]
-            print(f"  {r['output']:7s} K={r['negatives']:<6d} {r['speedup_per_epoch']:6.1f}x "
+            tag = "" if r.get("correction", True) else " no-logQ"
+            print(f"  {r['output']:7s} K={r['negatives']:<6d}{tag} {r['speedup_per_epoch']:6.1f}x "
                   f"per epoch, dP@1 {r['dP@1']:+.4f}, time to exact P@1 - 0.01 "
                   f"({target:.4f}): {r['s_to_target']:.1f} s")
     out = args.out or _common.RESULTS_DIR / f"sampled_{data_tag(args.data)}.json"
