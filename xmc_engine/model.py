@@ -118,7 +118,9 @@ class MLPReplica:
         :meth:`grad_batch` scatters their gradient into dense ``dW2``/``db2`` arrays, and
         merges treat ``W2`` densely as in the exact mode.
     negatives : int; ``K`` of the sampled mode
-    seed : int; seed of the negatives' random stream (give replicas different seeds)
+    seed : int; seed of the negatives' random stream (give replicas different seeds). The
+        stream is not part of checkpoints: a resumed sampled run draws other negatives than an
+        uninterrupted one would (the same distribution).
     """
 
     def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None,
