@@ -134,6 +134,7 @@ def adagrad_columns_kernel(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
 
 
 def _entries(W2, cols) -> int:
+    """Threads' work items of a column kernel: the ``(n_hidden, m)`` block and ``m`` biases."""
     return W2.shape[0] * cols.shape[0] + cols.shape[0]
 
 
