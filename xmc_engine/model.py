@@ -13,7 +13,9 @@ Forward: ``H = relu(X @ W1 + b1)`` (then ``relu(H @ Wk + bk)`` per extra layer),
 ``Z = H @ W2 + b2``; loss: softmax cross-entropy against the row-normalised label vector.
 A step is plain SGD (or Adagrad, ``optimizer="adagrad"``), applied in place; the ``W1``
 gradient is row-sparse and applied only to the rows of the features in the batch (never a dense
-``n_features x hidden`` gradient).
+``n_features x hidden`` gradient). With ``output="sampled"`` the softmax runs over a batch's
+candidate labels only (:func:`xmc_engine.output_layer.sample_candidates`) and ``W2``, ``b2`` are
+updated on those columns only.
 """
 
 from __future__ import annotations
