@@ -115,6 +115,7 @@ def without_correction() -> None:
 def run_one(spec: dict) -> dict:
     """Train one configuration (in this process); returns its record."""
     from xmc_engine import XMCClassifier
+    from xmc_engine.memory import plan_memory
 
     if not spec.get("correction", True):
         without_correction()
@@ -130,7 +131,11 @@ def run_one(spec: dict) -> dict:
                         batch_size=spec["batch_size"], optimizer=spec["optimizer"],
                         lr=spec["lr"], seed=spec["seed"], threads=spec["threads"],
                         eval_every=spec["eval_every"], output=spec["output"],
-                        negatives=spec["negatives"])
+                        negatives=spec["negatives"], label_chunk=spec.get("label_chunk"))
+    plan = plan_memory(clf.get_config(), n_samples=Xtr.shape[0], n_features=Xtr.shape[1],
+                       n_labels=Ytr.shape[1], nnz=Xtr.nnz, label_nnz=Ytr.nnz,
+                       n_test=Xte.shape[0], test_nnz=Xte.nnz, test_label_nnz=Yte.nnz,
+                       budget="1TiB")
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     wall = time.perf_counter() - t0
@@ -140,7 +145,8 @@ def run_one(spec: dict) -> dict:
     return {**spec, "wall_s": wall, "train_s": last["train_time"],
             "s_per_epoch": last["train_time"] / last["epoch"], "curve": curve,
             "final": {k: last["metrics"][k] for k in METRICS},
-            "peak_rss_mib": _common.peak_rss_mib(), "data_shape": shape}
+            "peak_rss_mib": _common.peak_rss_mib(), "planned_host_bytes": plan.pools[0].total,
+            "data_shape": shape}
 
 
 def main(argv=None) -> None:
@@ -155,6 +161,8 @@ def main(argv=None) -> None:
     p.add_argument("--optimizer", default="adagrad")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--label-chunk", type=int, default=None,
+                   help="label chunk of the exact output layer and of evaluation")
     p.add_argument("--eval-every", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=0,
@@ -176,6 +184,7 @@ def main(argv=None) -> None:
     base = {"data": args.data, "hidden": [args.hidden], "batch_size": args.batch_size,
             "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
             "threads": args.threads, "eval_every": args.eval_every, "steps": args.steps,
+            "label_chunk": args.label_chunk,
             "project_rows": args.project_rows}
     specs = [] if args.no_exact else [
         {**base, "output": "exact", "negatives": 0, "epochs": args.exact_epochs or args.epochs}]
@@ -204,7 +213,8 @@ def main(argv=None) -> None:
         print(f"{args.data} {r['output']:7s} K={r['negatives']:<6d}{tag} epochs={r['epochs']:<4g} "
               f"{r['s_per_epoch']:8.2f} s/epoch  peak {r['peak_rss_mib']:7.0f} MiB  "
               f"P@1 {f['P@1']:.4f} P@3 {f['P@3']:.4f} P@5 {f['P@5']:.4f} "
-              f"PSP@5 {f['PSP@5']:.4f}", flush=True)
+              f"PSP@5 {f['PSP@5']:.4f}  planned {r['planned_host_bytes'] / 2**20:.0f} MiB",
+              flush=True)
     exact = next((r for r in runs if r["output"] == "exact"), None)
     if exact is not None and args.steps:
         for r in runs:
