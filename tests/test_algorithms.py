@@ -169,11 +169,11 @@ def test_adaptive_state_dict_round_trip():
 
 def test_one_schedule_for_every_algorithm():
     """``lr_warmup_epochs`` / ``lr_decay`` are the run's schedule, whatever the algorithm;
-    ``lr_warmup_epochs=None`` takes the algorithm's own warm-up (none on one device, one epoch
-    on several), defined once on its options class."""
+    ``lr_warmup_epochs=None`` takes the algorithm's own warm-up (none, measured:
+    ``bench/RESULTS.md``, "Defaults"), defined once on its options class."""
     for name in ALGORITHMS:
         cfg = TrainConfig(algorithm=name)
-        assert cfg.warmup_epochs == (0.0 if name == "single" else 1.0)
+        assert cfg.warmup_epochs == ALGORITHMS[name].default_warmup_epochs == 0.0
         assert TrainConfig(algorithm=name, lr_warmup_epochs=0.25).warmup_epochs == 0.25
     with pytest.raises(ConfigError, match="lr_warmup_epochs"):
         TrainConfig(lr_warmup_epochs=-1.0)

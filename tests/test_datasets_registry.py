@@ -8,7 +8,6 @@ import io
 import socket
 import tarfile
 import threading
-import time
 import zipfile
 
 import numpy as np
@@ -168,10 +167,8 @@ def test_fetch_unreachable_fails_fast_with_instructions(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dest = tmp_path / "dl" / "EURLex-4K"
-    t0 = time.perf_counter()
-    with pytest.raises(FetchError) as ei:
+    with pytest.raises(FetchError) as ei:  # how fast: bench/bench_reliability_timing.py
         fetch("EURLex-4K", url=f"http://127.0.0.1:{port}/eurlex.zip", dest=dest, timeout=2)
-    assert time.perf_counter() - t0 < 5
     msg = str(ei.value)
     assert "unreachable" in msg and "by hand" in msg and str(dest) in msg
     assert not dest.exists() and list((tmp_path / "dl").iterdir()) == []

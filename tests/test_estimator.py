@@ -70,7 +70,8 @@ def test_seed_repeats_exactly(toy):
 
 def test_two_hidden_layers_and_label_chunk(toy):
     Xtr, Ytr, Xte, Yte = toy
-    m = XMCClassifier(hidden=[32, 16], epochs=6, batch_size=32, lr=0.5, label_chunk=7)
+    m = XMCClassifier(hidden=[32, 16], epochs=6, batch_size=32, lr=0.5, optimizer="sgd",
+                      label_chunk=7)
     m.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     assert [p.shape for p in m.params_] == [(60, 32), (32,), (32, 16), (16,), (16, 25), (25,)]
     assert m.metrics_["P@1"] > 0.4

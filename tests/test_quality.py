@@ -1,8 +1,9 @@
-"""End-to-end quality bands on small real data (fixed seeds, CI-sized budgets).
+"""End-to-end quality bands on small real data, with the defaults only (fixed seeds, CI-sized
+budgets): what a user gets from ``XMCClassifier(epochs=E)`` with no learning rate, optimizer,
+batch size or width chosen. The defaults come from ``bench/bench_defaults.py``
+(``bench/RESULTS.md``, "Defaults"); each band sits a little under the figure measured with the
+same call (given in each test), so that a change that loses quality fails here.
 
-The bands come from the issue ("one-device trainer"): P@1 >= 0.60 on bibtex and >= 0.64 on
-delicious. Plain SGD on this network plateaus below them (PyTorch, same network: 0.567 / 0.629,
-bench/results/torch_*.json); Adagrad reaches them, so these runs use ``optimizer="adagrad"``.
 One thread keeps the arithmetic, and so the figures, identical from run to run.
 """
 
@@ -25,35 +26,37 @@ def _fit(data_dir, name, **kw):
 
 
 def test_bibtex_band(data_dir):
-    m = _fit(data_dir, "bibtex", hidden=1024, batch_size=64, lr=0.02, optimizer="adagrad",
-             epochs=7, threads=1, eval_every=0)
-    assert m.metrics_["P@1"] >= 0.60, m.metrics_
+    """Measured P@1 / P@5 0.568 / 0.255."""
+    m = _fit(data_dir, "bibtex", epochs=5, threads=1, eval_every=0)
+    assert m.metrics_["P@1"] >= 0.55, m.metrics_
+    assert m.metrics_["P@5"] >= 0.245, m.metrics_
 
 
 def test_delicious_band(data_dir):
-    m = _fit(data_dir, "delicious", hidden=128, batch_size=128, lr=0.05, optimizer="adagrad",
-             epochs=4, threads=1, eval_every=0)
-    assert m.metrics_["P@1"] >= 0.64, m.metrics_
-    assert m.metrics_["P@5"] >= 0.50, m.metrics_
-
-
-def test_adaptive_two_devices_reaches_the_band(data_dir):
-    """Adaptive SGD on two CPU devices of different speed (issue "Adaptive SGD"): within 0.01
-    of the one-device band. Threaded scheduling is not bit-reproducible, so the best of the
-    per-epoch evaluations is checked."""
-    m = _fit(data_dir, "delicious", hidden=128, batch_size=128, lr=0.05, optimizer="adagrad",
-             epochs=6, devices="cpu,cpu@0.5", algorithm="adaptive",
-             algorithm_params={"momentum": 0.0, "merge_period": 8192})
-    p1 = [r["metrics"]["P@1"] for r in m.history_ if r["event"] == "eval"]
-    assert max(p1) >= 0.63, p1
-    merges = [r for r in m.history_ if r["event"] == "merge"]
-    assert merges and len(merges[-1]["devices"]) == 2
+    """Measured P@1 / P@5 0.641 / 0.547."""
+    m = _fit(data_dir, "delicious", epochs=5, threads=1, eval_every=0)
+    assert m.metrics_["P@1"] >= 0.63, m.metrics_
+    assert m.metrics_["P@5"] >= 0.535, m.metrics_
 
 
 def test_debian_debtags_band(data_dir):
-    """tf-idf features (mean squared value 0.021): the band guards ``init_params_for_data``,
-    which sizes ``W1`` by the non-zeros per row only. Scaled by the values too, the same run
-    ended at P@1 0.759 (napkinXC PLT: 0.847, PECOS XR-Linear: 0.851)."""
-    m = _fit(data_dir, "debian_debtags", hidden=256, batch_size=128, lr=0.1,
-             optimizer="adagrad", epochs=4, threads=1, eval_every=0)
+    """tf-idf features (mean squared value 0.021): the band also guards
+    ``init_params_for_data``, which sizes ``W1`` by the non-zeros per row only. Measured
+    P@1 / P@5 0.818 / 0.449."""
+    m = _fit(data_dir, "debian_debtags", epochs=3, threads=1, eval_every=0)
     assert m.metrics_["P@1"] >= 0.80, m.metrics_
+    assert m.metrics_["P@5"] >= 0.44, m.metrics_
+
+
+def test_adaptive_two_devices_with_defaults_climbs_from_the_first_evaluation(data_dir):
+    """Adaptive SGD on two CPU devices of different speed, defaults only: no plateau at the
+    popularity baseline (delicious: P@1 0.407 for the most frequent label) and within 0.01 of
+    the one-device band. Threaded scheduling is not bit-reproducible, so the best of the
+    evaluations is checked. Measured: first evaluation (epoch 0.32) 0.580, best 0.639."""
+    m = _fit(data_dir, "delicious", epochs=3, eval_every=0.25, devices="cpu,cpu@0.5",
+             algorithm="adaptive")
+    p1 = [r["metrics"]["P@1"] for r in m.history_ if r["event"] == "eval"]
+    assert p1[0] >= 0.50, p1
+    assert max(p1) >= 0.62, p1
+    merges = [r for r in m.history_ if r["event"] == "merge"]
+    assert merges and len(merges[-1]["devices"]) == 2

@@ -139,3 +139,40 @@ def test_plot_curve_of_a_resumed_run():
     records = [ev(1, 0.1), ev(2, 0.2), ev(3, 0.3), {"event": "start"}, ev(2.5, 0.25), ev(3.5, 0.35),
                {"event": "final", "train_time": 3.5, "metrics": {"P@1": 0.35}}]
     assert _curve(records, "P@1", "train_time") == ([1, 2, 2.5, 3.5], [0.1, 0.2, 0.25, 0.35])
+
+
+class _FillingDisk:
+    """A raw file whose writes stop with ENOSPC after ``room`` more bytes, until ``room`` is
+    raised again (space freed); writes the bytes that fit to ``real`` first, as write(2) does."""
+
+    def __init__(self, real, room: int):
+        self.real, self.room = real, room
+
+    def write(self, data) -> int:
+        import errno
+
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = self.real.write(bytes(data[:self.room]))
+        self.room -= n
+        return n
+
+    def close(self):
+        self.real.close()
+
+
+def test_a_full_disk_loses_no_record_and_tears_none(tmp_path, caplog):
+    log = RunLog(tmp_path)
+    log.write("start", n=1)
+    disk = _FillingDisk(log._file, room=10)  # the next record is cut after 10 bytes
+    log._file = disk
+    log.write("eval", samples=100)
+    log.write("checkpoint_failed", samples=200)
+    assert caplog.text.count("cannot write the run log") == 1  # warned once, not per record
+    assert read_log(tmp_path)[-1]["event"] == "start"  # the torn line is not a record yet
+    disk.room = 10**6  # space is back: the next write catches up, in order
+    log.write("final", samples=300)
+    log.close()
+    assert [r["event"] for r in read_log(tmp_path)] == [
+        "start", "eval", "checkpoint_failed", "final"]
+    assert [r["event"] for r in log.records] == ["start", "eval", "checkpoint_failed", "final"]

@@ -108,3 +108,18 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(algorithm, options):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     if algorithm == "adaptive":
         assert resumed.policy.batch_sizes() == whole.policy.batch_sizes()
+
+
+def test_a_stop_request_returns_at_the_next_barrier():
+    """A signal handler's request (``should_stop``) ends ``run_epoch`` at the next barrier, and
+    the epoch continues from there on the next call."""
+    n = 2000
+    devs = parse_devices("cpu,cpu@0.5", cores=2)
+    reps = [FakeReplica(n, sleep=False, seed=0) for _ in devs]
+    tr = make_trainer(reps, devs, "adaptive", n, batch_size=50, merge_period=500,
+                      mode="simulated")
+    asked = []
+    first = tr.run_epoch(0, should_stop=lambda: bool(asked.append(1)) or len(asked) > 1)
+    assert first["periods"] == 1 and not first["done"] and tr.can_checkpoint()
+    rest = tr.run_epoch(0)
+    assert rest["done"] and first["samples"] + rest["samples"] == n

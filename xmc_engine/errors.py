@@ -57,3 +57,17 @@ class TrainingInterrupted(XMCError):
 
 class DistributedError(XMCError, RuntimeError):
     """A multi-node run cannot go on: MPI missing, a node failed, or a collective timed out."""
+
+
+class DataMismatchError(XMCError, ValueError):
+    """Inputs that must agree do not: a test set, or the data given to a saved model, has another
+    number of features or labels; the message names both files and both counts."""
+
+
+class RunFolderBusy(XMCError, RuntimeError):
+    """The run folder is held by another live run (its lock file names the pid and the host)."""
+
+
+class SaveError(XMCError, OSError):
+    """A result could not be written (disk full, no permission); nothing half-written is left, and
+    the message says where the last good copy is."""

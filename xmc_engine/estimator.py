@@ -96,15 +96,18 @@ class XMCClassifier:
     ----------
     hidden : int or sequence of int, default (128,)
         Hidden layer widths (first layer sparse, the rest dense).
-    epochs, batch_size, lr : training length, base batch size ``B``, base learning rate.
+    epochs, batch_size : training length, base batch size ``B``.
+    lr : float or None
+        Base learning rate; ``None``: the optimizer's default
+        (:data:`xmc_engine.config.DEFAULT_LR`: 0.05 for Adagrad, 2.0 for SGD).
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
-        the schedule of every algorithm (``lr_warmup_epochs=None``: each algorithm's own
-        warm-up).
+        the schedule of every algorithm (``lr_warmup_epochs=None``: the algorithm's own,
+        none by default).
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
-    optimizer : {"sgd", "adagrad"}
-        Plain SGD (the paper's) or Adagrad (per-parameter accumulators, row-sparse for ``W1``;
-        each replica keeps its own, merges average parameters only).
+    optimizer : {"adagrad", "sgd"}
+        Adagrad (the default: per-parameter accumulators, row-sparse for ``W1``; each replica
+        keeps its own, merges average parameters only) or plain SGD (the paper's).
     output : {"exact", "sampled"}
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way).

@@ -52,7 +52,11 @@ import scipy.sparse as sp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TopKMetrics", "evaluate", "jain_propensity"]
+__all__ = ["MIN_PROPENSITY_ROWS", "TopKMetrics", "evaluate", "jain_propensity",
+           "propensity_or_none"]
+
+# Jain et al.'s C = (log N - 1)(B + 1)^A is positive only from N = 3 training rows.
+MIN_PROPENSITY_ROWS = 3
 
 
 def jain_propensity(label_counts_or_Y_train, n_samples: int | None = None,
@@ -92,14 +96,45 @@ def jain_propensity(label_counts_or_Y_train, n_samples: int | None = None,
             raise ValueError("n_samples (training rows) is required when label counts are given")
         if counts.size and (not np.all(np.isfinite(counts)) or counts.min() < 0):
             raise ValueError("label counts must be finite and non-negative")
-    if n_samples < 3:
-        raise ValueError(f"n_samples={n_samples}: Jain propensities need at least 3 training rows "
-                         "(C = (log N - 1)(B + 1)^A must be positive)")
+    if n_samples < MIN_PROPENSITY_ROWS:
+        raise ValueError(f"n_samples={n_samples}: Jain propensities need at least "
+                         f"{MIN_PROPENSITY_ROWS} training rows (C = (log N - 1)(B + 1)^A must be "
+                         "positive)")
     if not (A > 0 and B > 0):
         raise ValueError(f"A and B must be positive, got A={A}, B={B}")
     C = (np.log(n_samples) - 1.0) * (B + 1.0) ** A
     inv = 1.0 + C * np.exp(-A * np.log(counts + B))
     return 1.0 / inv
+
+
+def propensity_or_none(label_counts, n_samples: int, A: float = 0.55,
+                       B: float = 1.5) -> np.ndarray | None:
+    """:func:`jain_propensity` of the training label counts, or ``None`` (with a warning) where
+    the training set is too small for it.
+
+    Evaluation uses this so that a model trained on fewer than :data:`MIN_PROPENSITY_ROWS` rows
+    reports every metric except the propensity-scored ones (``TopKMetrics`` leaves ``PSP@k`` and
+    ``PSnDCG@k`` out when given ``None``) instead of failing.
+
+    Parameters
+    ----------
+    label_counts : array-like
+        int or float, shape ``(n_labels,)``, host: training occurrences of each label.
+    n_samples : int
+        Training rows ``N``.
+    A, B : float
+        The dataset constants, as in :func:`jain_propensity`.
+
+    Returns
+    -------
+    numpy.ndarray or None
+        float64, shape ``(n_labels,)``; ``None`` when ``n_samples < MIN_PROPENSITY_ROWS``.
+    """
+    if n_samples < MIN_PROPENSITY_ROWS:
+        logger.warning("PSP@k and PSnDCG@k left out: Jain propensities need at least %d training "
+                       "rows, the model was trained on %d", MIN_PROPENSITY_ROWS, n_samples)
+        return None
+    return jain_propensity(label_counts, n_samples=n_samples, A=A, B=B)
 
 
 def _as_host_int_array(top_labels) -> np.ndarray:

@@ -10,7 +10,11 @@ not know. The events the engine writes:
     Once, first. ``config`` (the full run configuration as a JSON object), ``algorithm``
     (``"adaptive"``, ``"sync"``, ``"average"``, ``"easgd"``, ``"crossbow"``, ``"single"``),
     ``devices`` (the device spec string), ``dataset``, ``n_samples``, ``n_features``,
-    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions).
+    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions), ``lr`` and
+    ``warmup_epochs`` (the values in effect, defaults resolved).
+``compile``
+    Once, before training: ``seconds`` spent compiling the kernels or loading them from Numba's
+    cache (outside ``train_time``), ``devices``.
 ``eval``
     After each evaluation. ``epoch`` (float, epochs of training data consumed), ``samples`` (int,
     training samples consumed), ``train_time`` (training seconds only; evaluation excluded),
@@ -38,9 +42,16 @@ For example::
     {"event": "eval", "wall_time": 12.9, "epoch": 1.0, "samples": 490449, "train_time": 11.2,
      "eval_time": 1.6, "metrics": {"P@1": 0.31, "P@3": 0.27, "P@5": 0.24}}
 
-The file is opened in append mode and flushed after every record, so a crash loses at most the
-record being written; :func:`read_log` drops such a truncated last line with a warning, and a
-:class:`RunLog` that reopens the file first cuts it back to its last complete line.
+``checkpoint_failed``
+    A checkpoint could not be written (disk full): ``error``, ``last_checkpoint`` (the newest
+    good one, or ``null``), ``epoch``, ``samples``, ``train_time``. Training continues and the
+    next checkpoint tries again.
+
+The file is opened in append mode and written unbuffered after every record, so a crash loses at
+most the record being written; :func:`read_log` drops such a truncated last line with a warning,
+and a :class:`RunLog` that reopens the file first cuts it back to its last complete line. A write
+that fails (disk full) keeps the unwritten bytes and a later :meth:`RunLog.write` writes them
+first, so the file never holds a gap or a torn record once space is back.
 """
 
 from __future__ import annotations
@@ -146,11 +157,13 @@ class RunLog:
         self._lock = threading.Lock()
         self._file = None
         self._closed = False
+        self._failing = False
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
                 _cut_partial_last_line(self.path)
-            self._file = open(self.path, "a", buffering=1, encoding="utf-8")
+            self._file = open(self.path, "ab", buffering=0)
+        self._unwritten = bytearray()  # bytes a failed write left behind (disk full)
 
     def write(self, event: str, **fields) -> dict:
         """Append one record ``{"event": event, "wall_time": ..., **fields}``.
@@ -179,16 +192,31 @@ class RunLog:
             if self._closed:
                 raise ValueError(f"RunLog {self.path} is closed")
             if self._file is not None:
-                self._file.write(line + "\n")
-                self._file.flush()
+                self._unwritten += (line + "\n").encode("utf-8")
+                self._flush_unwritten()
             self.records.append(record)
         return record
+
+    def _flush_unwritten(self) -> None:
+        """Write the pending bytes; on failure keep what is left and warn (once per streak)."""
+        try:
+            while self._unwritten:
+                n = self._file.write(self._unwritten)
+                del self._unwritten[:n]
+        except OSError as exc:
+            if not self._failing:
+                logger.warning("%s: cannot write the run log (%s); records are kept and written "
+                               "when it works again", self.path, exc.strerror or exc)
+            self._failing = True
+            return
+        self._failing = False
 
     def close(self) -> None:
         """Close the file (idempotent); :attr:`records` stays readable."""
         with self._lock:
             self._closed = True
             if self._file is not None:
+                self._flush_unwritten()
                 self._file.close()
                 self._file = None
 

@@ -34,13 +34,13 @@ class Evaluator:
     """Top-k metrics of the current parameters on a held-out set (DESIGN.md §5)."""
 
     def __init__(self, cfg: TrainConfig, eval_set, label_counts, n_train: int, label_chunk):
-        from xmc_engine.metrics import jain_propensity
+        from xmc_engine.metrics import propensity_or_none
 
         self.X, self.Y = eval_set
         self.k = max(5, cfg.eval_k)
         self.label_chunk = label_chunk
-        self.propensity = jain_propensity(label_counts, n_samples=n_train,
-                                          A=cfg.propensity_a, B=cfg.propensity_b)
+        self.propensity = propensity_or_none(label_counts, n_train, A=cfg.propensity_a,
+                                             B=cfg.propensity_b)
 
     def __call__(self, be, params) -> dict[str, float]:
         from xmc_engine.metrics import TopKMetrics
@@ -116,9 +116,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
     evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
                  if eval_set is not None else None)
-    log.write("start", config=cfg.to_dict(), n_samples=n_samples, n_features=shape.n_features,
+    log.write("start", config=cfg.to_dict(), lr=cfg.learning_rate,
+              warmup_epochs=cfg.warmup_epochs, n_samples=n_samples, n_features=shape.n_features,
               n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
               resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
+    compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm)
     try:
         if extra:
@@ -131,6 +133,65 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         log.close()
     return {"params": host_params(trainer), "history": list(log.records), "metrics": metrics,
             "label_counts": label_counts, "n_train": n_samples}
+
+
+#: Seconds of compiling after which :func:`compile_kernels` says what it is doing.
+COMPILE_NOTICE_S = 2.0
+#: Largest hidden width of :func:`compile_kernels`' throwaway replicas.
+COMPILE_WIDTH = 8
+
+
+def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
+    """Compile the run's Numba kernels, or load them from Numba's on-disk cache, before the
+    training clock starts, so that ``train_time`` and the first epoch hold no compilation.
+
+    One throwaway replica per device, of the run's depth but with at most
+    :data:`COMPILE_WIDTH` units per hidden layer (memory ``O(n_features + n_labels)``), with
+    ``cfg``'s optimizer and label chunk, takes one step and one gradient on the first rows of
+    ``X`` at learning rate 0; the first device predicts their top-k, and several devices merge
+    the throwaway replicas (weighted and row-sparse). Numba compiles per argument type (dtype,
+    dimensions, layout), not size, so the run's own calls find every kernel compiled; the run's
+    model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
+    what is happening (the first run after an install compiles, later runs load the cache).
+
+    Returns the seconds spent, also written to ``log`` as a ``compile`` record.
+    """
+    from xmc_engine.backends import get_backend
+    from xmc_engine.scheduler.merge import merge_changed_rows, weighted_merge
+
+    t0 = time.perf_counter()
+    notice = threading.Timer(COMPILE_NOTICE_S, logger.warning, (
+        "compiling kernels (first run after install; later runs load Numba's cache) ...",))
+    notice.daemon = True
+    notice.start()
+    try:
+        rows = np.arange(min(4, X.shape[0]), dtype=np.int64)
+        hidden = tuple(min(h, COMPILE_WIDTH) for h in cfg.hidden)
+        params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed)
+        replicas = []
+        for d in devices:
+            be = get_backend(d.kind, d.index, threads=cfg.threads or d.threads)
+            rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
+                             optimizer=cfg.optimizer)
+            rep.train_batch(rows, 0.0)
+            rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
+            replicas.append(rep)
+        be = replicas[0].backend
+        predict_topk(be, replicas[0].params(), X[rows], max(5, cfg.eval_k),
+                     label_chunk=cfg.label_chunk)
+        if len(replicas) > 1:
+            weights = [1.0 / len(replicas)] * len(replicas)
+            central = [be.asarray(np.array(p, dtype=np.float32)) for p in params]
+            weighted_merge([r.params() for r in replicas], weights, central, be)
+            merge_changed_rows(replicas, weights, central, be)
+        for rep in replicas:
+            rep.backend.synchronize()
+    finally:
+        notice.cancel()
+    seconds = time.perf_counter() - t0
+    if log is not None:
+        log.write("compile", seconds=seconds, devices=[str(d) for d in devices])
+    return seconds
 
 
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
@@ -156,7 +217,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                     log.write("threads", device=str(d), threads=be.threads,
                           note="calibrated: the faster of 1 and all of the device's threads")
         replicas.append(rep)
-    schedule = Schedule(cfg.lr, cfg.warmup_epochs, cfg.lr_decay)
+    schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs, cfg.lr_decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
                    batch_size=cfg.batch_size, schedule=schedule, seed=cfg.seed, log=log,
                    rejoin_after=opts.rejoin_after, faults=opts.fault, comm=comm,
@@ -272,9 +333,16 @@ class _Driver:
         arrays = dict(zip(self.shape.param_names, host_params(self.trainer), strict=True))
         arrays.update(checkpoint_extra(self.trainer))
         meta = {k: self.state[k] for k in ("epoch", "samples", "train_time")}
-        path = self.ckpts.save(meta, arrays)
+        self._reset_ckpt_clock()  # a failed write is retried at the next checkpoint, not sooner
+        try:
+            path = self.ckpts.save(meta, arrays)
+        except OSError as exc:  # disk full, quota: the run goes on; the old checkpoints stay
+            last = self._last_checkpoint()
+            self.log.write("checkpoint_failed", error=str(exc), last_checkpoint=last, **meta)
+            logger.warning("checkpoint at %d samples failed (%s); training continues, the last "
+                           "good checkpoint is %s", meta["samples"], exc.strerror or exc, last)
+            return
         self.log.write("checkpoint", path=str(path), **meta)
-        self._reset_ckpt_clock()
 
     def _ckpt_due(self) -> bool:
         if self.every is None:
@@ -324,7 +392,9 @@ class _Driver:
                     stop = min(self._next_stop(), total)
                     stop_after = self.epoch_samples + max(stop - st["samples"], 1)
                 try:
-                    res = tr.run_epoch(epoch, stop_after=stop_after)
+                    # several nodes stop together, at the end of an epoch (collectives)
+                    res = tr.run_epoch(epoch, stop_after=stop_after, should_stop=(
+                        None if self.multi_node else self.stop_requested))
                 except DivergenceError as exc:
                     self._diverged(exc)
                 n = self.n if self.multi_node else res["samples"]  # every node did an epoch

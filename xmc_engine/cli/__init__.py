@@ -2,15 +2,24 @@
 
 Each subcommand group lives in its own module with ``register(subparsers)``; argument parsing is
 kept apart from the work it triggers (the handlers call library functions).
+
+Exit status: 0 on success; 2 on bad input (an argument, a file, a busy run folder), with one line
+``xmc-engine: error: ...`` on stderr naming the value and what to do; 1 when a result could not
+be written (disk full); ``128 + signal`` after SIGINT / SIGTERM. Anything else is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 
-from xmc_engine.errors import TrainingInterrupted, XMCError
+from xmc_engine.errors import SaveError, TrainingInterrupted, XMCError
+
+# Errors of the machine rather than of the input: exit 1, as for SaveError.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,9 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as exc:
         print(f"xmc-engine: {exc}", file=sys.stderr)
         return exc.returncode
+    except SaveError as exc:
+        print(f"xmc-engine: error: {exc}", file=sys.stderr)
+        return 1
     except XMCError as exc:
         print(f"xmc-engine: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path that cannot be read or written as given
+        what = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+        print(f"xmc-engine: error: {what}", file=sys.stderr)
+        return 1 if exc.errno in _ENVIRONMENT_ERRNOS else 2
     except KeyboardInterrupt:
         print("xmc-engine: interrupted", file=sys.stderr)
         return 130

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from xmc_engine.cli.argtypes import positive_float, user_path
+
 
 def register(sub) -> None:
     """Add the ``datasets`` command group to the top-level subparsers."""
@@ -17,7 +19,7 @@ def register(sub) -> None:
     q.set_defaults(func=cmd_list)
 
     q = ds.add_parser("info", help="counts and label statistics of a dataset or file")
-    q.add_argument("target", metavar="PATH_OR_NAME")
+    q.add_argument("target", type=user_path, metavar="PATH_OR_NAME")
     q.add_argument("--no-cache", action="store_true", help="parse without the binary cache")
     q.set_defaults(func=cmd_info)
 
@@ -27,12 +29,13 @@ def register(sub) -> None:
     q.add_argument("--sha256", help="expected sha256 of the downloaded file")
     q.add_argument("--dest", type=Path, help="folder to unpack into "
                                              "(default XMC_DOWNLOAD_DIR/NAME)")
-    q.add_argument("--timeout", type=float, default=10.0, help="network timeout in seconds")
+    q.add_argument("--timeout", type=positive_float, default=10.0,
+                   help="network timeout in seconds")
     q.set_defaults(func=cmd_fetch)
 
     q = ds.add_parser("convert", help="convert XC / LIBSVM / .npz to XC text (by OUT suffix: "
                                       ".txt, .txt.xz, .txt.gz, .txt.bz2) or .npz")
-    q.add_argument("input", type=Path, metavar="IN")
+    q.add_argument("input", type=_input_path, metavar="IN")
     q.add_argument("output", type=Path, metavar="OUT")
     q.add_argument("--input-format", choices=["auto", "xc", "libsvm", "npz"], default="auto")
     q.add_argument("--one-based", action="store_true",
@@ -124,6 +127,11 @@ def cmd_convert(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- helpers
+def _input_path(s: str) -> Path:
+    """argparse type of an input file: :func:`~xmc_engine.cli.argtypes.user_path` as a Path."""
+    return Path(user_path(s))
+
+
 def _n(v) -> str:
     return "?" if v is None else str(v)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from xmc_engine.cli.argtypes import user_path
 from xmc_engine.errors import ConfigError
 
 
@@ -18,12 +19,13 @@ def register(sub) -> None:
     p = sub.add_parser("plan", help="estimate the memory a run needs on each device",
                        description="Estimate the memory a training run needs on each device "
                        "and whether it fits; suggests a setting that fits when it does not.")
-    p.add_argument("--data", required=True,
+    p.add_argument("--data", type=user_path, required=True,
                    help="a file, a dataset folder or a registered name (e.g. "
                    "synthetic-amazon670k: planned from its shape, nothing is generated)")
     add_config_arguments(p, ("hidden", "batch_size", "label_chunk", "devices", "algorithm",
                              "eval_every", "optimizer", "output", "negatives"), "b_max=512")
-    p.add_argument("--config", default=None, help="read the config from this JSON file")
+    p.add_argument("--config", type=user_path, default=None,
+                   help="read the config from this JSON file")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="memory each pool (host, each GPU) may use, e.g. 8GiB (default: what "
                    "the machine reports, or XMC_MEMORY_BUDGET)")

@@ -4,46 +4,53 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import numbers
 import os
 import sys
 import time
 from pathlib import Path
 
+from xmc_engine.cli.argtypes import finite_float, int_list, positive_int, user_path
 from xmc_engine.config import ALGORITHMS, TrainConfig
-from xmc_engine.errors import ConfigError
+from xmc_engine.errors import ConfigError, DataMismatchError, SaveError, XMCError
+from xmc_engine.runlog import LOG_NAME
 
 RUN_FILE = "run.json"  # in a run folder: the config and the data it was trained on
 
 # CLI option -> TrainConfig field, with the type argparse converts to.
 _CONFIG_OPTIONS = {
-    "hidden": ("--hidden", lambda s: [int(v) for v in s.split(",")],
-               "hidden widths, comma-separated (default 128)"),
-    "epochs": ("--epochs", float, "training epochs (default 10)"),
-    "batch_size": ("--batch-size", int, "base batch size B (default 256)"),
-    "lr": ("--lr", float, "base learning rate (default 1.0)"),
-    "lr_warmup_epochs": ("--lr-warmup-epochs", float,
-                         "linear learning-rate warm-up, every algorithm (default: the "
-                         "algorithm's own: 0 for single, 1 epoch multi-device)"),
-    "lr_decay": ("--lr-decay", float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
+    "hidden": ("--hidden", int_list, "hidden widths, comma-separated (default 128)"),
+    "epochs": ("--epochs", finite_float, "training epochs (default 10)"),
+    "batch_size": ("--batch-size", int, "base batch size B (default 64)"),
+    "lr": ("--lr", finite_float, "base learning rate (default: the optimizer's, 0.05 for "
+           "adagrad, 2.0 for sgd)"),
+    "lr_warmup_epochs": ("--lr-warmup-epochs", finite_float,
+                         "linear learning-rate warm-up, every algorithm (default 0)"),
+    "lr_decay": ("--lr-decay", finite_float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
-    "optimizer": ("--optimizer", str, "sgd (default) or adagrad"),
+    "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "output": ("--output", str, "training output layer: exact (default) or sampled"),
     "negatives": ("--negatives", int, "negatives per batch of --output sampled"),
     "devices": ("--devices", str, "device spec, e.g. cpu | cpu,cpu@0.5 | cuda:0,cuda:0 | auto"),
     "algorithm": ("--algorithm", str, f"one of {', '.join(ALGORITHMS)}"),
     "seed": ("--seed", int, "random seed (default 0)"),
     "threads": ("--threads", int, "CPU threads (default: all cores)"),
-    "eval_every": ("--eval-every", float, "evaluate every N epochs (0: at the end)"),
+    "eval_every": ("--eval-every", finite_float, "evaluate every N epochs (0: at the end)"),
 }
 
 
 def _algo_param(s: str):
+    """``KEY=VALUE`` -> ``(KEY, VALUE as JSON, else the string)``; NaN and infinities refused."""
     if "=" not in s:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {s!r}")
     key, value = s.split("=", 1)
     try:
-        return key, json.loads(value)
+        return key, json.loads(value, parse_float=finite_float, parse_constant=finite_float)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{s!r}: {exc}") from None
     except json.JSONDecodeError:
         return key, value
 
@@ -63,13 +70,15 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model (no arguments: the built-in synthetic default)",
                        description="Train an XMC model. With no arguments: the built-in "
                        "synthetic dataset on the CPU, about 10 s on 2 cores.")
-    p.add_argument("--data", default=None,
+    p.add_argument("--data", type=user_path, default=None,
                    help="training data: a file, a dataset folder or a registered name "
                    "(default: synthetic)")
-    p.add_argument("--test", default=None, help="test file (default: the dataset's test split)")
+    p.add_argument("--test", type=user_path, default=None,
+                   help="test file (default: the dataset's test split)")
     add_config_arguments(p, _CONFIG_OPTIONS, "merge_period=4096, rule=proportional")
     p.add_argument("--out", default=None, help="run folder (default runs/<time>)")
-    p.add_argument("--config", default=None, help="read the config from this JSON file")
+    p.add_argument("--config", type=user_path, default=None,
+                   help="read the config from this JSON file")
     p.add_argument("--print-config", action="store_true", help="print the full config and exit")
     p.add_argument("--checkpoint-every", default=None,
                    help="checkpoint every N samples (20000) or seconds (60s)")
@@ -81,14 +90,16 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="metrics of a saved model on a dataset")
-    e.add_argument("model_dir")
-    e.add_argument("--data", required=True, help="file, folder or name (its test split)")
+    e.add_argument("model_dir", type=user_path)
+    e.add_argument("--data", type=user_path, required=True,
+                   help="file, folder or name (its test split)")
     e.set_defaults(func=cmd_evaluate)
 
     r = sub.add_parser("predict", help="top-k labels and scores per row")
-    r.add_argument("model_dir")
-    r.add_argument("--data", required=True)
-    r.add_argument("--top-k", type=int, default=5)
+    r.add_argument("model_dir", type=user_path)
+    r.add_argument("--data", type=user_path, required=True)
+    r.add_argument("--top-k", type=positive_int, default=5,
+                   help="labels per row (default 5; above the model's label count: all labels)")
     r.add_argument("--out", required=True, help="output file: one line per row, "
                    "'label:score label:score ...'")
     r.set_defaults(func=cmd_predict)
@@ -100,20 +111,10 @@ def register(sub) -> None:
     g.set_defaults(func=cmd_plot)
 
 
-# The main job (`xmc-engine` with no --data and no --config): the built-in synthetic dataset with
-# the settings that train it well. Plain SGD stays the library default (the paper's optimiser);
-# on this data Adagrad reaches P@1 0.77 in 10 epochs where SGD reaches 0.34 (lr 1) to 0.49 (lr 4).
-DEFAULT_RUN = {"optimizer": "adagrad", "lr": 0.05, "epochs": 10}
-
-
 def config_from_args(args) -> TrainConfig:
-    """Defaults < ``--config`` file < explicit options (the main job starts from DEFAULT_RUN)."""
-    if args.config:
-        base = TrainConfig.from_json_file(args.config).to_dict()
-    elif getattr(args, "data", None) is None:
-        base = dict(DEFAULT_RUN)
-    else:
-        base = {}
+    """Defaults < ``--config`` file < explicit options (the main job, on the built-in synthetic
+    dataset, runs on the defaults alone)."""
+    base = read_config_file(args.config) if args.config else {}
     for field in _CONFIG_OPTIONS:
         value = getattr(args, field, None)
         if value is not None:
@@ -124,7 +125,70 @@ def config_from_args(args) -> TrainConfig:
         base["algorithm_params"] = params
     if base.get("epochs") is not None and float(base["epochs"]).is_integer():
         base["epochs"] = int(base["epochs"])
-    return TrainConfig.from_dict(base, source="command line")
+    return check_config(TrainConfig.from_dict(base, source="command line"), "command line")
+
+
+# Numeric TrainConfig fields; those in _MAY_BE_NONE may also be None (the algorithm's default).
+_NUMERIC_FIELDS = ("epochs", "batch_size", "lr", "lr_warmup_epochs", "lr_decay", "label_chunk",
+                   "seed", "threads", "eval_every", "eval_k", "propensity_a", "propensity_b")
+_MAY_BE_NONE = ("lr_warmup_epochs", "label_chunk", "threads")
+
+
+def check_config(cfg: TrainConfig, source: str) -> TrainConfig:
+    """Refuse, naming ``source``, values :meth:`TrainConfig.validate` lets through but a run
+    cannot use: a number that is not a finite real, propensity constants that are not > 0, a
+    negative or fractional seed (NumPy refuses it), a device spec, optimizer or algorithm that
+    is not a string. Returns ``cfg``."""
+    for name in _NUMERIC_FIELDS:
+        value = getattr(cfg, name)
+        if value is None and name in _MAY_BE_NONE:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                or not math.isfinite(value)):
+            raise ConfigError(f"{source}: {name}={value!r}: need a finite number")
+    for name in ("propensity_a", "propensity_b"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: must be > 0")
+    if not (isinstance(cfg.seed, numbers.Integral) and cfg.seed >= 0):
+        raise ConfigError(f"{source}: seed={cfg.seed!r}: need an integer >= 0")
+    for name in ("devices", "optimizer", "algorithm"):
+        if not isinstance(getattr(cfg, name), str):
+            raise ConfigError(f"{source}: {name}={getattr(cfg, name)!r}: need a string")
+    return cfg
+
+
+def read_config_file(path) -> dict:
+    """The JSON object in config file ``path``, checked by :class:`TrainConfig`; refuses NaN,
+    infinities and numbers too large for a float, which JSON readers otherwise let through.
+
+    Raises
+    ------
+    ConfigError
+        Missing or unreadable file, invalid JSON, a non-finite number, or a config
+        :class:`TrainConfig` refuses; the message names the file.
+    """
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} is not a finite number")
+        return value
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a number JSON allows; use a finite number")
+
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text(), parse_float=finite, parse_constant=no_constant)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config {path} line {exc.lineno}: invalid JSON ({exc.msg})") from None
+    except (ValueError, OSError) as exc:  # non-finite number, a folder, unreadable, not UTF-8
+        raise ConfigError(f"--config {path}: {exc}") from None
+    for name in ("devices", "optimizer", "algorithm"):  # TrainConfig looks these up first
+        if isinstance(d, dict) and not isinstance(d.get(name, ""), str):
+            raise ConfigError(f"{path}: {name}={d[name]!r}: need a string")
+    return check_config(TrainConfig.from_dict(d, source=str(path)), str(path)).to_dict()
 
 
 def _load_data(data, test):
@@ -134,6 +198,59 @@ def _load_data(data, test):
     if test is not None:
         Xte, Yte = load_xc(test)
     return Xtr, Ytr, Xte, Yte
+
+
+def check_training_data(data, test, Xtr, Ytr, Xte, Yte) -> None:
+    """Refuse data that cannot train a model, or a test set of another shape, naming the files.
+
+    Zero rows, features or labels are refused; a training set in which no row has a label
+    trains (the model can learn nothing) with a warning. Tiny sets (1 or 2 rows) train; the
+    metrics they cannot support are left out at evaluation.
+
+    Raises
+    ------
+    ConfigError
+        ``--data`` has no rows, no features or no labels.
+    DataMismatchError
+        The test set has another number of features or labels than the training data.
+    """
+    n, d = Xtr.shape
+    if n == 0 or d == 0 or Ytr.shape[1] == 0:
+        raise ConfigError(f"--data {data}: {n} rows, {d} features, {Ytr.shape[1]} labels; "
+                          "training needs at least one of each")
+    if Ytr.nnz == 0:
+        print(f"warning: --data {data}: no training row has a label; the model learns nothing",
+              file=sys.stderr)
+    if Xte is None:
+        return
+    if Xte.shape[1] != d or Yte.shape[1] != Ytr.shape[1]:
+        where = f"--test {test}" if test else f"the test split of {data}"
+        raise DataMismatchError(
+            f"{where} has {Xte.shape[1]} features and {Yte.shape[1]} labels, --data {data} has "
+            f"{d} features and {Ytr.shape[1]} labels; give a test set of the same data set")
+
+
+def _read_run_file(run_dir: Path):
+    """``(config, data, test, checkpoint_every)`` of the run in ``run_dir``."""
+    path = run_dir / RUN_FILE
+    try:
+        run = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc.msg}); this run cannot be resumed") from None
+    if not isinstance(run, dict) or not isinstance(run.get("data"), str):
+        raise ConfigError(f"{path}: not a run file (no 'data' entry); this run cannot be resumed")
+    cfg = check_config(TrainConfig.from_dict(run.get("config"), source=str(path)), str(path))
+    return cfg, run["data"], run.get("test"), run.get("checkpoint_every")
+
+
+def _stopped_before_training(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` stopped before it recorded any training: no log, or a log
+    with nothing but its ``start`` (and thread calibration) records."""
+    from xmc_engine.runlog import read_log
+
+    if not (run_dir / LOG_NAME).exists():
+        return True
+    return all(r.get("event") in ("start", "threads") for r in read_log(run_dir))
 
 
 def cmd_train(args) -> int:
@@ -150,34 +267,44 @@ def cmd_train(args) -> int:
 
 
 def _cmd_train(args, comm) -> int:
-    from xmc_engine.estimator import XMCClassifier
-
-    say = print if comm.is_root else (lambda *a, **k: None)  # rank 0 alone reports
+    from xmc_engine.runlock import RunLock
 
     if args.resume:
         run_dir = Path(args.resume)
-        try:
-            run = json.loads((run_dir / RUN_FILE).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{run_dir}: not a run folder (no {RUN_FILE})") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{run_dir / RUN_FILE}: invalid JSON ({exc.msg})") from None
-        cfg = TrainConfig.from_dict(run["config"], source=str(run_dir / RUN_FILE))
-        data, test, every = run["data"], run.get("test"), run.get("checkpoint_every")
+        if not (run_dir / RUN_FILE).is_file():
+            raise ConfigError(f"--resume {run_dir}: not a run folder (no {RUN_FILE}); give the "
+                              "--out folder of an earlier 'xmc-engine train'")
+        cfg = None
     else:
         cfg = config_from_args(args)
         if args.print_config:
             print(cfg.to_json())
             return 0
-        data = args.data or "synthetic"
-        test, every = args.test, args.checkpoint_every
         run_dir = Path(args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         if comm.size > 1:  # rank 0's folder for every rank
             run_dir = Path(comm.broadcast_bytes(str(run_dir).encode()).decode())
-        if comm.is_root:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(run_dir / RUN_FILE, {"config": cfg.to_dict(), "data": data,
-                                             "test": test, "checkpoint_every": every})
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"--out {run_dir}: exists and is not a folder; choose a folder")
+    # One run per folder: rank 0 holds the lock from before the first byte is written.
+    with RunLock(run_dir) if comm.is_root else contextlib.nullcontext():
+        return _train_in(run_dir, cfg, args, comm)
+
+
+def _train_in(run_dir: Path, cfg, args, comm) -> int:
+    from xmc_engine.checkpoint import CheckpointManager
+    from xmc_engine.estimator import XMCClassifier
+    from xmc_engine.validation import parse_every
+
+    say = print if comm.is_root else (lambda *a, **k: None)  # rank 0 alone reports
+    run_file = run_dir / RUN_FILE
+    if args.resume:
+        cfg, data, test, every = _read_run_file(run_dir)
+    else:
+        data, test, every = args.data or "synthetic", args.test, args.checkpoint_every
+        if comm.is_root and (run_file.exists() or (run_dir / LOG_NAME).exists()):
+            raise ConfigError(f"--out {run_dir} already holds a run; continue it with --resume "
+                              f"{run_dir}, or choose another --out")
+    parse_every(every)  # a bad --checkpoint-every stops here, before any data is read
     say(f"data: {data}" + (f"  test: {test}" if test else ""), file=sys.stderr)
     t0 = time.perf_counter()
     Xtr, Ytr, Xte, Yte = (_load_data(data, test) if comm.size == 1
@@ -185,12 +312,31 @@ def _cmd_train(args, comm) -> int:
     say(f"loaded {Xtr.shape[0]} x {Xtr.shape[1]} features, {Ytr.shape[1]} labels "
         f"in {time.perf_counter() - t0:.1f} s"
         + (f" (rank 0's share of {comm.size})" if comm.size > 1 else ""), file=sys.stderr)
+    if comm.is_root:
+        check_training_data(data, test, Xtr, Ytr, Xte, Yte)
+    if comm.is_root and not args.resume:
+        _write_json(run_file, {"config": cfg.to_dict(), "data": data, "test": test,
+                               "checkpoint_every": every})
     model = XMCClassifier.from_config(cfg, log_dir=str(run_dir), checkpoint_every=every)
-    model.fit(Xtr, Ytr, eval_set=(Xte, Yte) if Xte is not None else None,
-              resume=bool(args.resume))
+    try:
+        model.fit(Xtr, Ytr, eval_set=(Xte, Yte) if Xte is not None else None,
+                  resume=bool(args.resume))
+    except XMCError:
+        if not args.resume and comm.is_root and _stopped_before_training(run_dir):
+            for name in (RUN_FILE, LOG_NAME):  # refused (a bad option): leave no run behind
+                (run_dir / name).unlink(missing_ok=True)
+        raise
     if not comm.is_root:
         return 0
-    model_dir = model.save(run_dir / "model")
+    try:
+        model_dir = model.save(run_dir / "model")
+    except OSError as exc:
+        paths = CheckpointManager(run_dir).paths()
+        where = (f"the last good checkpoint is {paths[0]}; free some space, then run "
+                 f"'xmc-engine train --resume {run_dir}'" if paths
+                 else "no checkpoint was written (--checkpoint-every keeps one)")
+        raise SaveError(f"could not write the model to {run_dir / 'model'} "
+                        f"({exc.strerror or exc}); {where}") from None
     plot = None
     try:
         from xmc_engine.plots import plot_runs
@@ -201,11 +347,10 @@ def _cmd_train(args, comm) -> int:
     m = model.metrics_ or {}
     final = next((r for r in reversed(model.history_) if r.get("event") == "final"), {})
     if m:
-        print("P@1 {:.4f}  P@3 {:.4f}  P@5 {:.4f}  nDCG@5 {:.4f}  PSP@5 {:.4f}".format(
-            m["P@1"], m["P@3"], m["P@5"], m.get("nDCG@5", float("nan")),
-            m.get("PSP@5", float("nan"))))
+        print("  ".join(f"{k} {m[k]:.4f}" for k in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@5")
+                        if k in m))
     print(f"train time {final.get('train_time', float('nan')):.1f} s")
-    print(f"log:   {run_dir / 'log.jsonl'}")
+    print(f"log:   {run_dir / LOG_NAME}")
     print(f"model: {model_dir}")
     if plot:
         print(f"plot:  {plot}")
@@ -220,7 +365,6 @@ def _load_shard(data, test, comm):
     from xmc_engine.datasets import load_dataset, load_file, load_xc, resolve, shard_range
     from xmc_engine.datasets.registry import header_counts
     from xmc_engine.datasets.shard import load_xc_shard
-    from xmc_engine.errors import XMCError
 
     try:
         train, test_path = resolve(data)
@@ -242,43 +386,85 @@ def _load_shard(data, test, comm):
     return Xtr, Ytr, Xte, Yte
 
 
+def _load_for_model(model, data: str, rows: str):
+    """``(X, Y)`` of ``data`` for a saved ``model``: its test split, or the file itself when it
+    has none; refused when empty or of another shape than the model."""
+    from xmc_engine.datasets import load_dataset
+
+    Xtr, Ytr, Xte, Yte = load_dataset(data)
+    X, Y = (Xte, Yte) if Xte is not None else (Xtr, Ytr)
+    if X.shape[1] != model.n_features_ or Y.shape[1] > model.n_labels_:
+        raise DataMismatchError(
+            f"--data {data}: {rows} has {X.shape[1]} features and {Y.shape[1]} labels, the model "
+            f"was trained on {model.n_features_} features and {model.n_labels_} labels; give "
+            "data of the data set the model was trained on")
+    if X.shape[0] == 0:
+        raise ConfigError(f"--data {data}: {rows} has no rows")
+    if Y.shape[1] < model.n_labels_:  # LIBSVM: the width comes from the largest label seen
+        Y = Y.tocsr(copy=True)
+        Y.resize((Y.shape[0], model.n_labels_))
+    return X, Y
+
+
 def cmd_evaluate(args) -> int:
     from xmc_engine.estimator import XMCClassifier
 
     model = XMCClassifier.load(args.model_dir)
-    _, _, Xte, Yte = _load_data(args.data, None)
-    if Xte is None:  # a single file: evaluate on it
-        from xmc_engine.datasets import load_xc
-
-        Xte, Yte = load_xc(args.data)
-    for k, v in model.evaluate(Xte, Yte).items():
+    X, Y = _load_for_model(model, args.data, "the evaluation set")
+    for k, v in model.evaluate(X, Y).items():
         print(f"{k:10s} {v:.4f}")
     return 0
 
 
 def cmd_predict(args) -> int:
-    from xmc_engine.datasets import load_dataset
     from xmc_engine.estimator import XMCClassifier
 
-    model = XMCClassifier.load(args.model_dir)
-    Xtr, _, Xte, _ = load_dataset(args.data)
-    X = Xte if Xte is not None else Xtr
-    labels, scores = model.predict_topk(X, args.top_k)
     out = Path(args.out)
+    if not out.parent.is_dir() or out.is_dir():
+        raise ConfigError(f"--out {out}: " + ("is a folder; give a file name" if out.is_dir()
+                                              else f"folder {out.parent} does not exist"))
+    model = XMCClassifier.load(args.model_dir)
+    X, _ = _load_for_model(model, args.data, "the data")
+    k = args.top_k
+    if k > model.n_labels_:
+        print(f"note: --top-k {k} is more than the model's {model.n_labels_} labels; writing all "
+              f"{model.n_labels_} per row", file=sys.stderr)
+        k = model.n_labels_
+    labels, scores = model.predict_topk(X, k)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        for lab, sc in zip(labels, scores, strict=True):
-            f.write(" ".join(f"{a}:{b:.6g}" for a, b in zip(lab, sc, strict=True)) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote top-{args.top_k} for {len(labels)} rows to {out}")
+    try:
+        with open(tmp, "w") as f:
+            for lab, sc in zip(labels, scores, strict=True):
+                f.write(" ".join(f"{a}:{b:.6g}" for a, b in zip(lab, sc, strict=True)) + "\n")
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise SaveError(f"could not write {out} ({exc.strerror or exc}); nothing was written") \
+            from None
+    print(f"wrote top-{k} for {len(labels)} rows to {out}")
     return 0
 
 
 def cmd_plot(args) -> int:
     from xmc_engine.plots import plot_runs
+    from xmc_engine.runlog import log_path, read_log
 
+    for run in args.run_dirs:
+        if not log_path(run).is_file():
+            raise ConfigError(f"{run}: no {log_path(run).name} here; give a run folder")
+        try:
+            read_log(run)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     out = args.out or str(Path(args.run_dirs[0]) / "curves.png")
-    path = plot_runs(args.run_dirs, out, metrics=tuple(args.metric or ["P@1"]))
+    if Path(out).is_dir():
+        raise ConfigError(f"--out {out}: is a folder; give a .png file name")
+    metrics = tuple(args.metric or ["P@1"])
+    try:
+        path = plot_runs(args.run_dirs, out, metrics=metrics)
+    except ValueError as exc:  # documented: no run has a point of these metrics
+        raise ConfigError(f"{exc}; check --metric (names as in log.jsonl: P@1, nDCG@5, ...)") \
+            from None
     print(f"plot: {path}")
     return 0
 

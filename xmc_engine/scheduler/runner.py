@@ -253,7 +253,8 @@ class Trainer:
             self.queue.seek(position)
             self._open = int(position["epoch"])
 
-    def run_epoch(self, epoch: int, stop_after: int | None = None) -> dict[str, Any]:
+    def run_epoch(self, epoch: int, stop_after: int | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Train epoch ``epoch`` (every sample exactly once), merging every period.
 
         Parameters
@@ -265,6 +266,8 @@ class Trainer:
             done (mid-epoch evaluation or checkpoint); the next call with the same ``epoch``
             continues it with the same periods as an uninterrupted epoch. ``None``: the whole
             epoch.
+        should_stop : callable ``() -> bool``, optional
+            Asked at every barrier; ``True`` returns there (a signal asked the run to stop).
 
         Returns
         -------
@@ -294,6 +297,8 @@ class Trainer:
         t_epoch = time.perf_counter()
         while not q.epoch_done and not (stop_after is not None
                                         and self.n_samples - q.remaining >= stop_after):
+            if should_stop is not None and should_stop():
+                break
             done_before = self.n_samples - q.remaining
             self._rejoin(epoch)
             q.set_active(self.alive)

@@ -1,0 +1,370 @@
+"""The benchmark that chooses :class:`~xmc_engine.config.TrainConfig`'s defaults: a staged grid
+over optimizer, learning rate, batch size and hidden width on every shared dataset and on
+synthetic power-law shapes, and the defaults themselves beside the grid's best.
+
+Stages, per dataset (one process, one thread per run, so that runs do not compete):
+
+1. **optimizer x lr** at batch 256 and hidden 128: plain SGD at :data:`SGD_LRS`, Adagrad at
+   :data:`ADAGRAD_LRS`.
+2. **batch x hidden** (:data:`BATCHES` x :data:`HIDDENS`) at the stage-1 winner's optimizer and
+   learning rate, and the same shapes at the best Adagrad learning rate when the winner is SGD.
+3. **defaults**: ``XMCClassifier(epochs=E, seed=s, threads=1)``, nothing else set, i.e. exactly
+   what a user gets.
+
+Every run trains ``max(--epochs)`` epochs with an evaluation every ``min(--epochs)`` epochs;
+without learning-rate decay (the defaults' ``lr_decay=0``) and with no warm-up on one device the
+run up to epoch 5 is the 5-epoch run, so the evaluation at epoch 5 of a 15-epoch run is the
+5-epoch figure, and its ``train_time`` the 5-epoch training time. Datasets in ``--heavy`` run
+the lowest epoch count only, with the first seed, and a reduced stage 2 (``--heavy-shapes``).
+
+Results (every run, its curve and the tables) go to ``--out`` (``bench/results/defaults.json``)
+through :func:`_common.write_result`, rewritten after every dataset; ``--resume`` reuses the
+grid runs already in it and in ``--previous`` files (same dataset, configuration, seed and
+epochs) and trains the defaults and napkinXC PLT (``--napkinxc`` datasets) afresh. The committed
+runs (each then repeated with ``--resume`` once the defaults were fixed)::
+
+    python bench/bench_defaults.py --datasets bibtex delicious
+    python bench/bench_defaults.py --datasets debian_debtags corel5k stackex_cooking \
+        stackex_cs rcv1sub1 synth1k imdb --epochs 5 --out bench/results/defaults_5ep.json
+    python bench/bench_defaults.py --datasets debian_builddeps synth10k \
+        --out bench/results/defaults_heavy.json
+    python bench/bench_defaults.py --warmup-study --out bench/results/defaults_warmup.json
+
+The synthetic shapes come from :func:`xmc_engine.datasets.make_synthetic` (power-law label
+popularity, exponent 0.9): ``synth1k`` 10,000 train / 2,500 test rows, 5,000 features, 1,000
+labels; ``synth10k`` 30,000 / 5,000 rows, 20,000 features, 10,000 labels; ``synth100k``
+(not in the default list) 60,000 / 5,000 rows, 50,000 features, 100,000 labels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+
+REAL = ("bibtex", "delicious", "corel5k", "stackex_cooking", "stackex_cs", "rcv1sub1", "imdb",
+        "debian_debtags", "debian_builddeps")
+#: name -> make_synthetic sizes (n_train, n_test, n_features, n_labels).
+SYNTHETIC = {"synth1k": (10_000, 2_500, 5_000, 1_000),
+             "synth10k": (30_000, 5_000, 20_000, 10_000),
+             "synth100k": (60_000, 5_000, 50_000, 100_000)}
+SGD_LRS = (0.25, 0.5, 1.0, 2.0, 4.0)
+ADAGRAD_LRS = (0.01, 0.02, 0.05, 0.1, 0.2)
+BASE_BATCH, BASE_HIDDEN = 256, 128
+BATCHES = (64, 128, 256)
+HIDDENS = (128, 256, 512)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", nargs="+", default=[*REAL, "synth1k", "synth10k"],
+                   help="shared datasets and synthetic shapes (synth1k, synth10k, synth100k)")
+    p.add_argument("--epochs", type=int, nargs="+", default=[5, 15],
+                   help="epoch counts reported (one run per configuration evaluated at each)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--heavy", nargs="*", default=["debian_builddeps", "synth10k", "synth100k"],
+                   help="datasets run at the lowest epoch count, first seed, fewer shapes")
+    p.add_argument("--heavy-shapes", default="128x128,128x256",
+                   help="stage-2 BATCHxHIDDEN shapes of a heavy dataset")
+    p.add_argument("--heavy-lrs", default="sgd:1,adagrad:0.02,adagrad:0.05,adagrad:0.1",
+                   help="stage-1 OPTIMIZER:LR points of a heavy dataset")
+    p.add_argument("--max-train", type=int, default=30_000,
+                   help="subsample larger training sets to this many rows (imdb: 96,735)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / "defaults.json"))
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the grid runs (not the defaults' runs) already in --out and "
+                   "--previous instead of training them again")
+    p.add_argument("--previous", nargs="*", default=[],
+                   help="more result files of this script whose runs --resume reuses")
+    p.add_argument("--napkinxc", nargs="*",
+                   default=["bibtex", "delicious", "debian_debtags", "debian_builddeps"],
+                   help="datasets on which napkinXC PLT (library defaults) runs beside the grid")
+    w = p.add_argument_group("warm-up study (--warmup-study: instead of the grid)")
+    w.add_argument("--warmup-study", action="store_true")
+    w.add_argument("--warmups", type=float, nargs="+", default=[0.0, 0.05, 0.25, 1.0])
+    w.add_argument("--warmup-datasets", nargs="+", default=["delicious", "debian_debtags"])
+    w.add_argument("--warmup-devices", default="cpu,cpu@0.5")
+    w.add_argument("--warmup-seeds", type=int, nargs="+", default=[0, 1, 2])
+    w.add_argument("--warmup-epochs", type=float, default=3.0)
+    w.add_argument("--warmup-eval-every", type=float, default=0.125)
+    return p.parse_args(argv)
+
+
+def load(name: str, max_train: int):
+    """``(X, Y, X_test, Y_test, note)``: a shared dataset or a synthetic shape, the training
+    rows subsampled (seeded, without replacement) to ``max_train``."""
+    if name in SYNTHETIC:
+        from xmc_engine.datasets import make_synthetic
+
+        n_train, n_test, n_features, n_labels = SYNTHETIC[name]
+        X, Y, Xt, Yt = make_synthetic(n_train=n_train, n_test=n_test, n_features=n_features,
+                                      n_labels=n_labels, seed=0)
+    elif name in REAL:
+        X, Y, Xt, Yt = _common.load_dataset(name)
+    else:
+        raise SystemExit(f"unknown dataset {name!r}; choose from {', '.join(REAL)}, "
+                         f"{', '.join(SYNTHETIC)}")
+    note = ""
+    if X.shape[0] > max_train:
+        keep = np.sort(np.random.default_rng(0).choice(X.shape[0], max_train, replace=False))
+        note = f"training rows subsampled {X.shape[0]} -> {max_train} (seed 0)"
+        X, Y = X[keep], Y[keep]
+    return X, Y, Xt, Yt, note
+
+
+def run_one(data, config: dict, seed: int, epochs: list[int], threads: int) -> dict:
+    """Train ``config`` (``XMCClassifier`` keywords; empty: the defaults) once for
+    ``max(epochs)`` epochs; returns the metrics and training time at each of ``epochs``."""
+    from xmc_engine import XMCClassifier
+
+    X, Y, Xt, Yt = data
+    clf = XMCClassifier(**config, epochs=max(epochs), eval_every=min(epochs), seed=seed,
+                        threads=threads)
+    t0 = time.perf_counter()
+    clf.fit(X, Y, eval_set=(Xt, Yt))
+    wall = time.perf_counter() - t0
+    start = next(r for r in clf.history_ if r["event"] == "start")
+    resolved = {k: start["config"][k] for k in ("optimizer", "batch_size", "hidden")}
+    at = {}
+    for r in clf.history_:
+        if r["event"] == "eval" and round(r["epoch"]) in epochs:
+            at[str(round(r["epoch"]))] = {**{k: r["metrics"][k] for k in ("P@1", "P@3", "P@5")},
+                                          "train_time": r["train_time"]}
+    compile_s = sum(r.get("seconds", 0.0) for r in clf.history_ if r["event"] == "compile")
+    return {"config": config, "seed": seed, "resolved": {**resolved, "lr": start["lr"]},
+            "at": at, "wall_s": wall, "compile_s": compile_s}
+
+
+def _key(dataset, config, seed, epochs) -> tuple:
+    return (dataset, tuple(sorted((k, str(v)) for k, v in config.items())), seed,
+            tuple(epochs))
+
+
+class Grid:
+    """The runs of one dataset, trained on demand or taken from a previous result file."""
+
+    def __init__(self, name, data, epochs, seeds, threads, previous, rows):
+        self.name, self.data, self.epochs, self.seeds = name, data, epochs, seeds
+        self.threads, self.previous, self.rows = threads, previous, rows
+
+    def run(self, config: dict, stage: str) -> list[dict]:
+        out = []
+        for seed in self.seeds:
+            key = _key(self.name, config, seed, self.epochs)
+            row = self.previous.get(key) if config else self._same_as_defaults(seed)
+            if row is None:
+                row = run_one(self.data, config, seed, self.epochs, self.threads)
+                row.update(dataset=self.name, epochs=self.epochs)
+            row["stage"] = stage
+            self.rows.append(row)
+            out.append(row)
+            e = str(min(self.epochs))
+            print(f"  {stage:9s} {_label(config):28s} seed {seed}: P@1@{e} "
+                  f"{row['at'][e]['P@1']:.4f} ({row['at'][e]['train_time']:.1f} s)", flush=True)
+        return out
+
+    def _same_as_defaults(self, seed: int) -> dict | None:
+        """A copy of this grid's run of the defaults' configuration with ``seed``, if there is
+        one: with one thread a run repeats exactly, so training it again would only cost."""
+        from xmc_engine.config import TrainConfig
+
+        d = TrainConfig()
+        if len(d.hidden) != 1:
+            return None
+        same = _cfg(d.optimizer, d.learning_rate, d.batch_size, d.hidden[0])
+        for r in self.rows:
+            if r["dataset"] == self.name and r["config"] == same and r["seed"] == seed:
+                return {**r, "config": {}, "same_as": _label(same)}
+        return None
+
+    def score(self, runs, epochs: int) -> float:
+        return float(np.mean([r["at"][str(epochs)]["P@1"] for r in runs]))
+
+
+def _label(config: dict) -> str:
+    if not config:
+        return "defaults"
+    return (f"{config['optimizer']} lr={config['lr']:g} b={config['batch_size']} "
+            f"h={config['hidden']}")
+
+
+def _cfg(optimizer, lr, batch, hidden) -> dict:
+    return {"optimizer": optimizer, "lr": lr, "batch_size": batch, "hidden": hidden}
+
+
+def search(grid: Grid, points, shapes) -> None:
+    """Stages 1-3 of the module docstring on ``grid``: ``points`` are the stage-1
+    ``(optimizer, lr)`` pairs, ``shapes`` the stage-2 ``(batch, hidden)`` pairs."""
+    e = min(grid.epochs)
+    stage1 = {}
+    for opt, lr in points:
+        c = _cfg(opt, lr, BASE_BATCH, BASE_HIDDEN)
+        stage1[(opt, lr)] = grid.score(grid.run(c, "opt x lr"), e)
+    best = max(stage1, key=stage1.get)
+    centres = [best]
+    if best[0] != "adagrad":
+        centres.append(max((k for k in stage1 if k[0] == "adagrad"), key=stage1.get))
+    for opt, lr in centres:
+        for batch, hidden in shapes:
+            if (batch, hidden) != (BASE_BATCH, BASE_HIDDEN):
+                grid.run(_cfg(opt, lr, batch, hidden), "b x h")
+    grid.run({}, "defaults")
+
+
+def summarise(rows, dataset: str, epochs: int) -> dict | None:
+    """Best configuration (mean P@1 over seeds at ``epochs``) and the defaults' figures."""
+    groups: dict[str, list] = {}
+    for r in rows:
+        if r["dataset"] == dataset and str(epochs) in r["at"]:
+            groups.setdefault(_label(r["config"]), []).append(r)
+    if "defaults" not in groups:
+        return None
+
+    def mean(runs, k):
+        return float(np.mean([r["at"][str(epochs)][k] for r in runs]))
+
+    stats = {lab: {k: mean(runs, k) for k in ("P@1", "P@3", "P@5", "train_time")}
+             | {"seeds": len(runs)} for lab, runs in groups.items()}
+    best = max((lab for lab in stats if lab != "defaults"), key=lambda lab: stats[lab]["P@1"])
+    d = groups["defaults"][0]["resolved"]
+    return {"dataset": dataset, "epochs": epochs, "best": best, "best_stats": stats[best],
+            "defaults": (f"{d['optimizer']} lr={d['lr']:g} b={d['batch_size']} "
+                         f"h={d['hidden'][0]}"),
+            "defaults_stats": stats["defaults"],
+            "gap_P@1": stats[best]["P@1"] - stats["defaults"]["P@1"],
+            "configs": len(stats) - 1}
+
+
+def print_table(summary: list[dict], napkin: dict) -> None:
+    """The Markdown table of ``bench/RESULTS.md``: per dataset and epoch count the grid's best
+    configuration and the defaults (means over seeds), and napkinXC PLT where it ran."""
+    print("\n| dataset | epochs | grid's best (configs) | P@1 / P@3 / P@5 | time s | defaults "
+          "| P@1 / P@3 / P@5 | time s | best - defaults P@1 | napkinXC PLT P@1 / P@3 / P@5 "
+          "(time s) | defaults / napkinXC P@1 |")
+    print("|---|---:|---|---|---:|---|---|---:|---:|---|---:|")
+    for s in summary:
+        b, d = s["best_stats"], s["defaults_stats"]
+        n = napkin.get(s["dataset"])
+        nx = (f"{n['P@1']:.4f} / {n['P@3']:.4f} / {n['P@5']:.4f} ({n['train_time']:.1f}) "
+              f"| {d['P@1'] / n['P@1']:.3f}" if n else "| ")
+        print(f"| {s['dataset']} | {s['epochs']} | {s['best']} ({s['configs']}) "
+              f"| {b['P@1']:.4f} / {b['P@3']:.4f} / {b['P@5']:.4f} | {b['train_time']:.1f} "
+              f"| {s['defaults']} (seeds {d['seeds']}) "
+              f"| {d['P@1']:.4f} / {d['P@3']:.4f} / {d['P@5']:.4f} "
+              f"| {d['train_time']:.1f} | {s['gap_P@1']:+.4f} | {nx} |")
+
+
+def warmup_study(args, meta) -> int:
+    """Time to 97 % of the best P@1 of ``adaptive`` on ``--warmup-devices`` for each
+    ``--warmups`` learning-rate warm-up, at the defaults' optimizer, lr, batch and hidden
+    (``bench/_tta.py``'s interpolated time to target); also the first evaluation's P@1 beside
+    the popularity baseline's (a stall there is what the warm-up must not cause)."""
+    import _tta
+
+    from xmc_engine.config import TrainConfig
+
+    d = TrainConfig()
+    out = Path(args.out)
+    results = {}
+    for name in args.warmup_datasets:
+        data = _tta.load_data(name)
+        counts = np.asarray(data[1].sum(axis=0)).ravel()
+        top = int(np.argmax(counts))
+        popular = float(np.mean(data[3][:, top].toarray() > 0))  # P@1 of the popular label
+        runs = []
+        for seed in args.warmup_seeds:
+            for w in args.warmups:
+                m = _tta.Method(f"warm-up {w:g}", "adaptive", args.warmup_devices)
+                r = _tta.run_method(m, data, epochs=args.warmup_epochs, lr=d.learning_rate,
+                                    batch_size=d.batch_size, hidden=d.hidden,
+                                    seed=seed, optimizer=d.optimizer, warmup_epochs=w,
+                                    eval_every=args.warmup_eval_every)
+                r["first_eval"] = {"epoch": r["curve"][0][1], "P@1": r["curve"][0][2]}
+                runs.append(r)
+                print(f"  {name} warm-up {w:g} seed {seed}: first eval P@1 "
+                      f"{r['first_eval']['P@1']:.4f} at epoch {r['first_eval']['epoch']:.3f}, "
+                      f"best {r['best_P@1']:.4f}", flush=True)
+        summary = _tta.summarise(runs, reference=f"warm-up {args.warmups[0]:g}")
+        for row in summary["rows"]:
+            rs = [r for r in runs if r["method"] == row["method"]]
+            row["first_eval_P@1"] = float(np.mean([r["first_eval"]["P@1"] for r in rs]))
+        _tta.print_table(summary, reference=f"warm-up {args.warmups[0]:g}",
+                         title=f"{name}, adaptive on {args.warmup_devices}, popular P@1 "
+                               f"{popular:.4f};")
+        results[name] = {"popular_P@1": popular, "summary": summary, "runs": runs}
+        _common.write_result(out, {**meta, "benchmark": "defaults_warmup",
+                                   "defaults": {"optimizer": d.optimizer,
+                                                "lr": d.learning_rate,
+                                                "batch_size": d.batch_size,
+                                                "hidden": d.hidden},
+                                   "args": {k: v for k, v in vars(args).items()
+                                            if k.startswith("warmup")},
+                                   "results": results})
+    print(f"\nwrote {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    meta = _common.result_metadata(machine_extra={"threads_per_run": args.threads})
+    if args.warmup_study:
+        return warmup_study(args, meta)
+    out = Path(args.out)
+    previous, napkin = {}, {}
+    for path in [out, *args.previous] if args.resume else []:
+        old = _common.read_json(path) or {}
+        previous.update({_key(r["dataset"], r["config"], r["seed"], r["epochs"]): r
+                         for r in old.get("rows", []) if r["config"]})
+        napkin.update(old.get("napkinxc", {}))
+    heavy_shapes = [tuple(int(v) for v in s.split("x")) for s in args.heavy_shapes.split(",")]
+    heavy_points = [(s.split(":")[0], float(s.split(":")[1])) for s in args.heavy_lrs.split(",")]
+    rows, notes, summary = [], {}, []
+    for name in args.datasets:
+        t0 = time.perf_counter()
+        X, Y, Xt, Yt, note = load(name, args.max_train)
+        notes[name] = {"n_train": X.shape[0], "n_test": Xt.shape[0], "n_features": X.shape[1],
+                       "n_labels": Y.shape[1], "nnz_per_row": X.nnz / max(X.shape[0], 1),
+                       "note": note}
+        heavy = name in args.heavy
+        epochs = sorted(args.epochs)[:1] if heavy else sorted(args.epochs)
+        seeds = args.seeds[:1] if heavy else args.seeds
+        print(f"{name}: {X.shape[0]} x {X.shape[1]} -> {Y.shape[1]} labels, epochs {epochs}, "
+              f"seeds {seeds} {note}", flush=True)
+        grid = Grid(name, (X, Y, Xt, Yt), epochs, seeds, args.threads, previous, rows)
+        if heavy:
+            search(grid, heavy_points, heavy_shapes)
+        else:
+            search(grid, [("sgd", lr) for lr in SGD_LRS] + [("adagrad", lr) for lr in ADAGRAD_LRS],
+                   [(b, h) for b in BATCHES for h in HIDDENS])
+        if name in args.napkinxc and name not in napkin:
+            from xmc_libraries import run_napkinxc_plt
+
+            napkin[name] = run_napkinxc_plt(X, Y, Xt, Yt, threads=args.threads, seed=0)
+            print(f"  napkinXC PLT: P@1 {napkin[name]['P@1']:.4f} ({napkin[name]['train_time']:.1f}"
+                  " s)", flush=True)
+        notes[name]["seconds"] = time.perf_counter() - t0
+        summary = [s for n in notes for e in sorted(args.epochs)
+                   if (s := summarise(rows, n, e)) is not None]
+        _common.write_result(out, {**meta, "benchmark": "defaults", "datasets": notes,
+                                   "grid": {"sgd_lrs": SGD_LRS, "adagrad_lrs": ADAGRAD_LRS,
+                                            "batches": BATCHES, "hiddens": HIDDENS,
+                                            "heavy_shapes": heavy_shapes,
+                                            "heavy_points": heavy_points,
+                                            "heavy": args.heavy},
+                                   "summary": summary, "napkinxc": napkin, "rows": rows})
+    print_table(summary, napkin)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

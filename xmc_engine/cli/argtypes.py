@@ -1,0 +1,56 @@
+"""Argument types for argparse that refuse bad values with a message naming them (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+
+def int_list(s: str) -> list[int]:
+    """``"64,32"`` -> ``[64, 32]``."""
+    try:
+        return [int(v) for v in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not a comma-separated list of integers (e.g. 128 or 64,32)") from None
+
+
+def finite_float(s: str) -> float:
+    """A float that is neither NaN nor infinite."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a finite number")
+    return v
+
+
+def positive_float(s: str) -> float:
+    """A finite float > 0."""
+    v = finite_float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be > 0")
+    return v
+
+
+def positive_int(s: str) -> int:
+    """An integer >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} must be >= 1")
+    return v
+
+
+def user_path(s: str) -> str:
+    """A path or name with a leading ``~`` / ``~user`` expanded; refused when it names no user
+    (``pathlib`` would raise ``RuntimeError`` on it later)."""
+    expanded = os.path.expanduser(s)
+    if expanded.startswith("~"):
+        raise argparse.ArgumentTypeError(
+            f"{s!r}: no home folder for {expanded.split(os.sep, 1)[0]!r}; give the full path")
+    return expanded
