@@ -144,3 +144,48 @@ def adagrad_rows(W, rows, grad_rows, acc_W, lr, eps):
     w, a = adagrad_dense(W[rows], grad_rows, acc_W[rows], lr, eps)
     W_new[rows], acc_new[rows] = w, a
     return W_new, acc_new
+
+
+def gather_columns(W2, b2, cols):
+    """``(W2[:, cols], b2[cols])`` (copies)."""
+    return W2[:, cols].copy(), b2[cols].copy()
+
+
+def scatter_add_columns(W2, b2, cols, dW2s, db2s, alpha):
+    """Copies of ``W2``, ``b2`` with ``alpha dW2s`` / ``alpha db2s`` added at columns ``cols``
+    (unique)."""
+    W, b = W2.copy(), b2.copy()
+    W[:, cols] += alpha * dW2s
+    b[cols] += alpha * db2s
+    return W, b
+
+
+def adagrad_columns(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
+    """The dense Adagrad rule on columns ``cols`` of ``W2`` / ``acc_W2`` and entries ``cols``
+    of ``b2`` / ``acc_b2`` only: ``(W2, b2, acc_W2, acc_b2)`` as float64 copies."""
+    W, aW = W2.astype(np.float64), acc_W2.astype(np.float64)
+    b, ab = b2.astype(np.float64), acc_b2.astype(np.float64)
+    W[:, cols], aW[:, cols] = adagrad_dense(W2[:, cols], dW2s, acc_W2[:, cols], lr, eps)
+    b[cols], ab[cols] = adagrad_dense(b2[cols], db2s, acc_b2[cols], lr, eps)
+    return W, b, aW, ab
+
+
+def sampled_output_grad(H, W2, b2, y_indptr, y_indices, cols, log_weight):
+    """The sampled output layer's ``(loss_sum, dW2, db2, dH)`` with dense ``dW2`` / ``db2``
+    (zero outside ``cols``), the mean over the ``B`` rows.
+
+    Logits only for the candidate labels ``cols`` (every label of the batch among them):
+    ``Zs = H @ W2[:, cols] + b2[cols] + log_weight``, softmax cross-entropy of ``Zs`` against
+    the row-normalised labels, ``dZs = (softmax(Zs) - y/|y|) / B``; ``dW2[:, cols] = H^T dZs``,
+    ``db2[cols] = dZs.sum(0)``, ``dH = dZs W2[:, cols]^T``.
+    """
+    B = H.shape[0]
+    pos = {int(c): j for j, c in enumerate(cols)}
+    local = np.array([pos[int(y)] for y in y_indices], dtype=np.int64)
+    Zs = H @ W2[:, cols] + b2[cols] + log_weight
+    dZs, loss = softmax_xent(Zs, y_indptr, local, 1.0 / max(B, 1))
+    dW2 = np.zeros_like(W2)
+    db2 = np.zeros_like(b2)
+    dW2[:, cols] = H.T @ dZs
+    db2[cols] = dZs.sum(axis=0)
+    return loss, dW2, db2, dZs @ W2[:, cols].T

@@ -522,6 +522,13 @@ KERNELS = {
     "adagrad_dense_launch": (lambda w, g, acc, lr, eps: _assign(w, acc)(
         reference.adagrad_dense(w, g, acc, lr, eps)), (0, 2)),
     "adagrad_rows_launch": (_adagrad_rows, (0, 3)),
+    "gather_columns_launch": (lambda W2, b2, cols, W2s, b2s: _assign(W2s, b2s)(
+        reference.gather_columns(W2, b2, cols)), (3, 4)),
+    "scatter_add_columns_launch": (lambda W2, b2, cols, dW2s, db2s, alpha: _assign(W2, b2)(
+        reference.scatter_add_columns(W2, b2, cols, dW2s, db2s, alpha)), (0, 1)),
+    "adagrad_columns_launch": (lambda W2, b2, aW, ab, cols, dW2s, db2s, lr, eps: _assign(
+        W2, b2, aW, ab)(reference.adagrad_columns(W2, b2, aW, ab, cols, dW2s, db2s, lr, eps)),
+        (0, 1, 2, 3)),
 }
 
 

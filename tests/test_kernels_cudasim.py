@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_cuda_kernels_pass_under_the_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cudasim", "-p", "no:randomly",
-           "-p", "no:cacheprovider", "tests/test_kernels_cuda.py"]
+           "-p", "no:cacheprovider", "tests/test_kernels_cuda.py", "tests/test_sampled_output.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail

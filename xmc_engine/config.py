@@ -34,6 +34,7 @@ __all__ = [
     "EVAL_ROWS",
     "FLAG_RULES",
     "OPTIMIZERS",
+    "OUTPUTS",
     "AdaptiveConfig",
     "AlgorithmConfig",
     "AverageConfig",
@@ -47,6 +48,8 @@ __all__ = [
 
 #: Optimizers of :class:`~xmc_engine.model.MLPReplica`.
 OPTIMIZERS = ("sgd", "adagrad")
+#: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
+OUTPUTS = ("exact", "sampled")
 #: Each optimizer's learning rate when ``TrainConfig.lr`` is ``None``: of
 #: ``bench/bench_defaults.py``'s grid, the value with the best mean P@1 over the datasets
 #: (``bench/RESULTS.md``, "Defaults"). Adagrad's 0.05 is within 0.03 of each dataset's best
@@ -404,6 +407,17 @@ class TrainConfig(ConfigMixin):
     optimizer : {'sgd', 'adagrad'}
         Adagrad by default: on every dataset of ``bench/bench_defaults.py`` its best learning
         rate beat plain SGD's (the paper's optimizer) at equal epochs, by 0.03 to 0.46 P@1.
+    output : {'exact', 'sampled'}
+        The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.
+        ``"sampled"``: the softmax over the batch's positive labels plus ``negatives`` labels
+        drawn uniformly from the rest, with the sampled-softmax weight on the drawn ones
+        (:func:`xmc_engine.output_layer.sample_candidates`); the step costs GEMMs of
+        ``B x hidden x (positives + negatives)`` and updates only those ``W2`` columns.
+        Prediction and evaluation are exact either way; ``label_chunk`` then applies to them
+        only. When to choose which: README, "Sampled output layer".
+    negatives : int
+        ``K``, the negatives drawn per batch when ``output="sampled"`` (0: the other rows'
+        positives only). Measured: ``bench/RESULTS.md``, "Sampled output layer".
     devices : str
         Device spec (:func:`~xmc_engine.devices.parse_devices`).
     algorithm : str
@@ -424,6 +438,8 @@ class TrainConfig(ConfigMixin):
     lr_decay: float = 0.0
     label_chunk: int | None = None
     optimizer: str = "adagrad"
+    output: str = "exact"
+    negatives: int = 1024
     devices: str = "cpu"
     algorithm: str = "single"
     algorithm_params: dict | AlgorithmConfig = field(default_factory=dict)
@@ -469,6 +485,10 @@ class TrainConfig(ConfigMixin):
             bad("label_chunk", "must be >= 1 or None")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"unknown; choose one of {', '.join(OPTIMIZERS)}")
+        if self.output not in OUTPUTS:
+            bad("output", f"unknown; choose one of {', '.join(OUTPUTS)}")
+        if self.negatives < 0:
+            bad("negatives", "must be >= 0 (0: only the batch's own positive labels)")
         if self.algorithm not in ALGORITHMS:
             bad("algorithm", f"unknown; choose one of {', '.join(ALGORITHMS)}")
         if self.threads is not None and self.threads < 1:

@@ -108,6 +108,11 @@ class XMCClassifier:
     optimizer : {"adagrad", "sgd"}
         Adagrad (the default: per-parameter accumulators, row-sparse for ``W1``; each replica
         keeps its own, merges average parameters only) or plain SGD (the paper's).
+    output : {"exact", "sampled"}
+        Output layer of training: the softmax over every label, or over the batch's positives
+        plus ``negatives`` sampled labels (prediction is exact either way).
+    negatives : int
+        Negatives per batch of ``output="sampled"``.
     devices : str
         Device spec, e.g. ``"cpu"``, ``"cpu,cpu@0.5"``, ``"cuda:0,cuda:0"``, ``"auto"``.
     algorithm : str

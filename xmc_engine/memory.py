@@ -13,7 +13,11 @@ Per device (its own memory: host RAM for CPU devices, the GPU for ``cuda:N``):
 - ``activations``: per step on the largest batch ``b`` it may get (``b_max`` for adaptive
   batch sizes): hidden activations and their gradients ``2 b sum(hidden)`` floats, the logits /
   softmax-gradient workspace ``b x n_labels`` (or ``b x label_chunk`` plus the ``hidden x
-  label_chunk`` gradient block when chunked), the ``db2`` buffer (``n_labels``);
+  label_chunk`` gradient block when chunked), the ``db2`` buffer (``n_labels``); with
+  ``output="sampled"`` instead the ``m = min(n_labels, b x labels per row + negatives)``
+  candidate columns: logits ``b x m``, the gathered block and its gradient ``2 x hidden x m``
+  (plus a dense ``dW2``, ``db2`` for ``sync``, whose gradients are reduced densely);
+- ``optimizer state``: the Adagrad accumulators, ``P`` (``optimizer="adagrad"``);
 
 On device 0 (where the central model lives and evaluation runs):
 
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -117,7 +122,8 @@ class MemoryPlan:
         lines = [f"memory plan: {s['n_samples']:,} samples x {s['n_features']:,} features -> "
                  f"hidden {s['hidden']} -> {s['n_labels']:,} labels; devices {s['devices']}; "
                  f"algorithm {s['algorithm']}; batch {s['batch_size']} (max {s['b_max']}); "
-                 f"label_chunk {s['label_chunk']}",
+                 f"label_chunk {s['label_chunk']}; output {s['output']}"
+                 + (f" (negatives {s['negatives']})" if s["output"] == "sampled" else ""),
                  f"parameters: {s['n_params']:,} floats = {format_size(s['param_bytes'])} "
                  "per copy"]
         for p in self.pools:
@@ -214,9 +220,15 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     b = _max_batch(cfg)
     C = min(int(cfg.label_chunk), n_labels) if cfg.label_chunk else n_labels
     h_sum, h_last = sum(cfg.hidden), cfg.hidden[-1]
-    act = 2 * b * h_sum * F32 + b * C * F32 + n_labels * F32
-    if C < n_labels:
-        act += h_last * C * F32 + b * h_last * F32  # dW2 chunk, dH chunk
+    if cfg.output == "sampled":
+        m = min(n_labels, math.ceil(b * label_nnz / max(n_samples, 1)) + cfg.negatives)
+        act = 2 * b * h_sum * F32 + b * m * F32 + 2 * (h_last + 1) * m * F32
+        if cfg.algorithm == "sync":
+            act += (h_last + 1) * n_labels * F32
+    else:
+        act = 2 * b * h_sum * F32 + b * C * F32 + n_labels * F32
+        if C < n_labels:
+            act += h_last * C * F32 + b * h_last * F32  # dW2 chunk, dH chunk
     pools: dict[str, PoolPlan] = {}
 
     def pool(dev) -> PoolPlan:
@@ -239,6 +251,8 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
         p = pool(d)
         add(p, f"replica {i} ({d})", P)
         add(p, f"activations+logits {i} (b={b})", act)
+        if cfg.optimizer == "adagrad":
+            add(p, f"optimizer state {i} (Adagrad, P)", P)
     p0 = pool(devs[0])
     copies = _merge_copies(cfg.algorithm, cfg.algorithm_params)
     if copies:
@@ -255,7 +269,8 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     settings = {"n_samples": int(n_samples), "n_features": int(n_features),
                 "n_labels": int(n_labels), "hidden": list(cfg.hidden), "devices": cfg.devices,
                 "algorithm": cfg.algorithm, "batch_size": cfg.batch_size, "b_max": b,
-                "label_chunk": cfg.label_chunk, "n_params": shape.n_params(), "param_bytes": P}
+                "label_chunk": cfg.label_chunk, "output": cfg.output,
+                "negatives": cfg.negatives, "n_params": shape.n_params(), "param_bytes": P}
     plan = MemoryPlan(list(pools.values()), settings)
     if suggest and plan.fits is False:
         plan.suggestion, plan.suggestion_text = _suggest(

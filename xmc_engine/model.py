@@ -13,7 +13,9 @@ Forward: ``H = relu(X @ W1 + b1)`` (then ``relu(H @ Wk + bk)`` per extra layer),
 ``Z = H @ W2 + b2``; loss: softmax cross-entropy against the row-normalised label vector.
 A step is plain SGD (or Adagrad, ``optimizer="adagrad"``), applied in place; the ``W1``
 gradient is row-sparse and applied only to the rows of the features in the batch (never a dense
-``n_features x hidden`` gradient).
+``n_features x hidden`` gradient). With ``output="sampled"`` the softmax runs over a batch's
+candidate labels only (:func:`xmc_engine.output_layer.sample_candidates`) and ``W2``, ``b2`` are
+updated on those columns only.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_engine.batches import RowGather
-from xmc_engine.config import EVAL_ROWS, OPTIMIZERS
+from xmc_engine.batches import CSRBatch, RowGather
+from xmc_engine.config import EVAL_ROWS, OPTIMIZERS, OUTPUTS, TrainConfig
+from xmc_engine.output_layer import sample_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -111,12 +114,26 @@ class MLPReplica:
     label_chunk : int or None; output-layer label chunk (None = plain path, logits in memory)
     optimizer : ``"sgd"`` (default) or ``"adagrad"``; Adagrad keeps one accumulator per
         parameter on this device (local to the replica: merges average parameters only)
+    output : ``"exact"`` (default) or ``"sampled"``: the output layer of a step
+        (:class:`~xmc_engine.config.TrainConfig` ``output``). Sampled steps touch only the
+        ``W2`` columns and ``b2`` entries of their candidate labels (SGD and Adagrad alike);
+        :meth:`grad_batch` scatters their gradient into dense ``dW2``/``db2`` arrays, and
+        merges treat ``W2`` densely as in the exact mode.
+    negatives : int; ``K`` of the sampled mode
+    seed : int; seed of the negatives' random stream (give replicas different seeds). The
+        stream is not part of checkpoints: a resumed sampled run draws other negatives than an
+        uninterrupted one would (the same distribution).
     """
 
     def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None,
-                 optimizer: str = "sgd"):
+                 optimizer: str = "sgd", output: str = "exact",
+                 negatives: int = TrainConfig.negatives, seed: int = 0):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output={output!r}: choose one of {', '.join(OUTPUTS)}")
+        if negatives < 0:
+            raise ValueError(f"negatives={negatives!r}: must be >= 0")
         self.backend = backend
         self.X = X
         self.Y = Y
@@ -125,6 +142,9 @@ class MLPReplica:
         self._take_y = RowGather(Y)
         self.label_chunk = label_chunk
         self.optimizer = optimizer
+        self.output = output
+        self.negatives = int(negatives)
+        self._rng = np.random.default_rng(seed)
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         self.n_dense = (len(self._params) - 4) // 2
         self._acc = ([backend.zeros(p.shape) for p in self._params]
@@ -138,8 +158,10 @@ class MLPReplica:
         (:func:`calibrate_threads`) and return it; other backends are left as they are."""
         be = self.backend
         if be.name == "cpu" and max_threads > 1:
+            negatives = self.negatives if self.output == "sampled" else None
             be.threads = calibrate_threads(be, self._params, self.X, self.Y, batch_size,
-                                           max_threads, label_chunk=self.label_chunk)
+                                           max_threads, label_chunk=self.label_chunk,
+                                           negatives=negatives)
         return be.threads if be.name == "cpu" else max_threads
 
     # -- optimiser state (checkpoints) -------------------------------------------------------
@@ -184,6 +206,8 @@ class MLPReplica:
         Xb = self._take_x(rows)
         if self._changed is not None:
             self._changed[Xb.indices] = True
+        if self.output == "sampled":
+            return self._sampled_step(Xb, self._take_y(rows), lr)
         if self._acc is not None:
             loss, grads = grad_step(self.backend, self._params, Xb, self._take_y(rows),
                                     label_chunk=self.label_chunk)
@@ -203,8 +227,32 @@ class MLPReplica:
         are already scaled as the mean over the batch (``apply_grads(grads, lr)`` is the step
         ``train_batch(rows, lr)`` makes). ``loss_sum`` is summed over the rows.
         """
-        return grad_step(self.backend, self._params, self._take_x(rows), self._take_y(rows),
-                         label_chunk=self.label_chunk)
+        Xb, Yb = self._take_x(rows), self._take_y(rows)
+        if self.output == "exact":
+            return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
+        be = self.backend
+        loss, grads, cols = sampled_grad_step(be, self._params, Xb, Yb, self.negatives,
+                                              self._rng)
+        with be.activate():
+            dW2, db2 = be.zeros(self._params[-2].shape), be.zeros(self._params[-1].shape)
+            be.scatter_add_columns(dW2, db2, cols, grads[-2], grads[-1], 1.0)
+        return loss, [*grads[:-2], dW2, db2]
+
+    def _sampled_step(self, Xb, Yb, lr: float) -> float:
+        """A step with the sampled output layer: ``W1`` on its touched rows, ``W2`` / ``b2``
+        on the candidate columns, the dense layers in full (SGD or Adagrad)."""
+        be, params = self.backend, self._params
+        loss, grads, cols = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng)
+        W2, b2 = params[-2], params[-1]
+        with be.activate():
+            if self._acc is not None:
+                apply_adagrad(be, params[:-2], grads[:-2], self._acc[:-2], lr)
+                be.adagrad_columns(W2, b2, self._acc[-2], self._acc[-1], cols, grads[-2],
+                                   grads[-1], lr, ADAGRAD_EPS)
+            else:
+                apply_grads(be, params[:-2], grads[:-2], lr)
+                be.scatter_add_columns(W2, b2, cols, grads[-2], grads[-1], -float(lr))
+        return loss
 
     def apply_grads(self, grads: list, lr: float) -> None:
         """This replica's optimiser step (SGD ``p -= lr * g``, or Adagrad) with gradients in
@@ -294,20 +342,51 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
     ``sparse_grad``. ``grads`` layout: :meth:`MLPReplica.grad_batch`.
     """
     with be.activate():
-        (indptr, indices, data), (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
-        acts = _hidden_forward(be, params, (indptr, indices, data), Xb.shape[0])
+        x_parts, (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
+        acts = _hidden_forward(be, params, x_parts, Xb.shape[0])
         W2, b2 = params[-2], params[-1]
         loss, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
                                                   label_chunk=label_chunk)
-        dense: list = []
-        for k in reversed(range(len(acts) - 1)):
-            W = params[2 + 2 * k]
-            be.relu_backward(dH, acts[k + 1])
-            dense = [acts[k].T @ dH, dH.sum(axis=0)] + dense
-            dH = dH @ W.T
-        be.relu_backward(dH, acts[0])
-        rows, grad_rows, grad_b1 = be.sparse_grad(indptr, indices, data, dH)
-        return be.to_float(loss), [(rows, grad_rows), grad_b1, *dense, dW2, db2]  # synchronize!
+        grads = _hidden_grads(be, params, x_parts, acts, dH)
+        return be.to_float(loss), [*grads, dW2, db2]  # synchronize!
+
+
+def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng) -> tuple[float, list, object]:
+    """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads, cols)``.
+
+    The candidate labels ``cols`` (int64, on the backend) are the batch's positives plus
+    ``negatives`` uniform draws from ``rng``
+    (:func:`xmc_engine.output_layer.sample_candidates`); ``grads`` is in the
+    :meth:`MLPReplica.grad_batch` layout except its last two entries, the gradients of
+    ``W2[:, cols]`` (n_hidden, m) and ``b2[cols]`` (m,) only (backend workspaces, valid until
+    the next sampled step).
+    """
+    W2, b2 = params[-2], params[-1]
+    cols, local_y, n_pos, log_weight = sample_candidates(Yb.indices, W2.shape[1], negatives, rng)
+    Yl = CSRBatch(Yb.indptr, local_y, local_y, (Yb.shape[0], len(cols)))
+    with be.activate():
+        x_parts, (y_indptr, y_local) = _upload_batch(be, Xb, Yl)
+        cols = be.asarray(cols)
+        acts = _hidden_forward(be, params, x_parts, Xb.shape[0])
+        loss, dW2s, db2s, dH = be.sampled_output_grad(acts[-1], W2, b2, cols, n_pos,
+                                                      log_weight, y_indptr, y_local)
+        grads = _hidden_grads(be, params, x_parts, acts, dH)
+        return be.to_float(loss), [*grads, dW2s, db2s], cols  # synchronize!
+
+
+def _hidden_grads(be, params, x_parts, acts, dH) -> list:
+    """Backward through the hidden layers from ``dH`` (the gradient of the last activations,
+    overwritten): ``[(rows, grad_rows), grad_b1, dW1_1, db1_1, ...]`` (the
+    :meth:`MLPReplica.grad_batch` layout without ``W2``, ``b2``)."""
+    dense: list = []
+    for k in reversed(range(len(acts) - 1)):
+        W = params[2 + 2 * k]
+        be.relu_backward(dH, acts[k + 1])
+        dense = [acts[k].T @ dH, dH.sum(axis=0)] + dense
+        dH = dH @ W.T
+    be.relu_backward(dH, acts[0])
+    rows, grad_rows, grad_b1 = be.sparse_grad(*x_parts, dH)
+    return [(rows, grad_rows), grad_b1, *dense]
 
 
 def apply_grads(be, params, grads, lr: float) -> None:
@@ -339,11 +418,14 @@ def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -
 
 
 def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,
-                      label_chunk: int | None = None, steps: int = 3) -> int:
+                      label_chunk: int | None = None, negatives: int | None = None,
+                      steps: int = 3) -> int:
     """The thread budget (1 or ``max_threads``) under which a training step is faster here.
 
     Times ``steps`` steps of each budget on a real batch with ``lr = 0`` (the parameters do not
-    change). Measured on the 2-core machine this engine is developed on, one thread beat two by
+    change); with ``negatives`` the steps are those of the sampled output layer (their
+    gradients, without the column update), so that no ``B x n_labels`` logits are allocated.
+    Measured on the 2-core machine this engine is developed on, one thread beat two by
     1.3-20x (numba's OpenMP workers and OpenBLAS's both spin-wait, and fight over the cores),
     while a many-core server gains from threads: so it is measured, not assumed.
     """
@@ -351,15 +433,23 @@ def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,
 
     if max_threads <= 1 or be.name != "cpu":
         return max(1, int(max_threads))
-    rows = np.random.default_rng(0).permutation(X.shape[0])[:batch_size]
+    rng = np.random.default_rng(0)
+    rows = rng.permutation(X.shape[0])[:batch_size]
     Xb, Yb = X[rows], Y[rows]
+
+    def step():
+        if negatives is None:
+            train_step(be, params, Xb, Yb, 0.0, label_chunk=label_chunk)
+        else:
+            sampled_grad_step(be, params, Xb, Yb, negatives, rng)
+
     best, best_t = 1, float("inf")
     for n in (1, int(max_threads)):
         with be.thread_budget(n):
-            train_step(be, params, Xb, Yb, 0.0, label_chunk=label_chunk)  # warm-up
+            step()  # warm-up
             t0 = time.perf_counter()
             for _ in range(steps):
-                train_step(be, params, Xb, Yb, 0.0, label_chunk=label_chunk)
+                step()
             dt = time.perf_counter() - t0
         logger.debug("thread calibration: %d threads, %.2f ms/step", n, 1e3 * dt / steps)
         if dt < best_t:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["output_layer_grad", "output_layer_step", "predict_scores_topk"]
+__all__ = ["output_layer_grad", "output_layer_step", "predict_scores_topk", "sample_candidates",
+           "sampled_output_grad"]
 
 _F32 = np.float32
 
@@ -165,3 +166,104 @@ def predict_scores_topk(backend, H, W2, b2, k: int, *, label_chunk: int | None =
             be.topk_merge(idx, val, ic, vc, i2, v2)
             idx, val = i2, v2
     return idx, val
+
+
+def sample_candidates(y_indices, n_labels: int, negatives: int, rng) -> tuple:
+    """The candidate labels of a sampled step: the batch's positives plus ``negatives`` others.
+
+    The negatives are a uniform random subset of the labels that no row of the batch has (the
+    first distinct ones of a stream of uniform draws, so no ``O(n_labels)`` work). Each row's
+    softmax then runs over its own positives, the other rows' positives ("in-batch" negatives,
+    present with probability 1 given the batch) and the sampled ones.
+
+    Correction (sampled softmax, Jean et al. 2015 §3; Bengio & Senecal 2008): the partition sum
+    over all labels is estimated by weighting each sampled negative with the inverse of its
+    inclusion probability, ``(n_labels - n_pos) / n_neg`` with ``n_pos`` the batch's distinct
+    positives and ``n_neg`` the negatives drawn; the batch's positives get weight 1. The weight
+    enters as ``log_weight`` added to the logits of the negatives; for this uniform rule it is
+    the same for every negative (it is not a constant shift of the whole softmax, because the
+    positives do not get it). When ``negatives`` covers every other label, ``log_weight`` is 0
+    and the step is the exact softmax.
+
+    Parameters
+    ----------
+    y_indices : (n_pos_total,) int array, host
+        Label ids of the batch rows (CSR ``indices``; unique within a row).
+    n_labels, negatives : int
+    rng : numpy.random.Generator
+
+    Returns
+    -------
+    cols : (m,) int64, host
+        The batch's distinct positives (sorted), then the negatives.
+    local_y : (n_pos_total,) int32, host
+        ``y_indices`` renumbered as positions in ``cols``.
+    n_pos : int
+        Distinct positives (the first ``n_pos`` entries of ``cols``).
+    log_weight : float
+        ``log((n_labels - n_pos) / n_neg)`` (0 without negatives).
+    """
+    pos = np.unique(np.asarray(y_indices, dtype=np.int64))
+    local_y = np.searchsorted(pos, y_indices).astype(np.int32)
+    free = n_labels - len(pos)
+    k = min(int(negatives), free)
+    if k <= 0:
+        return pos, local_y, len(pos), 0.0
+    if k == free:
+        neg = np.setdiff1d(np.arange(n_labels, dtype=np.int64), pos, assume_unique=True)
+    else:
+        neg = np.empty(0, dtype=np.int64)
+        while len(neg) < k:  # one round almost always: 2k + n_pos draws for k distinct
+            draw = rng.integers(0, n_labels, size=2 * k + len(pos))
+            draw = np.concatenate([neg, draw[~np.isin(draw, pos)]])
+            _, first = np.unique(draw, return_index=True)
+            neg = draw[np.sort(first)][:k]
+    log_weight = float(np.log(free / len(neg)))
+    return np.concatenate([pos, neg]), local_y, len(pos), log_weight
+
+
+def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float, y_indptr,
+                        local_y) -> tuple:
+    """Loss and gradients of the output layer on the candidate labels ``cols`` only.
+
+    ``W2s, b2s = W2[:, cols], b2[cols]`` (gathered, :mod:`xmc_engine.kernels.sampled_output`);
+    ``Zs = H @ W2s + b2s`` plus ``log_weight`` on the negatives (``cols[n_pos:]``,
+    :func:`sample_candidates`); ``dZs = (softmax(Zs) - y/|y|) / B``. Three GEMMs of
+    ``B x n_hidden x m`` instead of ``B x n_hidden x n_labels``.
+
+    Parameters
+    ----------
+    backend, H, W2, b2 : as in :func:`output_layer_grad` (``W2``, ``b2`` are only read)
+    cols : (m,) int64 on the backend, unique label ids
+    n_pos, log_weight : from :func:`sample_candidates`
+    y_indptr : (B + 1,) int on the backend
+    local_y : (n_pos_total,) int32 on the backend, label positions in ``cols``
+
+    Returns
+    -------
+    (loss_sum, dW2s, db2s, dH) : ``dW2s`` (n_hidden, m) and ``db2s`` (m,) are the gradients of
+        the columns ``cols`` (backend workspaces, valid until the next sampled step);
+        ``dH`` (B, n_hidden) a fresh array. Mean over the ``B`` rows; summed loss.
+    """
+    be = backend
+    B, nh = H.shape
+    m = int(cols.shape[0])
+    W2s = be.workspace("W2s", (nh, m))
+    b2s = be.workspace("b2s", (m,))
+    be.gather_columns(W2, b2, cols, W2s, b2s)
+    if log_weight and m > n_pos:
+        b2s[n_pos:] += _F32(log_weight)
+    dH = be.empty((B, nh))
+    dW2s = be.workspace("dW2s", (nh, m))
+    db2s = be.workspace("db2s", (m,))
+    if B == 0 or m == 0:
+        dH[...] = 0
+        dW2s[...] = 0
+        db2s[...] = 0
+        return 0.0, dW2s, db2s, dH
+    Z = be.workspace("Zs", (B, m))
+    be.matmul(H, W2s, Z)
+    loss = be.softmax_bias(Z, b2s, y_indptr, local_y, 1.0 / B, db2s)
+    be.matmul(Z, W2s.T, dH)
+    be.matmul(H.T, Z, dW2s)
+    return loss, dW2s, db2s, dH

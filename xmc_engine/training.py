@@ -209,7 +209,8 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     replicas = []
     for d in devices:
         be = get_backend(d.kind, d.index, threads=cfg.threads or d.threads)
-        rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer)
+        rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer,
+                         output=cfg.output, negatives=cfg.negatives, seed=cfg.seed + len(replicas))
         if cfg.threads is None and be.name == "cpu" and d.threads > 1:
             rep.calibrate_threads(cfg.batch_size, d.threads)
             if log is not None:

@@ -225,6 +225,21 @@ class Backend(SchedulerBackend, Protocol):
     def predict_scores_topk(self, H, W2, b2, k: int, *, label_chunk: int | None = None) -> tuple:
         """:func:`xmc_engine.output_layer.predict_scores_topk` on this backend."""
 
+    # -- sampled output layer (:mod:`xmc_engine.kernels.sampled_output`) ------------------------
+    def gather_columns(self, W2, b2, cols, W2s, b2s) -> None:
+        """``W2s[...] = W2[:, cols]``; ``b2s[...] = b2[cols]`` (``cols`` int64, unique)."""
+
+    def scatter_add_columns(self, W2, b2, cols, dW2s, db2s, alpha: float) -> None:
+        """``W2[:, cols] += alpha dW2s``; ``b2[cols] += alpha db2s``."""
+
+    def adagrad_columns(self, W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr: float,
+                        eps: float) -> None:
+        """:meth:`adagrad_dense` on the columns ``cols`` of ``W2`` and entries of ``b2`` only."""
+
+    def sampled_output_grad(self, H, W2, b2, cols, n_pos: int, log_weight: float, y_indptr,
+                            local_y) -> tuple:
+        """:func:`xmc_engine.output_layer.sampled_output_grad` on this backend."""
+
     # -- optimiser -----------------------------------------------------------------------------
     def adagrad_dense(self, w, g, acc, lr: float, eps: float) -> None:
         """``acc += g^2; w -= lr g / (sqrt(acc) + eps)``."""

@@ -22,6 +22,7 @@ from xmc_engine.kernels import (
     adagrad,
     merge,
     output_layer,
+    sampled_output,
     sparse_backward,
     sparse_forward,
     topk,
@@ -286,6 +287,18 @@ class CPUBackend:
                                                    dH_out=dH_out, dW2_out=dW2_out,
                                                    db2_out=db2_out, label_chunk=label_chunk)
 
+    def sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight, y_indptr, local_y):
+        return host_output_layer.sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight,
+                                                     y_indptr, local_y)
+
+    @staticmethod
+    def gather_columns(W2, b2, cols, W2s, b2s):
+        sampled_output.gather_columns_cpu(W2, b2, cols, W2s, b2s)
+
+    @staticmethod
+    def scatter_add_columns(W2, b2, cols, dW2s, db2s, alpha):
+        sampled_output.scatter_add_columns_cpu(W2, b2, cols, dW2s, db2s, alpha)
+
     def predict_scores_topk(self, H, W2, b2, k, *, label_chunk=None):
         return host_output_layer.predict_scores_topk(self, H, W2, b2, k, label_chunk=label_chunk)
 
@@ -364,3 +377,7 @@ class CPUBackend:
     @staticmethod
     def adagrad_rows(W, rows, grad_rows, acc_W, lr, eps):
         adagrad.adagrad_rows_cpu(W, rows, grad_rows, acc_W, lr, eps)
+
+    @staticmethod
+    def adagrad_columns(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
+        sampled_output.adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)

@@ -36,6 +36,7 @@ from xmc_engine.kernels import (
     adagrad,
     merge,
     output_layer,
+    sampled_output,
     sparse_backward,
     sparse_forward,
     topk,
@@ -492,6 +493,20 @@ class CUDABackend:
                                                        dH_out=dH_out, dW2_out=dW2_out,
                                                        db2_out=db2_out, label_chunk=label_chunk)
 
+    def sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight, y_indptr, local_y):
+        with self.activate():
+            return host_output_layer.sampled_output_grad(self, H, W2, b2, cols, n_pos,
+                                                         log_weight, y_indptr, local_y)
+
+    def gather_columns(self, W2, b2, cols, W2s, b2s):
+        with self.activate():
+            self._launch(sampled_output.gather_columns_launch, W2, b2, cols, W2s, b2s)
+
+    def scatter_add_columns(self, W2, b2, cols, dW2s, db2s, alpha):
+        with self.activate():
+            self._launch(sampled_output.scatter_add_columns_launch, W2, b2, cols, dW2s, db2s,
+                         alpha)
+
     def predict_scores_topk(self, H, W2, b2, k, *, label_chunk=None):
         with self.activate():
             return host_output_layer.predict_scores_topk(self, H, W2, b2, k,
@@ -559,3 +574,8 @@ class CUDABackend:
     def adagrad_rows(self, W, rows, grad_rows, acc_W, lr, eps):
         with self.activate():
             self._launch(adagrad.adagrad_rows_launch, W, rows, grad_rows, acc_W, lr, eps)
+
+    def adagrad_columns(self, W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
+        with self.activate():
+            self._launch(sampled_output.adagrad_columns_launch, W2, b2, acc_W2, acc_b2, cols,
+                         dW2s, db2s, lr, eps)

@@ -23,7 +23,7 @@ def register(sub) -> None:
                    help="a file, a dataset folder or a registered name (e.g. "
                    "synthetic-amazon670k: planned from its shape, nothing is generated)")
     add_config_arguments(p, ("hidden", "batch_size", "label_chunk", "devices", "algorithm",
-                             "eval_every"), "b_max=512")
+                             "eval_every", "optimizer", "output", "negatives"), "b_max=512")
     p.add_argument("--config", type=user_path, default=None,
                    help="read the config from this JSON file")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",

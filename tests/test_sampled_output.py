@@ -1,0 +1,323 @@
+"""The sampled output layer: its kernels against kernels/reference.py (CPU here, CUDA under the
+simulator), the candidate sampler, the step against the exact softmax, and training with it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from xmc_engine.kernels import _cuda, reference
+from xmc_engine.kernels import sampled_output as so
+
+from tests.test_estimator import tiny_data
+from xmc_engine import XMCClassifier
+from xmc_engine.backends import cuda_available
+from xmc_engine.backends.cpu import CPUBackend
+from xmc_engine.config import ALGORITHMS, TrainConfig
+from xmc_engine.errors import ConfigError
+from xmc_engine.model import MLPReplica, ModelShape, init_params
+from xmc_engine.output_layer import sample_candidates
+
+F32 = np.float32
+# (n_hidden, n_labels, m): m = 0, one column, and sizes that are not multiples of a block
+SHAPES = [(5, 9, 0), (3, 7, 1), (33, 70, 37), (8, 300, 257)]
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+def _case(rng, nh, L, m):
+    W2 = rng.standard_normal((nh, L)).astype(F32)
+    b2 = rng.standard_normal(L).astype(F32)
+    cols = rng.choice(L, size=m, replace=False).astype(np.int64)
+    dW2s = rng.standard_normal((nh, m)).astype(F32)
+    db2s = rng.standard_normal(m).astype(F32)
+    return W2, b2, cols, dW2s, db2s
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cpu_kernels_match_reference(rng, shape):
+    W2, b2, cols, dW2s, db2s = _case(rng, *shape)
+    nh, _, m = shape
+    W2s, b2s = np.full((nh, m), np.nan, F32), np.full(m, np.nan, F32)
+    so.gather_columns_cpu(W2, b2, cols, W2s, b2s)
+    ref_W, ref_b = reference.gather_columns(W2, b2, cols)
+    np.testing.assert_array_equal(W2s, ref_W)
+    np.testing.assert_array_equal(b2s, ref_b)
+
+    W, b = W2.copy(), b2.copy()
+    so.scatter_add_columns_cpu(W, b, cols, dW2s, db2s, -0.3)
+    ref_W, ref_b = reference.scatter_add_columns(W2, b2, cols, dW2s, db2s, F32(-0.3))
+    np.testing.assert_allclose(W, ref_W, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(b, ref_b, rtol=1e-6, atol=1e-6)
+
+    aW, ab = rng.random(W2.shape).astype(F32), rng.random(b2.shape).astype(F32)
+    W, b, aW1, ab1 = W2.copy(), b2.copy(), aW.copy(), ab.copy()
+    so.adagrad_columns_cpu(W, b, aW1, ab1, cols, dW2s, db2s, 0.1, 1e-10)
+    refs = reference.adagrad_columns(W2, b2, aW, ab, cols, dW2s, db2s, 0.1, 1e-10)
+    for got, want in zip((W, b, aW1, ab1), refs, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _labels(rng, B, L, empty_every=3):
+    """Label CSR (indptr, indices int32) with rows 1, 1 + empty_every, ... without labels."""
+    rows = [np.sort(rng.choice(L, size=0 if i % empty_every == 1 else
+                               int(rng.integers(1, min(4, L) + 1)), replace=False))
+            for i in range(B)]
+    indptr = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    return indptr, np.concatenate([np.empty(0, np.int64), *rows]).astype(np.int32)
+
+
+@pytest.mark.parametrize("negatives", [0, 5, 40, 10**6])
+def test_sample_candidates(rng, negatives):
+    L = 60
+    _, y = _labels(rng, 9, L)
+    cols, local_y, n_pos, log_weight = sample_candidates(y, L, negatives, rng)
+    pos = np.unique(y)
+    assert n_pos == len(pos) and np.array_equal(cols[:n_pos], pos)
+    assert len(np.unique(cols)) == len(cols) and cols.dtype == np.int64
+    assert np.array_equal(cols[local_y], y) and local_y.dtype == np.int32
+    neg = cols[n_pos:]
+    assert not np.isin(neg, pos).any()
+    assert len(neg) == min(negatives, L - n_pos)
+    expect = np.log((L - n_pos) / len(neg)) if len(neg) else 0.0
+    assert log_weight == pytest.approx(expect)
+    if negatives >= L:  # every label: the exact softmax
+        assert sorted(cols) == list(range(L)) and log_weight == 0.0
+
+
+def test_sampled_negatives_are_uniform():
+    rng = np.random.default_rng(0)
+    y = np.array([3, 7], dtype=np.int32)
+    counts = np.zeros(50)
+    for _ in range(2000):
+        cols, *_ = sample_candidates(y, 50, 6, rng)
+        counts[cols[2:]] += 1
+    assert counts[[3, 7]].sum() == 0
+    free = np.delete(counts, [3, 7])
+    expected = 2000 * 6 / 48
+    assert np.abs(free - expected).max() < 0.25 * expected, free
+
+
+@pytest.mark.parametrize("B", [0, 1, 7])
+def test_sampled_output_grad_matches_reference(rng, B):
+    nh, L = 6, 40
+    be = CPUBackend(threads=1)
+    H = np.maximum(rng.standard_normal((B, nh)), 0).astype(F32)
+    W2, b2 = rng.standard_normal((nh, L)).astype(F32), rng.standard_normal(L).astype(F32)
+    y_indptr, y = _labels(rng, B, L)
+    cols, local_y, n_pos, log_weight = sample_candidates(y, L, 11, rng)
+    loss, dW2s, db2s, dH = be.sampled_output_grad(H, W2, b2, cols, n_pos, log_weight, y_indptr,
+                                                  local_y)
+    offs = np.where(np.arange(len(cols)) >= n_pos, log_weight, 0.0)
+    r_loss, r_dW2, r_db2, r_dH = reference.sampled_output_grad(
+        H.astype(np.float64), W2.astype(np.float64), b2.astype(np.float64), y_indptr, y, cols,
+        offs)
+    assert loss == pytest.approx(r_loss, rel=1e-5, abs=1e-5)
+    np.testing.assert_allclose(dW2s, r_dW2[:, cols], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(db2s, r_db2[cols], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dH, r_dH, rtol=1e-4, atol=1e-6)
+
+
+def _replicas(optimizer, L=25, **kw):
+    X, Y = tiny_data(n=200, n_labels=L)
+    params = init_params(ModelShape(X.shape[1], L, (16,)), seed=1)
+    exact = MLPReplica(CPUBackend(threads=1), X, Y, params, optimizer=optimizer)
+    sampled = MLPReplica(CPUBackend(threads=1), X, Y, params, optimizer=optimizer,
+                         output="sampled", **kw)
+    return exact, sampled
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_sampled_step_with_every_label_is_the_exact_step(optimizer):
+    exact, sampled = _replicas(optimizer, negatives=10**6)
+    for start in range(0, 96, 32):
+        rows = np.arange(start, start + 32)
+        assert sampled.train_batch(rows, 0.3) == pytest.approx(exact.train_batch(rows, 0.3),
+                                                                rel=1e-5)
+    for a, b in zip(exact.params(), sampled.params(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    for a, b in zip(exact.optimizer_state(), sampled.optimizer_state(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_sampled_step_touches_only_the_candidate_columns(optimizer):
+    _, rep = _replicas(optimizer, L=200, negatives=3)
+    rows = np.arange(0, 4)
+    before = [np.array(p) for p in rep.params()]
+    rep.train_batch(rows, 0.5)
+    batch_labels = np.unique(rep.Y[rows].indices)
+    moved = np.flatnonzero((rep.params()[-2] != before[-2]).any(axis=0))
+    assert set(batch_labels) <= set(moved) and len(moved) <= len(batch_labels) + 3
+    assert np.array_equal(np.flatnonzero(rep.params()[-1] != before[-1]), moved)
+
+
+def test_sampled_grad_batch_is_dense_and_zero_off_the_candidates():
+    _, rep = _replicas("sgd", L=200, negatives=5)
+    rows = np.arange(10, 18)
+    loss, grads = rep.grad_batch(rows)
+    dW2, db2 = grads[-2], grads[-1]
+    assert dW2.shape == rep.params()[-2].shape and db2.shape == rep.params()[-1].shape
+    nz = np.flatnonzero(db2)
+    assert set(np.unique(rep.Y[rows].indices)) <= set(nz) and len(nz) <= 8 * 3 + 5
+    assert not dW2[:, np.setdiff1d(np.arange(200), nz)].any()
+    assert loss > 0
+
+
+def test_config_output_and_negatives():
+    cfg = TrainConfig(output="sampled", negatives=64)
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    assert TrainConfig().output == "exact"
+    with pytest.raises(ConfigError, match="output='softmax'.*exact, sampled"):
+        TrainConfig(output="softmax")
+    with pytest.raises(ConfigError, match="negatives=-1"):
+        TrainConfig(negatives=-1)
+    X, Y = tiny_data(n=20)
+    params = init_params(ModelShape(X.shape[1], Y.shape[1], (4,)))
+    with pytest.raises(ValueError, match="output='fast'"):
+        MLPReplica(CPUBackend(threads=1), X, Y, params, output="fast")
+    with pytest.raises(ValueError, match="negatives=-2"):
+        MLPReplica(CPUBackend(threads=1), X, Y, params, output="sampled", negatives=-2)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    X, Y = tiny_data(n=600, n_labels=60)
+    return X[:500], Y[:500], X[500:], Y[500:]
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_every_algorithm_trains_with_the_sampled_layer(toy, algorithm):
+    Xtr, Ytr, Xte, Yte = toy
+    devices = "cpu" if algorithm == "single" else "cpu,cpu"
+    m = XMCClassifier(hidden=32, epochs=6, batch_size=32, lr=0.5, output="sampled",
+                      negatives=8, devices=devices, algorithm=algorithm, threads=1,
+                      eval_every=0, seed=0, optimizer="sgd")
+    m.fit(Xtr, Ytr, eval_set=(Xte, Yte))
+    popular = int(np.asarray(Ytr.sum(0)).argmax())
+    assert m.metrics_["P@1"] > float(Yte[:, popular].mean()) + 0.1, m.metrics_
+
+
+def test_sampled_model_saves_and_resumes(toy, tmp_path):
+    Xtr, Ytr, Xte, _ = toy
+    kw = dict(hidden=16, epochs=2, batch_size=32, lr=0.05, output="sampled", negatives=8,
+              optimizer="adagrad", threads=1, eval_every=0)
+    m = XMCClassifier(**kw, log_dir=str(tmp_path / "run"), checkpoint_every=100).fit(Xtr, Ytr)
+    m.save(tmp_path / "model")
+    back = XMCClassifier.load(tmp_path / "model")
+    assert back.get_config().output == "sampled" and back.get_config().negatives == 8
+    np.testing.assert_array_equal(back.predict_topk(Xte, 3)[0], m.predict_topk(Xte, 3)[0])
+    more = XMCClassifier(**{**kw, "epochs": 3}, log_dir=str(tmp_path / "run"),
+                         checkpoint_every=100).fit(Xtr, Ytr, resume=True)
+    assert np.isfinite(more.params_[-2]).all()
+
+
+# -- CUDA kernels (simulator or GPU; tests/test_kernels_cudasim.py runs them in a child) -------
+def _device_arrays():
+    if _cuda.CUDASIM:
+        return _cuda.cuda.to_device, lambda d: d.copy_to_host(), 0
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    nb = _cuda.cuda.external_stream(stream.ptr)
+
+    def to_dev(a):
+        with stream:
+            return _cuda.cuda.as_cuda_array(cupy.asarray(np.ascontiguousarray(a)), sync=False)
+
+    def to_host(d):
+        out = d.copy_to_host(stream=nb)
+        stream.synchronize()  # synchronize!
+        return out
+
+    return to_dev, to_host, nb
+
+
+@pytest.mark.cudasim
+@pytest.mark.skipif(not (_cuda.CUDASIM or cuda_available()),
+                    reason="CUDA kernels need NUMBA_ENABLE_CUDASIM=1 (set before numba is "
+                    "imported) or a usable CUDA device")
+@pytest.mark.parametrize("shape", [(3, 7, 0), (3, 7, 1), (5, 40, 13)])
+def test_cuda_kernels_match_reference(rng, shape):
+    dev, host, stream = _device_arrays()
+    W2, b2, cols, dW2s, db2s = _case(rng, *shape)
+    nh, _, m = shape
+    W2s, b2s = dev(np.zeros((nh, m), F32)), dev(np.zeros(m, F32))
+    so.gather_columns_launch(dev(W2), dev(b2), dev(cols), W2s, b2s, stream)
+    ref_W, ref_b = reference.gather_columns(W2, b2, cols)
+    np.testing.assert_array_equal(host(W2s), ref_W)
+    np.testing.assert_array_equal(host(b2s), ref_b)
+
+    Wd, bd = dev(W2), dev(b2)
+    so.scatter_add_columns_launch(Wd, bd, dev(cols), dev(dW2s), dev(db2s), -0.3, stream)
+    ref_W, ref_b = reference.scatter_add_columns(W2, b2, cols, dW2s, db2s, F32(-0.3))
+    np.testing.assert_allclose(host(Wd), ref_W, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(host(bd), ref_b, rtol=1e-6, atol=1e-6)
+
+    aW, ab = rng.random(W2.shape).astype(F32), rng.random(b2.shape).astype(F32)
+    Wd, bd, aWd, abd = dev(W2), dev(b2), dev(aW), dev(ab)
+    so.adagrad_columns_launch(Wd, bd, aWd, abd, dev(cols), dev(dW2s), dev(db2s), 0.1, 1e-10,
+                              stream)
+    refs = reference.adagrad_columns(W2, b2, aW, ab, cols, dW2s, db2s, 0.1, 1e-10)
+    for got, want in zip((Wd, bd, aWd, abd), refs, strict=True):
+        np.testing.assert_allclose(host(got), want, rtol=1e-5, atol=1e-6)
+
+
+
+def test_memory_plan_knows_the_sampled_mode():
+    from xmc_engine.memory import plan_memory
+
+    shape = dict(n_samples=100_000, n_features=50_000, n_labels=500_000, nnz=5e6,
+                 label_nnz=4e5, budget="1TiB")
+
+    def act(plan):
+        (pool,) = plan.pools
+        return sum(v for k, v in pool.items.items() if k.startswith("activations"))
+
+    exact = plan_memory(TrainConfig(batch_size=256), **shape)
+    sampled = plan_memory(TrainConfig(batch_size=256, output="sampled", negatives=1000),
+                          **shape)
+    m = 256 * 4 + 1000  # b x labels per row + negatives
+    assert act(sampled) == 2 * 256 * 128 * 4 + 256 * m * 4 + 2 * 129 * m * 4
+    assert act(exact) > 100 * act(sampled)
+    assert sampled.settings["output"] == "sampled" and "negatives 1000" in sampled.summary()
+    ada = plan_memory(TrainConfig(output="sampled", optimizer="adagrad"), **shape)
+    P = ada.settings["param_bytes"]
+    assert ada.pools[0].total - plan_memory(TrainConfig(output="sampled", optimizer="sgd"),
+                                            **shape).pools[0].total \
+        == P
+
+
+def test_thread_calibration_of_a_sampled_replica_builds_no_full_logits():
+    _, rep = _replicas("sgd", L=200, negatives=3)
+    before = [np.array(p) for p in rep.params()]
+    assert rep.calibrate_threads(32, 2) in (1, 2)
+    assert "Z" not in rep.backend._ws and "Zs" in rep.backend._ws  # the sampled path only
+    for a, b in zip(before, rep.params(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_sampled_training_on_the_cuda_stand_in_equals_the_cpu(monkeypatch, optimizer):
+    """The CUDA backend's sampled path (over tests/fake_cupy.py: NumPy kernels, a ledger of
+    stream accesses) ends where the CPU backend ends, with no unordered access."""
+    from tests import fake_cupy
+    from xmc_engine.backends.cuda import CUDABackend
+
+    ledger = fake_cupy.install(monkeypatch, n_devices=1)
+    X, Y = tiny_data(n=96, n_labels=40)
+    params = init_params(ModelShape(X.shape[1], Y.shape[1], (16, 8)), seed=3)
+    reps = [MLPReplica(be, X, Y, params, optimizer=optimizer, output="sampled", negatives=6,
+                       seed=5)
+            for be in (CPUBackend(threads=1), CUDABackend(0, launch=fake_cupy.launch))]
+    for start in range(0, 96, 16):
+        losses = [r.train_batch(np.arange(start, start + 16), 0.5) for r in reps]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    g = [r.grad_batch(np.arange(16)) for r in reps]
+    assert g[1][0] == pytest.approx(g[0][0], rel=1e-4)
+    np.testing.assert_allclose(reps[1].backend.to_host(g[1][1][-2]), g[0][1][-2], atol=1e-6)
+    for a, b in zip(reps[0].params(), reps[1].params(), strict=True):
+        np.testing.assert_allclose(reps[1].backend.to_host(b), a, rtol=2e-4, atol=2e-5)
+    assert ledger.hazards == [] and ledger.null_stream_ops == []
