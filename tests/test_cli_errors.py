@@ -24,7 +24,8 @@ from xmc_engine.cli import main
 from xmc_engine.runlock import LOCK_NAME, RunLock
 from xmc_engine.runlog import read_log
 
-TRAIN = ("--hidden", 16, "--epochs", 2, "--batch-size", 32, "--lr", 0.5, "--eval-every", 0)
+TRAIN = ("--hidden", 16, "--epochs", 2, "--batch-size", 32, "--optimizer", "sgd", "--lr", 0.5,
+         "--eval-every", 0)
 
 
 def cli(capsys, *argv):

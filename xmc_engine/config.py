@@ -9,8 +9,8 @@ network, the batch size ``B``, the learning-rate schedule, the devices, evaluati
 ``xmc-engine train --print-config`` prints the whole tree. Measured reasons for the defaults are
 in ``bench/RESULTS.md``.
 
-This module imports nothing else from the engine but :mod:`xmc_engine.errors`, so every layer
-can read it.
+This module imports nothing from the engine but :mod:`xmc_engine.errors` and the fault-spec
+parser of :mod:`xmc_engine.faults` (itself a leaf), so every layer can read it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from xmc_engine.errors import ConfigError
+from xmc_engine.faults import parse_faults
 
 __all__ = [
     "ALGORITHMS",
@@ -172,6 +173,8 @@ class AlgorithmConfig(ConfigMixin):
     def __post_init__(self):
         if self.rejoin_after is not None and self.rejoin_after < 0:
             raise ConfigError(f"rejoin_after must be >= 0 or None, got {self.rejoin_after}")
+        if self.fault is not None:
+            parse_faults(self.fault, source="fault")  # ConfigError naming the bad entry
 
 
 @dataclass
