@@ -188,9 +188,9 @@ def test_train_config_types_and_nested_options():
     assert cfg.algorithm_params.merge_period == 2048
     back = TrainConfig.from_json(cfg.to_json())
     assert back == cfg and back.to_dict()["algorithm_params"]["merge_period"] == 2048
-    with pytest.raises(ConfigError, match="TrainConfig.lr must be float"):
+    with pytest.raises(ConfigError, match="TrainConfig.lr must be a finite float"):
         TrainConfig.from_dict({"lr": "fast"})
-    with pytest.raises(ConfigError, match="algorithm_params.*momentum must be float"):
+    with pytest.raises(ConfigError, match="algorithm_params.*momentum must be a finite float"):
         TrainConfig.from_dict({"algorithm": "adaptive", "algorithm_params": {"momentum": "x"}})
     with pytest.raises(ConfigError, match="label_chunk"):
         TrainConfig(label_chunk=0)
