@@ -61,6 +61,7 @@ _TAG_ERROR = 7102
 EXIT_FAILED = 1   # a rank failed (exception): status of the job
 EXIT_TIMEOUT = 3  # a collective missed its deadline
 FAULT_MODES = ("raise", "hang", "exit")
+ABORT_GRACE_S = 0.5  # seconds between the last message and MPI_Abort
 
 
 def periods_per_epoch(n_samples: int, merge_period: int, min_rows: int | None = None) -> int:
@@ -278,6 +279,10 @@ class MPIComm(NodeComm):
     def _abort(self, message: str, code: int) -> NoReturn:
         print(f"xmc-engine: error: {message}", file=sys.stderr, flush=True)
         logger.error("%s", message)
+        # MPI_Abort kills every rank at once, and the launcher may drop what the ranks wrote
+        # to stderr but it has not forwarded yet (seen: both ranks' messages lost): give it a
+        # moment to forward them, so that the user learns which rank failed and why.
+        time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
         os._exit(code)  # not reached
 
