@@ -141,13 +141,23 @@ COMPILE_NOTICE_S = 2.0
 COMPILE_WIDTH = 8
 
 
+def make_replica(cfg: TrainConfig, device, X, Y, params, index: int) -> MLPReplica:
+    """The replica of ``cfg`` on ``device`` (a DeviceSpec), the ``index``-th of the run, from the
+    host arrays ``params``: its backend, optimizer, output layer and negative-sampling seed."""
+    from xmc_engine.backends import get_backend
+
+    be = get_backend(device.kind, device.index, threads=cfg.threads or device.threads)
+    return MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer,
+                      output=cfg.output, negatives=cfg.negatives, seed=cfg.seed + index)
+
+
 def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
     """Compile the run's Numba kernels, or load them from Numba's on-disk cache, before the
     training clock starts, so that ``train_time`` and the first epoch hold no compilation.
 
     One throwaway replica per device, of the run's depth but with at most
     :data:`COMPILE_WIDTH` units per hidden layer (memory ``O(n_features + n_labels)``), with
-    ``cfg``'s optimizer and label chunk, takes one step and one gradient on the first rows of
+    ``cfg``'s optimizer, output layer (exact or sampled) and label chunk, takes one step and one gradient on the first rows of
     ``X`` at learning rate 0; the first device predicts their top-k, and several devices merge
     the throwaway replicas (weighted and row-sparse). Numba compiles per argument type (dtype,
     dimensions, layout), not size, so the run's own calls find every kernel compiled; the run's
@@ -156,7 +166,6 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
 
     Returns the seconds spent, also written to ``log`` as a ``compile`` record.
     """
-    from xmc_engine.backends import get_backend
     from xmc_engine.scheduler.merge import merge_changed_rows, weighted_merge
 
     t0 = time.perf_counter()
@@ -170,9 +179,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
         params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed)
         replicas = []
         for d in devices:
-            be = get_backend(d.kind, d.index, threads=cfg.threads or d.threads)
-            rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk,
-                             optimizer=cfg.optimizer)
+            rep = make_replica(cfg, d, X, Y, params, len(replicas))
             rep.train_batch(rows, 0.0)
             rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
             replicas.append(rep)
@@ -202,15 +209,13 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     :class:`~xmc_engine.runlog.RunLog` or ``None``) receives its records; ``comm`` and
     ``assignment`` make it one node of a multi-node run."""
     from xmc_engine.algorithms import get_algorithm
-    from xmc_engine.backends import get_backend
     from xmc_engine.scheduler import Schedule, Trainer
 
     opts = cfg.algorithm_params
     replicas = []
     for d in devices:
-        be = get_backend(d.kind, d.index, threads=cfg.threads or d.threads)
-        rep = MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer,
-                         output=cfg.output, negatives=cfg.negatives, seed=cfg.seed + len(replicas))
+        rep = make_replica(cfg, d, X, Y, params, len(replicas))
+        be = rep.backend
         if cfg.threads is None and be.name == "cpu" and d.threads > 1:
             rep.calibrate_threads(cfg.batch_size, d.threads)
             if log is not None:
