@@ -159,9 +159,9 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
     :data:`COMPILE_WIDTH` units per hidden layer (memory ``O(n_features + n_labels)``), built
     like the run's (:func:`make_replica`: optimizer, output layer, label chunk), takes one step
     and one gradient on the first rows of ``X`` at learning rate 0; the first device predicts
-    their top-k, and several devices merge the throwaway replicas (weighted and row-sparse). Numba compiles per argument type (dtype,
-    dimensions, layout), not size, so the run's own calls find every kernel compiled; the run's
-    model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
+    their top-k, and several devices merge the throwaway replicas (weighted and row-sparse).
+    Numba compiles per argument type (dtype, dimensions, layout), not size, so the run's own calls
+    find every kernel compiled; the run's model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
     what is happening (the first run after an install compiles, later runs load the cache).
 
     Returns the seconds spent, also written to ``log`` as a ``compile`` record.
