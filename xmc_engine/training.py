@@ -155,13 +155,13 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
     """Compile the run's Numba kernels, or load them from Numba's on-disk cache, before the
     training clock starts, so that ``train_time`` and the first epoch hold no compilation.
 
-    One throwaway replica per device, of the run's depth but with at most
-    :data:`COMPILE_WIDTH` units per hidden layer (memory ``O(n_features + n_labels)``), built
-    like the run's (:func:`make_replica`: optimizer, output layer, label chunk), takes one step
-    and one gradient on the first rows of ``X`` at learning rate 0; the first device predicts
-    their top-k, and several devices merge the throwaway replicas (weighted and row-sparse).
-    Numba compiles per argument type (dtype, dimensions, layout), not size, so the run's own calls
-    find every kernel compiled; the run's model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
+    One throwaway replica per device, of the run's depth but with at most :data:`COMPILE_WIDTH`
+    units per hidden layer (memory ``O(n_features + n_labels)``), built like the run's
+    (:func:`make_replica`: optimizer, output layer, label chunk), takes one step and one gradient on
+    the first rows of ``X`` at learning rate 0; the first device predicts their top-k, and several
+    devices merge the throwaway replicas (weighted and row-sparse). Numba compiles per argument type
+    (dtype, dimensions, layout), not size, so the run's own calls find every kernel compiled; the
+    run's model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
     what is happening (the first run after an install compiles, later runs load the cache).
 
     Returns the seconds spent, also written to ``log`` as a ``compile`` record.
