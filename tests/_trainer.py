@@ -19,3 +19,13 @@ def make_trainer(replicas, devices, algorithm, n_samples, *, lr=0.1, batch_size=
     policy = algorithm if not isinstance(algorithm, str) else get_algorithm(algorithm, **kw)
     return Trainer(replicas, devices, policy, n_samples, batch_size=batch_size,
                    schedule=Schedule(lr, warmup_epochs, lr_decay), **trainer_kw)
+
+
+class ListLog:
+    """A run log that keeps its records in memory: ``records`` = ``[(event, fields), ...]``."""
+
+    def __init__(self):
+        self.records = []
+
+    def write(self, event, **fields):
+        self.records.append((event, fields))

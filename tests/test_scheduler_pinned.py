@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from tests._trainer import make_trainer
+from tests._trainer import ListLog, make_trainer
 from xmc_engine.algorithms import ModelAveraging
 from xmc_engine.backends import get_backend
 from xmc_engine.devices import parse_devices
@@ -240,14 +240,6 @@ def test_a_timed_out_trainer_refuses_further_epochs():
             tr.run_epoch(0)
 
 
-class _ListLog:
-    def __init__(self):
-        self.records = []
-
-    def write(self, event, **fields):
-        self.records.append((event, fields))
-
-
 def test_a_failed_device_is_dropped_and_rejoins_from_the_merged_model():
     """Elastic training: the rows of a device that fails go back to the queue and its work of
     that period is discarded (no loss, no busy time in the merge record); with
@@ -256,7 +248,7 @@ def test_a_failed_device_is_dropped_and_rejoins_from_the_merged_model():
     n = 64
     reps = [FakeReplica(n, sleep=False, seed=0),
             FakeReplica(n, sleep=False, seed=0, fail_at_step=1)]
-    log = _ListLog()
+    log = ListLog()
     tr = make_trainer(reps, None, "adaptive", n, batch_size=8, b_min=8, merge_period=32,
                       delta_b=8, mode="simulated", rejoin_after=0, log=log)
     out = tr.run_epoch(0)

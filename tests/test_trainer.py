@@ -8,21 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from tests._trainer import make_trainer
+from tests._trainer import ListLog, make_trainer
 from tests.test_estimator import tiny_data
 from xmc_engine.backends import get_backend
 from xmc_engine.devices import parse_devices
 from xmc_engine.model import MLPReplica, ModelShape, init_params
 from xmc_engine.scheduler import FakeReplica, Schedule
 from xmc_engine.training import checkpoint_extra, host_params, restore_trainer
-
-
-class ListLog:
-    def __init__(self):
-        self.records = []
-
-    def write(self, event, **fields):
-        self.records.append((event, fields))
 
 
 def test_each_device_steps_with_the_schedule_times_its_batch_share():
