@@ -17,6 +17,24 @@ from contextlib import nullcontext
 
 from xmc_engine import _env
 
+
+def _numpy_compat() -> None:
+    """numba-cuda 0.30.4 registers an overload of ``np.row_stack`` when it compiles its first
+    kernel; NumPy 2.5 removed that alias of ``vstack``, and every CUDA kernel then fails to
+    compile with ``AttributeError: module 'numpy' has no attribute 'row_stack'`` (seen on the
+    GPU machine: numpy 2.5.2, numba-cuda 0.30.4). Give NumPy back a function of that name (a
+    distinct one: numba-cuda overloads ``vstack`` itself as well)."""
+    import numpy as np
+
+    if not hasattr(np, "row_stack"):
+        def row_stack(tup, *, dtype=None, casting="same_kind"):
+            return np.vstack(tup, dtype=dtype, casting=casting)
+
+        np.row_stack = row_stack
+
+
+_numpy_compat()
+
 try:  # numba-cuda is an optional extra ('gpu'/'dev'); kernels only need it when launched
     from numba import cuda
 
@@ -24,6 +42,25 @@ try:  # numba-cuda is an optional extra ('gpu'/'dev'); kernels only need it when
 except Exception:  # noqa: BLE001 - any import failure means "no numba.cuda"
     cuda = None
     HAVE_NUMBA_CUDA = False
+
+
+def _quiet_small_grids() -> None:
+    """Silence numba-cuda's "Grid size N will likely result in GPU under-utilization" warning
+    (one per launch of fewer than 128 blocks) unless ``NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS`` is
+    set: the engine launches small grids on purpose for small arrays (a merge of a 64-wide
+    hidden layer, a batch's few rows), and the first H200 run's log held thousands of them."""
+    import os
+
+    if cuda is None or "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" in os.environ:
+        return
+    try:
+        from numba.cuda.core import config
+    except ImportError:  # another numba-cuda layout: keep its default
+        return
+    config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+
+
+_quiet_small_grids()
 
 CUDASIM = _env.cudasim()
 _SIM_LOCK = threading.Lock()

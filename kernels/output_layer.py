@@ -26,8 +26,19 @@ Versions
                          int32 -> float32 bitcast intrinsic; rel. error < 1e-6 - numba has no
                          SVML here and libm's scalar expf costs ~9 ns/element), normalise +
                          per-thread column sums (for db2).
-``softmax_xent_kernel``  @cuda.jit, one block per row, shared-memory tree reductions (no warp
-                         intrinsics, so it runs in the simulator).
+``softmax_xent_launch``  @cuda.jit, tiled over rows x label segments so that every SM is busy at
+                         any batch size: (1) ``softmax_seg_stats_kernel``, one block per (label
+                         segment of ``SOFTMAX_SEG`` labels, row): online max and sum of exp;
+                         (2) ``softmax_row_finish_kernel``, one thread per row: merges its
+                         segments into the log-sum-exp and the loss; (3)
+                         ``softmax_grad_colsum_kernel``, one thread per label over a group of
+                         ``SOFTMAX_GRAD_ROWS`` rows (coalesced): dZ in place and its column sum
+                         (db2, one atomic per label and row group); (4)
+                         ``softmax_positives_kernel``: ``- y/|y|`` on the true labels. Z is read
+                         twice and written once. Shared-memory tree reductions, no warp
+                         intrinsics, so it runs in the simulator.
+``softmax_rowblock_launch``  the previous design (one block per row, three sweeps, and a separate
+                         column-sum pass), kept for ``bench/gpu_check.py``'s comparison.
 ``softmax_chunk_stats_*`` / ``softmax_chunk_grad_*``  the two passes of the label-chunked path.
 CPU helpers of the host-level output layer: ``sum_parts_cpu`` (per-thread column sums -> db2),
 ``axpy_serial_cpu`` / ``axpy_parallel_cpu``, ``add_bias_cpu``. The host-level step (GEMMs, label
@@ -45,7 +56,7 @@ from numba import float32 as nb_float32
 from numba import int32 as nb_int32
 from numba import njit, prange
 from numba.extending import intrinsic
-from xmc_engine.kernels._cuda import TPB, cuda, cuda_kernel, launch, rows_grid
+from xmc_engine.kernels._cuda import CUDASIM, MAX_BLOCKS, TPB, cuda, cuda_kernel, launch, rows_grid
 
 _LOG2E = np.float32(1.4426950408889634)
 _LN2 = 0.6931471805599453
@@ -61,6 +72,11 @@ _F0 = np.float32(0.0)
 #: with fastmath, which assumes finite values; -1e30 * log2(e) is still a finite float32)
 RUNNING_MAX_START = np.float32(-1.0e30)
 _SH = 256  # shared-memory reduction buffer (>= any block size used)
+_NEG_INF = np.float32(-np.inf)
+#: labels per block of the tiled softmax's statistics pass (16 per thread at 256 threads)
+SOFTMAX_SEG = 64 if CUDASIM else 4096
+#: rows per block of the tiled softmax's gradient pass (one column-sum atomic per label per group)
+SOFTMAX_GRAD_ROWS = 4 if CUDASIM else 32
 
 
 # ----------------------------------------------------------------------------------------- CPU
@@ -319,8 +335,8 @@ def add_bias_cpu(Z, b):
 
 # ----------------------------------------------------------------------------------------- GPU
 @cuda_kernel
-def softmax_xent_kernel(Z, bias, use_bias, y_indptr, y_indices, scale, loss_rows):
-    """One block per row (grid-stride); block size a power of two <= _SH."""
+def softmax_rowblock_kernel(Z, bias, use_bias, y_indptr, y_indices, scale, loss_rows):
+    """The previous softmax: one block per row (grid-stride); block size a power of two <= _SH."""
     sh = cuda.shared.array(_SH, nb_float32)
     B, L = Z.shape
     t = cuda.threadIdx.x
@@ -373,6 +389,130 @@ def softmax_xent_kernel(Z, bias, use_bias, y_indptr, y_indices, scale, loss_rows
             for p in range(p0 + t, p1, nt):
                 Z[i, y_indices[p]] -= g
         cuda.syncthreads()
+
+
+@cuda_kernel
+def softmax_seg_stats_kernel(Z, bias, use_bias, seg, pm, ps):
+    """Pass 1: block (segment g, row i) -> ``pm[i, g]``, ``ps[i, g]``: max and sum of
+    ``exp(z - max)`` over row i's labels ``[g seg, (g + 1) seg)`` (+ bias). Each thread keeps an
+    online (max, sum) pair (one exp per element); the block merges the pairs in shared memory."""
+    shm = cuda.shared.array(_SH, nb_float32)
+    shs = cuda.shared.array(_SH, nb_float32)
+    B, L = Z.shape
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    n_seg = pm.shape[1]
+    for i in range(cuda.blockIdx.y, B, cuda.gridDim.y):
+        for g in range(cuda.blockIdx.x, n_seg, cuda.gridDim.x):
+            m = _NEG_INF
+            s = nb_float32(0.0)
+            for j in range(g * seg + t, min(L, (g + 1) * seg), nt):
+                v = Z[i, j]
+                if use_bias:
+                    v += bias[j]
+                if v > m:  # exp(-inf) is 0 on the first element
+                    s = s * math.exp(m - v) + _ONE
+                    m = v
+                else:
+                    s += math.exp(v - m)
+            shm[t] = m
+            shs[t] = s
+            cuda.syncthreads()
+            st = nt // 2
+            while st > 0:
+                if t < st and shs[t + st] > 0:
+                    m1, s1, m2, s2 = shm[t], shs[t], shm[t + st], shs[t + st]
+                    if s1 == 0:
+                        shm[t] = m2
+                        shs[t] = s2
+                    elif m1 >= m2:
+                        shs[t] = s1 + s2 * math.exp(m2 - m1)
+                    else:
+                        shm[t] = m2
+                        shs[t] = s2 + s1 * math.exp(m1 - m2)
+                cuda.syncthreads()
+                st //= 2
+            if t == 0:
+                pm[i, g] = shm[0]
+                ps[i, g] = shs[0]
+            cuda.syncthreads()
+
+
+@cuda_kernel
+def softmax_row_finish_kernel(Z, bias, use_bias, y_indptr, y_indices, scale, pm, ps, lse, rowc,
+                              loss_rows):
+    """Pass 2, one thread per row: merge the row's segments into ``lse[i]``; the loss
+    ``lse - mean of the true logits`` (0 without labels); ``rowc[i]`` = ``scale``, or 0 for a
+    row without labels (its gradient is zero)."""
+    B = Z.shape[0]
+    for i in range(cuda.grid(1), B, cuda.gridsize(1)):
+        m = _NEG_INF
+        s = nb_float32(0.0)
+        for g in range(pm.shape[1]):
+            m2 = pm[i, g]
+            s2 = ps[i, g]
+            if s2 > 0:
+                if s == 0:
+                    m = m2
+                    s = s2
+                elif m >= m2:
+                    s += s2 * math.exp(m2 - m)
+                else:
+                    s = s2 + s * math.exp(m - m2)
+                    m = m2
+        lse_i = m + math.log(s)
+        lse[i] = lse_i
+        p0 = y_indptr[i]
+        p1 = y_indptr[i + 1]
+        ysum = 0.0
+        for p in range(p0, p1):
+            y = y_indices[p]
+            v = Z[i, y]
+            if use_bias:
+                v += bias[y]
+            ysum += v
+        if p1 > p0:
+            loss_rows[i] = lse_i - ysum / (p1 - p0)
+            rowc[i] = scale
+        else:
+            loss_rows[i] = 0.0
+            rowc[i] = 0.0
+
+
+@cuda_kernel
+def softmax_grad_colsum_kernel(Z, bias, use_bias, lse, rowc, rows_per_block, colsum, want_colsum):
+    """Pass 3: thread = label j, block row = a group of ``rows_per_block`` rows:
+    ``Z[i, j] = rowc[i] exp(Z[i, j] + bias[j] - lse[i])`` (coalesced along j), and the group's
+    sum into ``colsum[j]`` (one atomic)."""
+    B, L = Z.shape
+    for j in range(cuda.grid(1), L, cuda.gridsize(1)):
+        bj = bias[j] if use_bias else nb_float32(0.0)
+        for r0 in range(cuda.blockIdx.y * rows_per_block, B, cuda.gridDim.y * rows_per_block):
+            acc = nb_float32(0.0)
+            for i in range(r0, min(r0 + rows_per_block, B)):
+                c = rowc[i]
+                v = c * math.exp(Z[i, j] + bj - lse[i]) if c != 0 else nb_float32(0.0)
+                Z[i, j] = v
+                acc += v
+            if want_colsum:
+                cuda.atomic.add(colsum, j, acc)
+
+
+@cuda_kernel
+def softmax_positives_kernel(Z, y_indptr, y_indices, scale, colsum, want_colsum):
+    """Pass 4, one thread per row: ``- scale / |y|`` on the row's true labels (and in
+    ``colsum``)."""
+    B = Z.shape[0]
+    for i in range(cuda.grid(1), B, cuda.gridsize(1)):
+        p0 = y_indptr[i]
+        p1 = y_indptr[i + 1]
+        if p1 > p0:
+            g = scale / nb_float32(p1 - p0)
+            for p in range(p0, p1):
+                y = y_indices[p]
+                Z[i, y] -= g
+                if want_colsum:
+                    cuda.atomic.add(colsum, y, -g)
 
 
 @cuda_kernel
@@ -445,16 +585,65 @@ def _row_block():
     return TPB if TPB <= 256 else 256
 
 
-def softmax_xent_launch(Z, y_indptr, y_indices, scale, loss_rows, stream=0, bias=None):
-    """Queue ``softmax_xent_kernel`` (optionally adding ``bias`` first); per-row losses go to
-    ``loss_rows`` (B,) float32/float64 on the device. Never synchronises."""
+def softmax_rowblock_launch(Z, y_indptr, y_indices, scale, loss_rows, stream=0, bias=None):
+    """The previous design, for the GPU check's comparison: ``softmax_rowblock_kernel`` (adds
+    ``bias`` into Z first when given); per-row losses into ``loss_rows``. Never synchronises."""
     if Z.shape[0] == 0:
         return
     use_bias = bias is not None
     if bias is None:
         bias = Z[0, :1]  # unused placeholder of the right dtype
-    launch(softmax_xent_kernel, rows_grid(Z.shape[0]), _row_block(), stream, Z, bias, use_bias,
-           y_indptr, y_indices, np.float32(scale), loss_rows)
+    launch(softmax_rowblock_kernel, rows_grid(Z.shape[0]), _row_block(), stream, Z, bias,
+           use_bias, y_indptr, y_indices, np.float32(scale), loss_rows)
+
+
+def softmax_work_size(B: int, L: int, seg: int | None = None) -> int:
+    """float32 elements of the scratch ``work`` of :func:`softmax_xent_launch`."""
+    n_seg = -(-int(L) // int(seg or SOFTMAX_SEG))
+    return 2 * int(B) * n_seg + 2 * int(B)
+
+
+def softmax_xent_launch(Z, y_indptr, y_indices, scale, loss_rows, work, colsum, stream=0,
+                        bias=None, seg=None):
+    """Queue the tiled softmax cross-entropy (module docstring): ``Z (+ bias)`` -> ``dZ =
+    scale * (softmax - y/|y|)`` in place, per-row losses into ``loss_rows`` (B,) float64, and,
+    when ``colsum`` is not None, ``colsum += dZ.sum(0)`` (the caller zeroes it for db2).
+
+    ``work`` is float32 scratch of :func:`softmax_work_size` elements (the backend's workspace:
+    nothing is allocated here); ``seg`` overrides :data:`SOFTMAX_SEG` (tests). Never
+    synchronises."""
+    B, L = Z.shape
+    if B == 0:
+        return
+    seg = int(seg or SOFTMAX_SEG)
+    n_seg = -(-L // seg)
+    if work.shape[0] < softmax_work_size(B, L, seg):
+        raise ValueError(f"softmax work has {work.shape[0]} elements, needs "
+                         f"{softmax_work_size(B, L, seg)} for B={B}, L={L}")
+    pm = work[: B * n_seg].reshape(B, n_seg)
+    ps = work[B * n_seg: 2 * B * n_seg].reshape(B, n_seg)
+    lse = work[2 * B * n_seg: 2 * B * n_seg + B]
+    rowc = work[2 * B * n_seg + B: 2 * B * n_seg + 2 * B]
+    use_bias = bias is not None
+    if bias is None:
+        bias = lse  # unused placeholder of the right dtype
+    want_colsum = colsum is not None
+    if colsum is None:
+        colsum = lse  # unused placeholder
+    scale = np.float32(scale)
+    grid_y = min(B, MAX_BLOCKS)
+    if n_seg > 0:
+        launch(softmax_seg_stats_kernel, (min(n_seg, MAX_BLOCKS), grid_y), _row_block(), stream,
+               Z, bias, use_bias, np.int64(seg), pm, ps)
+    launch(softmax_row_finish_kernel, max(1, min(MAX_BLOCKS, -(-B // TPB))), TPB, stream, Z,
+           bias, use_bias, y_indptr, y_indices, scale, pm, ps, lse, rowc, loss_rows)
+    if L > 0:
+        rpb = SOFTMAX_GRAD_ROWS
+        launch(softmax_grad_colsum_kernel,
+               (max(1, min(MAX_BLOCKS, -(-L // TPB))), max(1, min(MAX_BLOCKS, -(-B // rpb)))),
+               TPB, stream, Z, bias, use_bias, lse, rowc, np.int64(rpb), colsum, want_colsum)
+    launch(softmax_positives_kernel, max(1, min(MAX_BLOCKS, -(-B // TPB))), TPB, stream, Z,
+           y_indptr, y_indices, scale, colsum, want_colsum)
 
 
 def softmax_chunk_stats_launch(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum, stream=0):

@@ -444,12 +444,14 @@ def _csr_rows(indptr):
     return np.repeat(np.arange(len(indptr) - 1), np.diff(indptr))
 
 
-def _softmax_xent(Z, y_indptr, y_indices, scale, loss_rows, bias=None):
+def _softmax_xent(Z, y_indptr, y_indices, scale, loss_rows, work, colsum, bias=None):
     if bias is not None:
         Z += bias
     dZ, _ = reference.softmax_xent(Z, y_indptr, y_indices, scale)
     loss_rows[...] = reference.softmax_xent_loss_rows(Z.astype(np.float64), y_indptr, y_indices)
     Z[...] = dZ
+    if colsum is not None:
+        colsum += dZ.sum(axis=0)
 
 
 def _chunk_stats(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum):
@@ -507,7 +509,9 @@ KERNELS = {
     "relu_backward_launch": (lambda dH, H: _assign(dH)([reference.relu_backward(dH, H)]), (0,)),
     "column_sum_launch": (lambda Z, out, alpha: _assign(out)([out + alpha * Z.sum(axis=0)]),
                           (1,)),
-    "softmax_xent_launch": (_softmax_xent, (0, 4)),
+    "softmax_xent_launch": (_softmax_xent, (0, 4, 5, 6)),
+    "softmax_rowblock_launch": (lambda Z, yp, yi, scale, loss_rows, bias=None: _softmax_xent(
+        Z, yp, yi, scale, loss_rows, None, None, bias=bias), (0, 4)),
     "softmax_chunk_stats_launch": (_chunk_stats, (0, 5, 6, 7)),
     "softmax_chunk_grad_launch": (_chunk_grad, (0,)),
     "topk_launch": (lambda sc, k, ci, cv, idx, val: _assign(idx, val)(reference.topk(sc, k)),
@@ -555,6 +559,8 @@ def install(monkeypatch, n_devices: int = 2, peer: bool = True) -> Ledger:
 
     cuda = types.ModuleType("cupy.cuda")
     cuda.Device, cuda.Stream, cuda.runtime = Device, FakeStream, runtime
+    # milliseconds between two events of one stream: a stand-in count of the calls between them
+    cuda.get_elapsed_time = lambda start, stop: float(stop.seq - start.seq)
     cuda.alloc_pinned_memory = bytearray  # page-locked host memory: plain bytes here
     cublas = types.ModuleType("cupy.cublas")
     cublas.gemm = _gemm

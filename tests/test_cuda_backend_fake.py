@@ -311,3 +311,18 @@ def test_upload_packs_a_batch_into_alternating_pinned_buffers(ledger):
     # the third upload reuses the first one's buffer: it waits for that copy's event first
     assert ("event.synchronize", be.stream, records[0][2]) in waited
     clean(ledger)
+
+
+def test_gpu_check_softmax_comparison_runs_on_the_stand_in(ledger):
+    """``bench/gpu_check.py``'s timing of the tiled softmax against the previous kernel: its
+    plumbing (workspaces, launches, events) over the stand-in, where both are the reference."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import gpu_check
+
+    out = gpu_check.time_softmax(cuda(), B=6, L=40, repeat=2)
+    assert out["tiled"] > 0 and out["rowblock + column sum"] > 0
+    assert out["max_abs_diff_dZ"] <= 1e-7 and out["max_abs_diff_db2"] <= 1e-6
+    clean(ledger)

@@ -115,3 +115,26 @@ def test_a_stop_request_returns_at_the_next_barrier():
     assert first["periods"] == 1 and not first["done"] and tr.can_checkpoint()
     rest = tr.run_epoch(0)
     assert rest["done"] and first["samples"] + rest["samples"] == n
+
+
+def test_fit_model_on_a_virtual_clock_is_deterministic_and_adapts_batches():
+    """``fit_model(simulate=...)``: the schedule follows the cost function and the speed factors
+    alone, so two runs end bit-identical, and adaptive gives the full-speed device the larger
+    batches (what the GPU check compares a GPU run against a CPU run with)."""
+    from xmc_engine.config import TrainConfig
+    from xmc_engine.training import fit_model
+
+    X, Y = tiny_data(n=1000)
+    cfg = TrainConfig(devices="cpu,cpu@0.5", algorithm="adaptive", epochs=2, hidden=[8],
+                      batch_size=32, seed=3, threads=1,
+                      algorithm_params={"merge_period": 256})
+
+    def cost(i, n):
+        return 1e-3 + 1e-5 * n
+
+    runs = [fit_model(cfg, X, Y, simulate=cost) for _ in range(2)]
+    for a, b in zip(runs[0]["params"], runs[1]["params"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    merges = [r for r in runs[0]["history"] if r.get("event") == "merge"]
+    sizes = [[d["batch_size"] for d in m["devices"]] for m in merges]
+    assert sizes and sizes[-1][0] > sizes[-1][1], sizes

@@ -56,9 +56,16 @@ def _short(metrics: dict) -> str:
 
 
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
-              resume: bool = False) -> dict:
+              resume: bool = False, simulate=None) -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
-    (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation)."""
+    (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation).
+
+    ``simulate``, a function ``(device index, rows) -> seconds``, runs the devices one after
+    another on a virtual clock instead of in threads (the trainer's ``"simulated"`` mode): device
+    ``i``'s step on ``n`` rows lasts ``simulate(i, n) / speed`` virtual seconds, so which device
+    takes which batch, the adaptive batch sizes and the merge weights depend on that function
+    and the devices' speed factors alone. Two runs with the same ``simulate`` follow the same
+    schedule on any backends (a GPU run can then be checked against a CPU run)."""
     from xmc_engine.checkpoint import CheckpointManager
     from xmc_engine.devices import parse_devices
     from xmc_engine.runlog import RunLog
@@ -121,7 +128,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
               n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
               resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
     compile_kernels(cfg, devices, X, Y, log)
-    trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm)
+    trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
+                            mode="threads" if simulate is None else "simulated", cost=simulate)
     try:
         if extra:
             restore_trainer(trainer, extra)
@@ -202,12 +210,13 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
 
 
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
-                  assignment: str = "shared"):
+                  assignment: str = "shared", mode: str = "threads", cost=None):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
     :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
     starting from the host arrays ``params``, and the algorithm's policy. ``log`` (a
     :class:`~xmc_engine.runlog.RunLog` or ``None``) receives its records; ``comm`` and
-    ``assignment`` make it one node of a multi-node run."""
+    ``assignment`` make it one node of a multi-node run; ``mode`` and ``cost`` are the
+    trainer's (``"simulated"``: a virtual clock, see :func:`fit_model`'s ``simulate``)."""
     from xmc_engine.algorithms import get_algorithm
     from xmc_engine.scheduler import Schedule, Trainer
 
@@ -226,7 +235,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
                    batch_size=cfg.batch_size, schedule=schedule, seed=cfg.seed, log=log,
                    rejoin_after=opts.rejoin_after, faults=opts.fault, comm=comm,
-                   assignment=assignment)
+                   assignment=assignment, mode=mode, cost=cost)
 
 
 _STATE_KEY = "trainer_state"  # the trainer's JSON state in a checkpoint, as uint8

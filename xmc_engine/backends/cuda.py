@@ -405,18 +405,19 @@ class CUDABackend:
     def softmax_xent(self, Z, y_indptr, y_indices, scale):
         """Returns the summed loss as a 0-d device array (read it with :meth:`to_float`)."""
         with self.activate():
-            loss_rows = self.xp.empty(Z.shape[0], np.float64)
+            loss_rows = self.workspace("loss_rows", (Z.shape[0],), np.float64)
+            work = self.workspace("softmax_work", (output_layer.softmax_work_size(*Z.shape),))
             self._launch(output_layer.softmax_xent_launch, Z, y_indptr, y_indices, scale,
-                         loss_rows)
+                         loss_rows, work, None)
             return loss_rows.sum()
 
     def softmax_bias(self, Z, b2, y_indptr, y_indices, scale, db2_out):
         with self.activate():
             loss_rows = self.workspace("loss_rows", (Z.shape[0],), np.float64)
-            self._launch(output_layer.softmax_xent_launch, Z, y_indptr, y_indices, scale,
-                         loss_rows, bias=b2)
+            work = self.workspace("softmax_work", (output_layer.softmax_work_size(*Z.shape),))
             db2_out[...] = 0
-            self._launch(sparse_backward.column_sum_launch, Z, db2_out, 1.0)
+            self._launch(output_layer.softmax_xent_launch, Z, y_indptr, y_indices, scale,
+                         loss_rows, work, db2_out, bias=b2)
             return loss_rows.sum()
 
     def row_stats(self, B):
