@@ -1132,6 +1132,17 @@ def section_throughput(ctx: Context) -> None:
     else:
         ctx.put("single_fit", {"skipped": f"{ctx.left():.0f} s left of the section's limit"})
         rate = eng["samples_per_s"]
+    if ctx.left() > 25:  # the sampled output layer (negatives: the engine's default count)
+        fit_rows = args.fit_steps * B
+        t = time.perf_counter()
+        clf = engine_fit(X[:fit_rows], Y[:fit_rows], devices=args.device, algorithm="single",
+                         hidden=shape["hidden"], batch_size=B, epochs=1, lr=lr, seed=args.seed,
+                         output="sampled")
+        fit = _fit_record(clf, time.perf_counter() - t, {})
+        fit["projected_epoch_s"] = projected_epoch_s(fit.get("samples_per_s") or 0.0)
+        ctx.put("sampled_fit", fit)
+        ctx.check("sampled fit trained cleanly", not history_troubles(clf.history_),
+                  events=history_troubles(clf.history_))
     epoch = projected_epoch_s(rate)
     ctx.put("projected_epoch_s", epoch)
     if args.scale == 1.0:  # the goal is for the full shape only
