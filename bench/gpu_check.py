@@ -1132,6 +1132,15 @@ def section_throughput(ctx: Context) -> None:
     else:
         ctx.put("single_fit", {"skipped": f"{ctx.left():.0f} s left of the section's limit"})
         rate = eng["samples_per_s"]
+    if ctx.left() > 30:  # the same fit with plain SGD: the default optimizer's share of a step
+        fit_rows = args.fit_steps * B
+        t = time.perf_counter()
+        clf = engine_fit(X[:fit_rows], Y[:fit_rows], devices=args.device, algorithm="single",
+                         hidden=shape["hidden"], batch_size=B, epochs=1, lr=lr, seed=args.seed,
+                         optimizer="sgd")
+        fit = _fit_record(clf, time.perf_counter() - t, {})
+        fit["projected_epoch_s"] = projected_epoch_s(fit.get("samples_per_s") or 0.0)
+        ctx.put("single_fit_sgd", fit)
     if ctx.left() > 25:  # the sampled output layer (negatives: the engine's default count)
         fit_rows = args.fit_steps * B
         t = time.perf_counter()

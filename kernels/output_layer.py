@@ -395,7 +395,8 @@ def softmax_rowblock_kernel(Z, bias, use_bias, y_indptr, y_indices, scale, loss_
 def softmax_seg_stats_kernel(Z, bias, use_bias, seg, pm, ps):
     """Pass 1: block (segment g, row i) -> ``pm[i, g]``, ``ps[i, g]``: max and sum of
     ``exp(z - max)`` over row i's labels ``[g seg, (g + 1) seg)`` (+ bias). Each thread keeps an
-    online (max, sum) pair (one exp per element); the block merges the pairs in shared memory."""
+    online (max, sum) pair over four elements at a time (one exp per element); the block merges
+    the pairs in shared memory."""
     shm = cuda.shared.array(_SH, nb_float32)
     shs = cuda.shared.array(_SH, nb_float32)
     B, L = Z.shape
@@ -406,15 +407,27 @@ def softmax_seg_stats_kernel(Z, bias, use_bias, seg, pm, ps):
         for g in range(cuda.blockIdx.x, n_seg, cuda.gridDim.x):
             m = _NEG_INF
             s = nb_float32(0.0)
-            for j in range(g * seg + t, min(L, (g + 1) * seg), nt):
-                v = Z[i, j]
+            end = min(L, (g + 1) * seg)
+            for j in range(g * seg + t, end, 4 * nt):
+                # four independent loads in flight per thread before any arithmetic (one at a
+                # time left the pass at about a quarter of the memory bandwidth)
+                v0 = Z[i, j]
+                v1 = Z[i, j + nt] if j + nt < end else _NEG_INF
+                v2 = Z[i, j + 2 * nt] if j + 2 * nt < end else _NEG_INF
+                v3 = Z[i, j + 3 * nt] if j + 3 * nt < end else _NEG_INF
                 if use_bias:
-                    v += bias[j]
-                if v > m:  # exp(-inf) is 0 on the first element
-                    s = s * math.exp(m - v) + _ONE
-                    m = v
-                else:
-                    s += math.exp(v - m)
+                    v0 += bias[j]
+                    if j + nt < end:
+                        v1 += bias[j + nt]
+                    if j + 2 * nt < end:
+                        v2 += bias[j + 2 * nt]
+                    if j + 3 * nt < end:
+                        v3 += bias[j + 3 * nt]
+                mv = max(max(v0, v1), max(v2, v3))
+                if mv > m:  # exp(-inf) is 0 on the first elements
+                    s = s * math.exp(m - mv)
+                    m = mv
+                s += (math.exp(v0 - m) + math.exp(v1 - m)) + (math.exp(v2 - m) + math.exp(v3 - m))
             shm[t] = m
             shs[t] = s
             cuda.syncthreads()
@@ -488,12 +501,31 @@ def softmax_grad_colsum_kernel(Z, bias, use_bias, lse, rowc, rows_per_block, col
     for j in range(cuda.grid(1), L, cuda.gridsize(1)):
         bj = bias[j] if use_bias else nb_float32(0.0)
         for r0 in range(cuda.blockIdx.y * rows_per_block, B, cuda.gridDim.y * rows_per_block):
+            r1 = min(r0 + rows_per_block, B)
             acc = nb_float32(0.0)
-            for i in range(r0, min(r0 + rows_per_block, B)):
+            i = r0
+            while i + 4 <= r1:  # four rows' loads in flight before the first store
+                z0 = Z[i, j]
+                z1 = Z[i + 1, j]
+                z2 = Z[i + 2, j]
+                z3 = Z[i + 3, j]
+                c0, c1, c2, c3 = rowc[i], rowc[i + 1], rowc[i + 2], rowc[i + 3]
+                v0 = c0 * math.exp(z0 + bj - lse[i]) if c0 != 0 else nb_float32(0.0)
+                v1 = c1 * math.exp(z1 + bj - lse[i + 1]) if c1 != 0 else nb_float32(0.0)
+                v2 = c2 * math.exp(z2 + bj - lse[i + 2]) if c2 != 0 else nb_float32(0.0)
+                v3 = c3 * math.exp(z3 + bj - lse[i + 3]) if c3 != 0 else nb_float32(0.0)
+                Z[i, j] = v0
+                Z[i + 1, j] = v1
+                Z[i + 2, j] = v2
+                Z[i + 3, j] = v3
+                acc += (v0 + v1) + (v2 + v3)
+                i += 4
+            while i < r1:
                 c = rowc[i]
                 v = c * math.exp(Z[i, j] + bj - lse[i]) if c != 0 else nb_float32(0.0)
                 Z[i, j] = v
                 acc += v
+                i += 1
             if want_colsum:
                 cuda.atomic.add(colsum, j, acc)
 

@@ -144,7 +144,8 @@ def test_relu_backward_kernel(dev, rng, shape):
 
 
 @pytest.mark.parametrize("use_bias", [False, True])
-@pytest.mark.parametrize("B,L,seg", [(1, 1, None), (4, 45, None), (5, 45, 8), (3, 70, 16)])
+@pytest.mark.parametrize("B,L,seg", [(1, 1, None), (4, 45, None), (5, 45, 8), (3, 70, 16),
+                                     (9, 300, 256)])
 def test_softmax_xent_kernel(dev, rng, B, L, seg, use_bias):
     """The tiled softmax (several label segments when ``seg`` < L, a row without labels) gives
     the reference dZ, per-row losses and column sums."""
