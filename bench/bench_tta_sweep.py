@@ -107,21 +107,25 @@ def main(argv=None) -> int:
                         "time_to_target_s": _tta.time_to_target(r["curve"], args.target),
                         "epoch_at_target": next((c[1] for c in r["curve"]
                                                  if c[2] >= args.target), None),
-                        "final_P@1": r["final"]["P@1"], "curve": r["curve"]})
+                        "final_P@1": r["final"]["P@1"],
+                        "rows_single_share": r["rows_single_share"], "curve": r["curve"]})
         print(f"  seed {seed} done", flush=True)
     rows = []
     print(f"{'configuration':58s} {'median s':>9s} {'quartiles s':>13s} {'median epoch':>12s} "
-          f"{'final P@1':>9s}")
+          f"{'final P@1':>9s} {'1-replica rows':>14s}")
     for cfg, acc in zip(args.config, runs, strict=True):
         ep = np.array([np.inf if x["epoch_at_target"] is None else x["epoch_at_target"]
                        for x in acc])
         med, q1, q3 = median_quartiles([x["time_to_target_s"] for x in acc])
         final = float(np.mean([x["final_P@1"] for x in acc]))
+        shares = [x["rows_single_share"] for x in acc if x["rows_single_share"] is not None]
+        share = float(np.mean(shares)) if shares else None
         rows.append({"config": cfg, "median_time_to_target_s": med, "quartiles_s": [q1, q3],
                      "median_epoch_at_target": float(np.median(ep)), "final_P@1": final,
-                     "runs": acc})
+                     "final_P@1_runs": [x["final_P@1"] for x in acc],
+                     "rows_single_share": share, "runs": acc})
         print(f"{cfg['label'][:58]:58s} {med:9.3f} {q1:6.2f}-{q3:<6.2f} {np.median(ep):12.2f} "
-              f"{final:9.4f}", flush=True)
+              f"{final:9.4f} {'' if share is None else f'{share:14.3f}'}", flush=True)
     path = _common.write_result(out, {
         **meta, "benchmark": "tta_sweep",
         "args": {k: v for k, v in vars(args).items() if k != "config"}, "rows": rows})

@@ -137,6 +137,38 @@ def test_merge_changed_rows_gives_the_dense_merge(be, wide, n):
             assert np.array_equal(x, c)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wide, n):
+    """``per_row``: a row changed by one replica takes that replica's value whole; a row changed
+    by several, their weights renormalized; the rest of the model the paper's merge; and the
+    touch statistics count the rows."""
+    X, Y = wide
+    reps = [mlp(be, X, Y) for _ in range(n)]
+    central = [np.array(a) for a in reps[0].params()]
+    start = np.array(central[0])
+    _period(reps)
+    masks = np.stack([r.changed_rows() for r in reps])
+    params = [[np.array(a) for a in r.params()] for r in reps]
+    p = np.random.default_rng(n).dirichlet(np.ones(n))
+    want = start.copy()
+    for row in np.flatnonzero(masks.any(axis=0)):
+        q = p * masks[:, row]
+        want[row] = sum(q[i] / q.sum() * params[i][0][row] for i in range(n))
+    stats = {}
+    delta = merge_changed_rows(reps, p, central, be, per_row=True, stats=stats)
+    assert delta == pytest.approx(sq64(central[0]) - sq64(start), rel=1e-9)
+    np.testing.assert_allclose(central[0], want, rtol=1e-6, atol=1e-7)
+    single = np.flatnonzero(masks.sum(axis=0) == 1)
+    assert single.size > 0  # the toy periods leave rows that one replica alone changed
+    assert stats == {"rows_touched": int(masks.any(axis=0).sum()), "rows_single": single.size}
+    for i, row in [(int(np.flatnonzero(masks[:, r])[0]), r) for r in single[:5]]:
+        np.testing.assert_array_equal(central[0][row], params[i][0][row])
+    rest = [np.empty_like(a) for a in central[1:]]
+    weighted_merge([ps[1:] for ps in params], p, rest, be)
+    for c, d in zip(central[1:], rest, strict=True):
+        np.testing.assert_allclose(c, d, rtol=1e-6, atol=1e-7)
+
+
 def test_merge_changed_rows_leaves_replicas_alone_when_one_is_nonfinite(be, wide):
     X, Y = wide
     reps = [mlp(be, X, Y) for _ in range(2)]

@@ -60,6 +60,8 @@ DEFAULT_LR = {"sgd": 2.0, "adagrad": 0.05}
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
+#: merge weights of a W1 row (AdaptiveConfig.row_weights)
+ROW_WEIGHTS = ("updates", "touched")
 #: Rows per chunk of top-k prediction (evaluation and ``predict_topk``); the memory planner
 #: sizes the prediction workspace with it.
 EVAL_ROWS = 4096
@@ -225,6 +227,13 @@ class AdaptiveConfig(AlgorithmConfig):
         Merge and broadcast only the ``W1`` rows the replicas changed in the period, where the
         backend tracks rows and ``momentum == 0``; the merged model is the same to float32
         rounding. ``False`` forces the dense merge.
+    row_weights : {'updates', 'touched'}
+        Merge weights of a ``W1`` row. ``'updates'`` (the paper): every row gets each replica's
+        share of the period's updates. ``'touched'``: a row's weights are renormalized over the
+        replicas that changed it in the period, so a rare feature's row seen by one replica
+        keeps that replica's update whole instead of shrinking it by its weight (needs the
+        row-sparse merge: a backend that tracks rows, ``sparse_merge``, ``momentum == 0``; the
+        paper's weights elsewhere).
     """
 
     merge_period: int = 4096
@@ -238,10 +247,14 @@ class AdaptiveConfig(AlgorithmConfig):
     boost_factor: float = 0.1
     flag_rule: str = "norm_rise"
     sparse_merge: bool = True
+    row_weights: str = "updates"
 
     def __post_init__(self):
         super().__post_init__()
         self._check_min(1, "merge_period", "delta_b")
+        if self.row_weights not in ROW_WEIGHTS:
+            raise ConfigError(f"row_weights must be one of {ROW_WEIGHTS}, got "
+                              f"{self.row_weights!r}")
         if not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
         if self.rule not in BATCH_RULES:

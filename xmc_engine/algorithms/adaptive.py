@@ -114,7 +114,9 @@ class AdaptiveSGD(Policy):
         norm_rise = self.trend.rule == "norm_rise"
         if norm_rise and self._sq_w1 is None:
             self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]
-        delta = self.merge_rows_only(replicas, p, ctx)
+        stats: dict = {}
+        delta = self.merge_rows_only(replicas, p, ctx,
+                                     per_row=self.config.row_weights == "touched", stats=stats)
         if delta is None:
             return None
         norm = None
@@ -124,7 +126,7 @@ class AdaptiveSGD(Policy):
                                                                   self.backend)))
             self.trend.observe(norm)
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
-                "nonfinite": []}
+                "nonfinite": [], **stats}
 
     def state_dict(self) -> dict[str, Any]:
         """Batch sizes and the norm history of the trend flag (momentum buffers restart at the

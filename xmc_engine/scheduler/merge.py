@@ -221,7 +221,8 @@ def elastic_update(x: Sequence, center: Sequence, alpha: float, diff_out: Sequen
 
 
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
-                       backend) -> float | None:
+                       backend, *, per_row: bool = False, stats: dict | None = None
+                       ) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
     only the ``W1`` rows some replica changed in the period (every other parameter in full).
 
@@ -246,6 +247,14 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         The central model, updated in place.
     backend : SchedulerBackend
         Its ``tracks_rows`` flag says whether the row-sparse merge applies (the CPU backend).
+    per_row : bool
+        Renormalize the weights of each ``W1`` row over the replicas that changed it
+        (``AdaptiveConfig.row_weights = 'touched'``): row ``r`` gets ``p_i m_i(r) / sum_j p_j
+        m_j(r)``, ``m_i(r)`` = replica ``i`` changed it. Rows are grouped by which replicas
+        changed them (at most ``2^n - 1`` groups), one ``merge_rows`` per group.
+    stats : dict, optional
+        Receives ``rows_touched`` (rows some replica changed) and ``rows_single`` (rows exactly
+        one replica changed): the instrumentation of how sparse a period's updates are.
 
     Returns
     -------
@@ -264,8 +273,24 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     params = [r.params() for r in replicas]
     if find_nonfinite([ps[1:] for ps in params], backend):
         return None
-    rows = np.flatnonzero(np.logical_or.reduce(masks)).astype(np.int64)
-    finite, delta = backend.merge_rows([ps[0] for ps in params], w, rows, central[0])
+    touched = np.stack(masks)
+    n_touch = touched.sum(axis=0)
+    rows = np.flatnonzero(n_touch).astype(np.int64)
+    if stats is not None:
+        stats["rows_touched"] = int(rows.size)
+        stats["rows_single"] = int(np.count_nonzero(n_touch == 1))
+    W1s = [ps[0] for ps in params]
+    if per_row and len(replicas) > 1:
+        finite, delta = True, 0.0
+        # which replicas changed each touched row, as a bit pattern: one group per pattern
+        code = (touched[:, rows].astype(np.int64) << np.arange(len(w))[:, None]).sum(axis=0)
+        for pattern in np.unique(code):
+            sel = np.array([(pattern >> i) & 1 for i in range(len(w))], dtype=bool)
+            q = np.where(sel, w, 0.0)
+            ok, d = backend.merge_rows(W1s, q / q.sum(), rows[code == pattern], central[0])
+            finite, delta = finite and ok, delta + d
+    else:
+        finite, delta = backend.merge_rows(W1s, w, rows, central[0])
     if not finite:
         return None
     weighted_merge([ps[1:] for ps in params], w, central[1:], backend, check=False)
