@@ -169,6 +169,36 @@ def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wi
         np.testing.assert_allclose(c, d, rtol=1e-6, atol=1e-7)
 
 
+def test_per_label_weights_renormalize_over_the_replicas_that_saw_a_label(be, wide):
+    """``per_label``: W2's column and b2's entry of a label are merged over the replicas whose
+    batches held it as a positive; labels nobody saw keep the weights ``p``."""
+    X, Y = wide
+    reps = [mlp(be, X, Y) for _ in range(3)]
+    central = [np.array(a) for a in reps[0].params()]
+    _period(reps)
+    seen = np.stack([r.seen_labels() for r in reps])
+    for i, r in enumerate(reps):  # what the replica's batches held (rows of _period)
+        want = np.zeros(Y.shape[1], bool)
+        want[Y[np.arange(i * 30, i * 30 + 24)].indices] = True
+        np.testing.assert_array_equal(seen[i], want)
+    params = [[np.array(a) for a in r.params()] for r in reps]
+    p = np.array([0.5, 0.3, 0.2])
+    Q = np.where(seen.any(axis=0), p[:, None] * seen / (p[:, None] * seen).sum(axis=0).clip(1e-30),
+                 p[:, None])
+    stats = {}
+    assert merge_changed_rows(reps, p, central, be, per_label=True, stats=stats) is not None
+    np.testing.assert_allclose(central[2], sum(Q[i] * params[i][2] for i in range(3)),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(central[3], sum(Q[i] * params[i][3] for i in range(3)),
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(central[1], sum(p[i] * params[i][1] for i in range(3)),
+                               rtol=1e-6, atol=1e-7)
+    assert stats["labels_seen"] == int(seen.any(axis=0).sum())
+    assert stats["labels_single"] == int((seen.sum(axis=0) == 1).sum())
+    assert (seen.sum(axis=0) < 3).any()  # some label's weights were renormalized
+    assert not any(r.seen_labels().any() for r in reps)  # the broadcast starts a new record
+
+
 def test_merge_changed_rows_leaves_replicas_alone_when_one_is_nonfinite(be, wide):
     X, Y = wide
     reps = [mlp(be, X, Y) for _ in range(2)]

@@ -61,6 +61,15 @@ def take_rows(indptr, indices, data, rows):
     return out_ptr, out_idx, out_val
 
 
+@njit(nogil=True, cache=True)
+def mark_columns(indptr, indices, rows, mask):
+    """``mask[c] = True`` for every column ``c`` of the CSR rows ``rows`` (in range)."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for p in range(indptr[r], indptr[r + 1]):
+            mask[indices[p]] = True
+
+
 class RowGather:
     """Gathers row batches of one CSR matrix (training features or labels).
 

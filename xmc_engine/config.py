@@ -62,6 +62,8 @@ BATCH_RULES = ("step", "proportional", "fixed")
 FLAG_RULES = ("norm_rise", "always", "never")
 #: merge weights of a W1 row (AdaptiveConfig.row_weights)
 ROW_WEIGHTS = ("updates", "touched")
+#: merge weights of an output label (AdaptiveConfig.label_weights)
+LABEL_WEIGHTS = ("updates", "positives")
 #: Rows per chunk of top-k prediction (evaluation and ``predict_topk``); the memory planner
 #: sizes the prediction workspace with it.
 EVAL_ROWS = 4096
@@ -234,6 +236,11 @@ class AdaptiveConfig(AlgorithmConfig):
         keeps that replica's update whole instead of shrinking it by its weight (needs the
         row-sparse merge: a backend that tracks rows, ``sparse_merge``, ``momentum == 0``; the
         paper's weights elsewhere).
+    label_weights : {'updates', 'positives'}
+        The same choice for the output layer, by label: ``'positives'`` renormalizes the
+        weights of ``W2``'s column ``l`` and ``b2[l]`` over the replicas whose batches held
+        label ``l`` as a positive in the period (a label no replica saw keeps the paper's
+        weights); same conditions as ``row_weights``.
     """
 
     merge_period: int = 4096
@@ -248,6 +255,7 @@ class AdaptiveConfig(AlgorithmConfig):
     flag_rule: str = "norm_rise"
     sparse_merge: bool = True
     row_weights: str = "updates"
+    label_weights: str = "updates"
 
     def __post_init__(self):
         super().__post_init__()
@@ -255,6 +263,9 @@ class AdaptiveConfig(AlgorithmConfig):
         if self.row_weights not in ROW_WEIGHTS:
             raise ConfigError(f"row_weights must be one of {ROW_WEIGHTS}, got "
                               f"{self.row_weights!r}")
+        if self.label_weights not in LABEL_WEIGHTS:
+            raise ConfigError(f"label_weights must be one of {LABEL_WEIGHTS}, got "
+                              f"{self.label_weights!r}")
         if not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
         if self.rule not in BATCH_RULES:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_engine.batches import CSRBatch, RowGather
+from xmc_engine.batches import CSRBatch, RowGather, mark_columns
 from xmc_engine.config import EVAL_ROWS, OPTIMIZERS, OUTPUTS, TrainConfig
 from xmc_engine.output_layer import sample_candidates
 
@@ -152,6 +152,9 @@ class MLPReplica:
         # W1 rows changed by steps since the last set_params (a step changes only the rows of
         # its batch's features); None where the backend's merges are dense.
         self._changed = np.zeros(X.shape[1], dtype=np.bool_) if backend.tracks_rows else None
+        # labels that were a positive of a batch row since the last set_params (the label-wise
+        # merge weights of AdaptiveConfig.label_weights); tracked where rows are
+        self._seen = np.zeros(Y.shape[1], dtype=np.bool_) if backend.tracks_rows else None
 
     def calibrate_threads(self, batch_size: int, max_threads: int) -> int:
         """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``
@@ -194,6 +197,13 @@ class MLPReplica:
                 be.copy_into(dst, src)
         if self._changed is not None:
             self._changed[:] = False
+            self._seen[:] = False
+
+    def seen_labels(self):
+        """Boolean mask (n_labels,) of the labels that were a positive of some row of this
+        replica's batches since its parameters were last set, or ``None`` where not tracked
+        (as :meth:`changed_rows`)."""
+        return self._seen
 
     def changed_rows(self):
         """Boolean mask (n_features,) of the ``W1`` rows this replica's steps changed since its
@@ -206,6 +216,7 @@ class MLPReplica:
         Xb = self._take_x(rows)
         if self._changed is not None:
             self._changed[Xb.indices] = True
+            mark_columns(self.Y.indptr, self.Y.indices, np.asarray(rows, np.int64), self._seen)
         if self.output == "sampled":
             return self._sampled_step(Xb, self._take_y(rows), lr)
         if self._acc is not None:

@@ -116,7 +116,9 @@ class AdaptiveSGD(Policy):
             self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]
         stats: dict = {}
         delta = self.merge_rows_only(replicas, p, ctx,
-                                     per_row=self.config.row_weights == "touched", stats=stats)
+                                     per_row=self.config.row_weights == "touched",
+                                     per_label=self.config.label_weights == "positives",
+                                     stats=stats)
         if delta is None:
             return None
         norm = None

@@ -177,14 +177,15 @@ class Policy:
         return c, bad
 
     def merge_rows_only(self, replicas: Sequence, p, ctx, *, per_row: bool = False,
-                        stats: dict | None = None) -> float | None:
+                        per_label: bool = False, stats: dict | None = None) -> float | None:
         """:func:`~xmc_engine.scheduler.merge.merge_changed_rows` into ``self.central`` where it
         applies (every replica merged with a weight > 0, none flagged, one node); returns its
-        result (``None``: merge densely). ``per_row`` and ``stats`` are its own."""
+        result (``None``: merge densely). ``per_row``, ``per_label`` and ``stats`` are its
+        own."""
         if ctx.excluded or ctx.nonfinite or ctx.multi_node:
             return None
         return merge_changed_rows(replicas, p, self.central, self.backend, per_row=per_row,
-                                  stats=stats)
+                                  per_label=per_label, stats=stats)
 
     @staticmethod
     def broadcast(replicas: Sequence, params: Sequence) -> None:

@@ -221,8 +221,8 @@ def elastic_update(x: Sequence, center: Sequence, alpha: float, diff_out: Sequen
 
 
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
-                       backend, *, per_row: bool = False, stats: dict | None = None
-                       ) -> float | None:
+                       backend, *, per_row: bool = False, per_label: bool = False,
+                       stats: dict | None = None) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
     only the ``W1`` rows some replica changed in the period (every other parameter in full).
 
@@ -252,9 +252,15 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         (``AdaptiveConfig.row_weights = 'touched'``): row ``r`` gets ``p_i m_i(r) / sum_j p_j
         m_j(r)``, ``m_i(r)`` = replica ``i`` changed it. Rows are grouped by which replicas
         changed them (at most ``2^n - 1`` groups), one ``merge_rows`` per group.
+    per_label : bool
+        The same for the output layer by label (``AdaptiveConfig.label_weights =
+        'positives'``): column ``l`` of ``W2`` and ``b2[l]`` get ``p_i s_i(l) / sum_j p_j
+        s_j(l)``, ``s_i(l)`` = label ``l`` was a positive in replica ``i``'s batches
+        (``seen_labels()``); a label no replica saw keeps the weights ``p``.
     stats : dict, optional
         Receives ``rows_touched`` (rows some replica changed) and ``rows_single`` (rows exactly
-        one replica changed): the instrumentation of how sparse a period's updates are.
+        one replica changed), and with ``per_label`` also ``labels_seen`` and
+        ``labels_single``: the instrumentation of how sparse a period's updates are.
 
     Returns
     -------
@@ -293,7 +299,24 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         finite, delta = backend.merge_rows(W1s, w, rows, central[0])
     if not finite:
         return None
-    weighted_merge([ps[1:] for ps in params], w, central[1:], backend, check=False)
+    seen = [r.seen_labels() if hasattr(r, "seen_labels") else None for r in replicas]
+    if per_label and len(replicas) > 1 and all(m is not None for m in seen):
+        weighted_merge([ps[1:-2] for ps in params], w, central[1:-2], backend, check=False)
+        S = np.stack(seen)
+        n_seen = S.sum(axis=0)
+        Q = np.asarray(w, np.float64)[:, None] * S
+        Q = np.where(n_seen > 0, Q / np.maximum(Q.sum(axis=0), 1e-300), np.asarray(w)[:, None])
+        Q = Q.astype(np.float32)
+        for k, scale in ((-2, lambda q: q[None, :]), (-1, lambda q: q)):
+            out = central[k]
+            np.multiply(params[0][k], scale(Q[0]), out=out)
+            for i in range(1, len(params)):
+                out += params[i][k] * scale(Q[i])
+        if stats is not None:
+            stats["labels_seen"] = int(np.count_nonzero(n_seen))
+            stats["labels_single"] = int(np.count_nonzero(n_seen == 1))
+    else:
+        weighted_merge([ps[1:] for ps in params], w, central[1:], backend, check=False)
     for r in replicas:
         r.set_params(central, rows=rows)
     return delta
