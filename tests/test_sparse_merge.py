@@ -177,7 +177,7 @@ def test_per_label_weights_renormalize_over_the_replicas_that_saw_a_label(be, wi
     central = [np.array(a) for a in reps[0].params()]
     _period(reps)
     seen = np.stack([r.seen_labels() for r in reps])
-    for i, r in enumerate(reps):  # what the replica's batches held (rows of _period)
+    for i in range(len(reps)):  # what each replica's batches held (rows of _period)
         want = np.zeros(Y.shape[1], bool)
         want[Y[np.arange(i * 30, i * 30 + 24)].indices] = True
         np.testing.assert_array_equal(seen[i], want)
