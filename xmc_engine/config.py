@@ -148,6 +148,12 @@ class ConfigMixin:
             raise ConfigError(f"{' and '.join(names)} must be >= {low}, got "
                               f"{', '.join(str(v) for v in values)}")
 
+    def _check_choice(self, name: str, choices: tuple) -> None:
+        """``ConfigError`` unless field ``name`` is one of ``choices``."""
+        value = getattr(self, name)
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+
 
 # -- the algorithms' own options -----------------------------------------------------------------
 @dataclass
@@ -260,23 +266,17 @@ class AdaptiveConfig(AlgorithmConfig):
     def __post_init__(self):
         super().__post_init__()
         self._check_min(1, "merge_period", "delta_b")
-        if self.row_weights not in ROW_WEIGHTS:
-            raise ConfigError(f"row_weights must be one of {ROW_WEIGHTS}, got "
-                              f"{self.row_weights!r}")
-        if self.label_weights not in LABEL_WEIGHTS:
-            raise ConfigError(f"label_weights must be one of {LABEL_WEIGHTS}, got "
-                              f"{self.label_weights!r}")
+        self._check_choice("row_weights", ROW_WEIGHTS)
+        self._check_choice("label_weights", LABEL_WEIGHTS)
         if not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
-        if self.rule not in BATCH_RULES:
-            raise ConfigError(f"rule must be one of {BATCH_RULES}, got {self.rule!r}")
+        self._check_choice("rule", BATCH_RULES)
         self._check_min(0, "deadband")
         if not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
         if not 0.0 <= self.boost_factor < 1.0:
             raise ConfigError(f"boost_factor must be in [0, 1), got {self.boost_factor}")
-        if self.flag_rule not in FLAG_RULES:
-            raise ConfigError(f"flag_rule must be one of {FLAG_RULES}, got {self.flag_rule!r}")
+        self._check_choice("flag_rule", FLAG_RULES)
 
 
 @dataclass
