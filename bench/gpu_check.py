@@ -1119,39 +1119,33 @@ def section_throughput(ctx: Context) -> None:
     if be.name == "cuda":
         be.xp.get_default_memory_pool().free_all_blocks()
 
-    if ctx.left() > 20:
+    def fit(key: str, check: str | None = None, **options) -> dict:
+        """A one-epoch ``single`` fit on the section's first ``--fit-steps`` batches, recorded
+        under ``key`` (and checked to have trained cleanly when ``check`` names the check)."""
         fit_rows = args.fit_steps * B
         t = time.perf_counter()
         clf = engine_fit(X[:fit_rows], Y[:fit_rows], devices=args.device, algorithm="single",
-                         hidden=shape["hidden"], batch_size=B, epochs=1, lr=lr, seed=args.seed)
-        fit = _fit_record(clf, time.perf_counter() - t, {})
-        ctx.put("single_fit", fit)
-        ctx.check("single fit trained cleanly", not history_troubles(clf.history_),
-                  events=history_troubles(clf.history_))
-        rate = fit.get("samples_per_s") or eng["samples_per_s"]
+                         hidden=shape["hidden"], batch_size=B, epochs=1, lr=lr, seed=args.seed,
+                         **options)
+        rec = _fit_record(clf, time.perf_counter() - t, {})
+        if options:
+            rec["projected_epoch_s"] = projected_epoch_s(rec.get("samples_per_s") or 0.0)
+        ctx.put(key, rec)
+        if check is not None:
+            ctx.check(check, not history_troubles(clf.history_),
+                      events=history_troubles(clf.history_))
+        return rec
+
+    if ctx.left() > 20:
+        rate = fit("single_fit", "single fit trained cleanly").get("samples_per_s") \
+            or eng["samples_per_s"]
     else:
         ctx.put("single_fit", {"skipped": f"{ctx.left():.0f} s left of the section's limit"})
         rate = eng["samples_per_s"]
     if ctx.left() > 30:  # the same fit with plain SGD: the default optimizer's share of a step
-        fit_rows = args.fit_steps * B
-        t = time.perf_counter()
-        clf = engine_fit(X[:fit_rows], Y[:fit_rows], devices=args.device, algorithm="single",
-                         hidden=shape["hidden"], batch_size=B, epochs=1, lr=lr, seed=args.seed,
-                         optimizer="sgd")
-        fit = _fit_record(clf, time.perf_counter() - t, {})
-        fit["projected_epoch_s"] = projected_epoch_s(fit.get("samples_per_s") or 0.0)
-        ctx.put("single_fit_sgd", fit)
+        fit("single_fit_sgd", optimizer="sgd")
     if ctx.left() > 25:  # the sampled output layer (negatives: the engine's default count)
-        fit_rows = args.fit_steps * B
-        t = time.perf_counter()
-        clf = engine_fit(X[:fit_rows], Y[:fit_rows], devices=args.device, algorithm="single",
-                         hidden=shape["hidden"], batch_size=B, epochs=1, lr=lr, seed=args.seed,
-                         output="sampled")
-        fit = _fit_record(clf, time.perf_counter() - t, {})
-        fit["projected_epoch_s"] = projected_epoch_s(fit.get("samples_per_s") or 0.0)
-        ctx.put("sampled_fit", fit)
-        ctx.check("sampled fit trained cleanly", not history_troubles(clf.history_),
-                  events=history_troubles(clf.history_))
+        fit("sampled_fit", "sampled fit trained cleanly", output="sampled")
     epoch = projected_epoch_s(rate)
     ctx.put("projected_epoch_s", epoch)
     if args.scale == 1.0:  # the goal is for the full shape only
