@@ -174,6 +174,9 @@ def test_per_label_weights_renormalize_over_the_replicas_that_saw_a_label(be, wi
     batches held it as a positive; labels nobody saw keep the weights ``p``."""
     X, Y = wide
     reps = [mlp(be, X, Y) for _ in range(3)]
+    assert reps[0].seen_labels() is None  # not recorded unless asked for
+    for r in reps:
+        r.track_labels()
     central = [np.array(a) for a in reps[0].params()]
     _period(reps)
     seen = np.stack([r.seen_labels() for r in reps])

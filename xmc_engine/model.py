@@ -152,9 +152,9 @@ class MLPReplica:
         # W1 rows changed by steps since the last set_params (a step changes only the rows of
         # its batch's features); None where the backend's merges are dense.
         self._changed = np.zeros(X.shape[1], dtype=np.bool_) if backend.tracks_rows else None
-        # labels that were a positive of a batch row since the last set_params (the label-wise
-        # merge weights of AdaptiveConfig.label_weights); tracked where rows are
-        self._seen = np.zeros(Y.shape[1], dtype=np.bool_) if backend.tracks_rows else None
+        # labels that were a positive of a batch row since the last set_params, once
+        # track_labels() asked for them (AdaptiveConfig.label_weights='positives')
+        self._seen = None
 
     def calibrate_threads(self, batch_size: int, max_threads: int) -> int:
         """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``
@@ -197,12 +197,19 @@ class MLPReplica:
                 be.copy_into(dst, src)
         if self._changed is not None:
             self._changed[:] = False
+        if self._seen is not None:
             self._seen[:] = False
+
+    def track_labels(self) -> None:
+        """Record from now on which labels the batches hold as positives (:meth:`seen_labels`),
+        where the backend tracks rows; a step's bookkeeping otherwise skips it."""
+        if self.backend.tracks_rows and self._seen is None:
+            self._seen = np.zeros(self.Y.shape[1], dtype=np.bool_)
 
     def seen_labels(self):
         """Boolean mask (n_labels,) of the labels that were a positive of some row of this
         replica's batches since its parameters were last set, or ``None`` where not tracked
-        (as :meth:`changed_rows`)."""
+        (before :meth:`track_labels`, or on a backend without row tracking)."""
         return self._seen
 
     def changed_rows(self):
@@ -216,6 +223,7 @@ class MLPReplica:
         Xb = self._take_x(rows)
         if self._changed is not None:
             self._changed[Xb.indices] = True
+        if self._seen is not None:
             mark_columns(self.Y.indptr, self.Y.indices, np.asarray(rows, np.int64), self._seen)
         if self.output == "sampled":
             return self._sampled_step(Xb, self._take_y(rows), lr)

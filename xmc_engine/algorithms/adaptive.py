@@ -58,6 +58,10 @@ class AdaptiveSGD(Policy):
             self.n_devices, self.batch_size, b_min=c.b_min, b_max=c.b_max, delta_b=c.delta_b,
             rule=c.rule, warmup_epochs=self.warmup_epochs, deadband=c.deadband)
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
+        if c.label_weights == "positives":  # the replicas record the labels they see
+            for r in replicas:
+                if hasattr(r, "track_labels"):
+                    r.track_labels()
         # sum(W1**2) of the central model, kept up to date by the row-sparse merge.
         self._sq_w1 = None
         self._wbar = self.empty_params(self.central)
