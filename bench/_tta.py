@@ -51,16 +51,18 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
                lr_decay=0.0, warmup_epochs=None, eval_every=1.0):
     """Train once; returns a dict with the curve and totals. ``lr_decay`` and ``warmup_epochs``
     are the engine's schedule (``lr_warmup_epochs``; ``None``: each algorithm's own warm-up);
-    ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier)."""
+    ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier).
+    ``batch_size``, ``hidden``, ``optimizer``, ``lr_decay`` or a learning rate (``m.lr`` and
+    ``lr``) that is ``None`` is left to the engine's default."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
-    clf = XMCClassifier(hidden=hidden, epochs=epochs, batch_size=batch_size, optimizer=optimizer,
-                        lr=m.lr if m.lr is not None else lr, lr_decay=lr_decay,
-                        lr_warmup_epochs=warmup_epochs,
-                        devices=m.devices,
+    chosen = {"hidden": hidden, "batch_size": batch_size, "optimizer": optimizer,
+              "lr": m.lr if m.lr is not None else lr, "lr_decay": lr_decay}
+    clf = XMCClassifier(epochs=epochs, lr_warmup_epochs=warmup_epochs, devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
-                        threads=m.threads, eval_every=eval_every)
+                        threads=m.threads, eval_every=eval_every,
+                        **{k: v for k, v in chosen.items() if v is not None})
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     wall = time.perf_counter() - t0
@@ -73,7 +75,7 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
     touched = sum(r.get("rows_touched", 0) for r in merges)
     single = sum(r.get("rows_single", 0) for r in merges)
     return {"method": m.label, "algorithm": m.algorithm, "devices": m.devices,
-            "params": m.params, "lr": m.lr if m.lr is not None else lr, "seed": seed,
+            "params": m.params, "lr": clf.get_config().learning_rate, "seed": seed,
             "curve": curve, "wall_s": wall,
             "final": {"P@1": curve[-1][2], "P@3": curve[-1][3], "P@5": curve[-1][4]},
             "best_P@1": max(c[2] for c in curve),

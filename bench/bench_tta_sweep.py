@@ -55,12 +55,52 @@ def parse_config(text: str) -> dict:
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"--config is not JSON ({e}): {text!r}") from None
-    if not isinstance(cfg, dict) or any(k not in cfg for k in ("algorithm", "devices", "lr")):
-        raise argparse.ArgumentTypeError(f"--config needs algorithm, devices and lr: {text!r}")
+    if not isinstance(cfg, dict) or any(k not in cfg for k in ("algorithm", "devices")):
+        raise argparse.ArgumentTypeError(f"--config needs algorithm and devices: {text!r}")
+    return _complete(cfg)
+
+
+def _complete(cfg: dict) -> dict:
+    """Fill a configuration's optional keys: ``lr`` (``None``: the engine's default),
+    ``params``, ``threads`` (``None``: the device set's share of the cores), ``setups`` (the
+    device sets whose table lists it; default its own) and ``label``."""
+    cfg.setdefault("lr", None)
     cfg.setdefault("params", {})
-    cfg.setdefault("label", f"{cfg['algorithm']} {cfg['devices']} lr {cfg['lr']} "
-                   + " ".join(f"{k}={v}" for k, v in cfg["params"].items()))
+    cfg.setdefault("threads", None)
+    cfg.setdefault("setups", [cfg["devices"]])
+    cfg.setdefault("label", " ".join(
+        [cfg["algorithm"], cfg["devices"]]
+        + ([f"lr {cfg['lr']}"] if cfg["lr"] is not None else [])
+        + ([f"threads {cfg['threads']}"] if cfg["threads"] is not None else [])
+        + [f"{k}={v}" for k, v in cfg["params"].items()]))
     return cfg
+
+
+#: The algorithms ``--methods`` compares on a device set, besides one device alone.
+MULTI_DEVICE = ("adaptive", "sync", "average", "easgd", "crossbow")
+
+
+def standard_configs(device_sets) -> list[dict]:
+    """Issue 15's comparison, engine defaults only: on each device set every multi-device
+    algorithm, and ``single`` on the set's fastest device alone with that device's thread share.
+    A ``single`` that several sets share (same device, same threads) is run once."""
+    from xmc_engine.devices import parse_devices
+
+    configs: list[dict] = []
+    singles: dict[tuple, dict] = {}
+    for spec in device_sets:
+        devs = parse_devices(spec)
+        fast = max(devs, key=lambda d: d.speed)
+        name = fast.kind if fast.kind == "cpu" else f"{fast.kind}:{fast.idx}"
+        key = (name, fast.threads)
+        if key in singles:
+            singles[key]["setups"].append(spec)
+        else:
+            singles[key] = _complete({"algorithm": "single", "devices": name,
+                                      "threads": fast.threads, "setups": [spec]})
+            configs.append(singles[key])
+        configs += [_complete({"algorithm": a, "devices": spec}) for a in MULTI_DEVICE]
+    return configs
 
 
 def median_quartiles(times) -> tuple[float, float, float]:
@@ -73,27 +113,49 @@ def median_quartiles(times) -> tuple[float, float, float]:
     return float(np.median(t)), float(q1), float(q3)
 
 
+def subset_test(data, n_rows: int | None):
+    """``data`` with only the first ``n_rows`` test rows (``None``: all): evaluation dominates a
+    sweep's wall time on the larger sets, and every configuration sees the same rows."""
+    if n_rows is None:
+        return data
+    Xtr, Ytr, Xte, Yte = data
+    return Xtr, Ytr, Xte[:n_rows], Yte[:n_rows]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--target", type=float, required=True, help="P@1 to reach")
-    p.add_argument("--config", type=parse_config, action="append", required=True)
+    p.add_argument("--config", type=parse_config, action="append", default=[])
+    p.add_argument("--methods", action="append", default=[], metavar="DEVICES",
+                   help="add the standard comparison on this device set: every multi-device "
+                        "algorithm and the set's fastest device alone (repeatable)")
+    p.add_argument("--target", type=float, default=None,
+                   help="P@1 to reach (default: --target-frac x the best configuration's "
+                        "median best P@1)")
+    p.add_argument("--target-frac", type=float, default=0.97)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--optimizer", default="adagrad")
-    p.add_argument("--lr-decay", type=float, default=0.0)
+    p.add_argument("--hidden", type=int, default=None, help="default: the engine's")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the engine's")
+    p.add_argument("--optimizer", default=None, help="default: the engine's")
+    p.add_argument("--lr-decay", type=float, default=None, help="default: the engine's")
+    p.add_argument("--warmup-epochs", type=float, default=None,
+                   help="default: each algorithm's own (the engine's)")
     p.add_argument("--eval-every", type=float, default=0.125)
+    p.add_argument("--test-rows", type=int, default=None,
+                   help="evaluate on the first N test rows only (default: all)")
     p.add_argument("--out", default=None, help="results JSON (default: "
                    "bench/results/tta_sweep/<dataset>.json)")
     args = p.parse_args(argv)
+    configs = args.config + standard_configs(args.methods)
+    if not configs:
+        p.error("give at least one --config or --methods")
     meta = _common.result_metadata()
 
-    data = _tta.load_data(args.data)
+    data = subset_test(_tta.load_data(args.data), args.test_rows)
     out = Path(args.out or _common.RESULTS_DIR / "tta_sweep" / f"{_tta.data_tag(args.data)}.json")
     methods = [_tta.Method(cfg["label"], cfg["algorithm"], cfg["devices"], dict(cfg["params"]),
-                           lr=float(cfg["lr"])) for cfg in args.config]
+                           lr=cfg["lr"], threads=cfg["threads"]) for cfg in configs]
     runs: list[list[dict]] = [[] for _ in methods]
     # Seeds outside, configurations inside: a drift of the machine's speed during the sweep
     # then falls on every configuration alike.
@@ -101,36 +163,61 @@ def main(argv=None) -> int:
         for m, acc in zip(methods, runs, strict=True):
             r = _tta.run_method(m, data, epochs=args.epochs, lr=m.lr, batch_size=args.batch_size,
                                 hidden=args.hidden, seed=seed, optimizer=args.optimizer,
-                                lr_decay=args.lr_decay, warmup_epochs=0.0,
+                                lr_decay=args.lr_decay, warmup_epochs=args.warmup_epochs,
                                 eval_every=args.eval_every)
-            acc.append({"seed": seed,
-                        "time_to_target_s": _tta.time_to_target(r["curve"], args.target),
-                        "epoch_at_target": next((c[1] for c in r["curve"]
-                                                 if c[2] >= args.target), None),
+            acc.append({"seed": seed, "lr": r["lr"], "best_P@1": r["best_P@1"],
                         "final_P@1": r["final"]["P@1"],
                         "rows_single_share": r["rows_single_share"], "curve": r["curve"]})
         print(f"  seed {seed} done", flush=True)
+    target = args.target
+    if target is None:
+        target = args.target_frac * max(float(np.median([x["best_P@1"] for x in acc]))
+                                        for acc in runs)
     rows = []
-    print(f"{'configuration':58s} {'median s':>9s} {'quartiles s':>13s} {'median epoch':>12s} "
-          f"{'final P@1':>9s} {'1-replica rows':>14s}")
-    for cfg, acc in zip(args.config, runs, strict=True):
+    for cfg, acc in zip(configs, runs, strict=True):
+        for x in acc:
+            x["time_to_target_s"] = _tta.time_to_target(x["curve"], target)
+            x["epoch_at_target"] = next((c[1] for c in x["curve"] if c[2] >= target), None)
         ep = np.array([np.inf if x["epoch_at_target"] is None else x["epoch_at_target"]
                        for x in acc])
         med, q1, q3 = median_quartiles([x["time_to_target_s"] for x in acc])
-        final = float(np.mean([x["final_P@1"] for x in acc]))
+        finals = [x["final_P@1"] for x in acc]
         shares = [x["rows_single_share"] for x in acc if x["rows_single_share"] is not None]
-        share = float(np.mean(shares)) if shares else None
         rows.append({"config": cfg, "median_time_to_target_s": med, "quartiles_s": [q1, q3],
-                     "median_epoch_at_target": float(np.median(ep)), "final_P@1": final,
-                     "final_P@1_runs": [x["final_P@1"] for x in acc],
-                     "rows_single_share": share, "runs": acc})
-        print(f"{cfg['label'][:58]:58s} {med:9.3f} {q1:6.2f}-{q3:<6.2f} {np.median(ep):12.2f} "
-              f"{final:9.4f} {'' if share is None else f'{share:14.3f}'}", flush=True)
+                     "median_epoch_at_target": float(np.median(ep)),
+                     "final_P@1": float(np.median(finals)), "final_P@1_runs": finals,
+                     "rows_single_share": float(np.mean(shares)) if shares else None,
+                     "runs": acc})
+    print_tables(rows, target)
     path = _common.write_result(out, {
-        **meta, "benchmark": "tta_sweep",
-        "args": {k: v for k, v in vars(args).items() if k != "config"}, "rows": rows})
+        **meta, "benchmark": "tta_sweep", "target_P@1": target,
+        "args": {k: v for k, v in vars(args).items() if k not in ("config", "methods")},
+        "device_sets": args.methods, "rows": rows})
     print(f"wrote {path}")
     return 0
+
+
+def print_tables(rows, target: float) -> None:
+    """One table per device set: median and quartiles of the time to ``target``, the ratio to
+    ``adaptive`` on that set (above 1: slower than adaptive), median epoch at the target, median
+    final P@1 and the share of changed W1 rows that one replica alone changed."""
+    setups = list(dict.fromkeys(s for r in rows for s in r["config"]["setups"]))
+    print(f"target P@1 {target:.4f}")
+    for setup in setups:
+        mine = [r for r in rows if setup in r["config"]["setups"]]
+        ref = next((r["median_time_to_target_s"] for r in mine
+                    if r["config"]["algorithm"] == "adaptive"
+                    and r["config"]["devices"] == setup), None)
+        print(f"\n{setup}")
+        print(f"{'configuration':46s} {'median s':>9s} {'quartiles s':>13s} {'x adaptive':>10s} "
+              f"{'epoch':>6s} {'final P@1':>9s} {'1-replica rows':>14s}")
+        for r in mine:
+            med, (q1, q3) = r["median_time_to_target_s"], r["quartiles_s"]
+            ratio = med / ref if ref and np.isfinite(ref) else float("nan")
+            share = r["rows_single_share"]
+            print(f"{r['config']['label'][:46]:46s} {med:9.3f} {q1:6.2f}-{q3:<6.2f} "
+                  f"{ratio:10.2f} {r['median_epoch_at_target']:6.2f} {r['final_P@1']:9.4f} "
+                  f"{'' if share is None else f'{share:14.3f}'}", flush=True)
 
 
 if __name__ == "__main__":

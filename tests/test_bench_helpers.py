@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import _common  # noqa: E402
 from _tta import summarise, time_to_target  # noqa: E402
 from bench_time_to_accuracy import pick_lr  # noqa: E402
-from bench_tta_sweep import median_quartiles, parse_config  # noqa: E402
+from bench_tta_sweep import median_quartiles, parse_config, standard_configs  # noqa: E402
 
 
 def test_time_to_target_interpolates_between_evaluations():
@@ -74,18 +74,38 @@ def test_target_is_a_fraction_of_the_best_methods_median_best():
     assert s["best_P@1_any_run"] == pytest.approx(0.9)
 
 
-def test_sweep_config_needs_algorithm_devices_and_lr():
+def test_sweep_config_needs_algorithm_and_devices():
     cfg = parse_config('{"algorithm": "adaptive", "devices": "cpu,cpu", "lr": 0.1, '
                        '"params": {"merge_period": 4096}}')
     assert cfg["label"] == "adaptive cpu,cpu lr 0.1 merge_period=4096"
+    assert cfg["setups"] == ["cpu,cpu"] and cfg["threads"] is None
+    # without lr: the engine's default learning rate, and the label says nothing of it
+    cfg = parse_config('{"algorithm": "sync", "devices": "cpu,cpu@0.5"}')
+    assert cfg["lr"] is None and cfg["label"] == "sync cpu,cpu@0.5"
     import argparse
 
     with pytest.raises(argparse.ArgumentTypeError, match="not JSON"):
         parse_config("{algorithm: adaptive}")
-    with pytest.raises(argparse.ArgumentTypeError, match="needs algorithm, devices and lr"):
+    with pytest.raises(argparse.ArgumentTypeError, match="needs algorithm and devices"):
         parse_config('{"algorithm": "adaptive"}')
-    with pytest.raises(argparse.ArgumentTypeError, match="needs algorithm, devices and lr"):
+    with pytest.raises(argparse.ArgumentTypeError, match="needs algorithm and devices"):
         parse_config("3")
+
+
+def test_standard_configs_share_one_single_run_per_device_and_thread_share(monkeypatch):
+    import xmc_engine.devices as devices
+
+    monkeypatch.setattr(devices, "available_cores", lambda: 2)
+    configs = standard_configs(["cpu,cpu@0.5", "cpu,cpu"])
+    singles = [c for c in configs if c["algorithm"] == "single"]
+    # both sets' fastest device is one CPU with one of the two cores: one run serves both tables
+    assert len(singles) == 1
+    assert singles[0]["devices"] == "cpu" and singles[0]["threads"] == 1
+    assert singles[0]["setups"] == ["cpu,cpu@0.5", "cpu,cpu"]
+    for spec in ("cpu,cpu@0.5", "cpu,cpu"):
+        assert sorted(c["algorithm"] for c in configs if c["devices"] == spec) == sorted(
+            ["adaptive", "sync", "average", "easgd", "crossbow"])
+    assert all(c["lr"] is None and c["params"] == {} for c in configs)
 
 
 def test_sweep_statistics_count_never_reached_as_slowest():
