@@ -276,3 +276,41 @@ def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorit
                     == pytest.approx([x["weight"] for x in d["devices"]], rel=1e-9))
         assert np.sqrt(sum(sq_norms(sparse_params, be))) == pytest.approx(sparse_log[-1]["norm"],
                                                                     rel=1e-5)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("state", ["keep", "average", "reset"])
+def test_optimizer_state_at_a_merge(be, wide, state, sparse, monkeypatch):
+    """``optimizer_state``: after a merge the replicas keep their own Adagrad accumulators, get
+    their merge-weighted average, or zeros, on the row-sparse and on the dense merge path."""
+    import xmc_engine.algorithms.adaptive as adaptive
+
+    seen = []
+    real = adaptive.AdaptiveSGD._merge_optimizer_state
+
+    def spy(self, replicas, p):
+        before = [[np.array(a) for a in r.accumulators()] for r in replicas]
+        real(self, replicas, p)
+        seen.append((before, [float(x) for x in p],
+                     [[np.array(a) for a in r.accumulators()] for r in replicas]))
+
+    monkeypatch.setattr(adaptive.AdaptiveSGD, "_merge_optimizer_state", spy)
+    X, Y = wide
+    reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+    with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
+                      lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
+                      sparse_merge=sparse, optimizer_state=state, seed=3, mode="simulated",
+                      cost=lambda i, b: 1e-3 * b) as tr:
+        tr.run_epoch(0)
+    assert len(seen) >= 3
+    for before, p, after in seen:
+        assert not np.array_equal(before[0][0], before[1][0])  # the replicas' states differed
+        for i in range(2):
+            for k, a in enumerate(after[i]):
+                if state == "keep":
+                    want = before[i][k]
+                elif state == "average":
+                    want = p[0] * before[0][k] + p[1] * before[1][k]
+                else:
+                    want = np.zeros_like(a)
+                np.testing.assert_allclose(a, want, rtol=1e-6, atol=1e-7)

@@ -64,6 +64,8 @@ FLAG_RULES = ("norm_rise", "always", "never")
 ROW_WEIGHTS = ("updates", "touched")
 #: merge weights of an output label (AdaptiveConfig.label_weights)
 LABEL_WEIGHTS = ("updates", "positives")
+#: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
+OPTIMIZER_STATES = ("keep", "average", "reset")
 #: Rows per chunk of top-k prediction (evaluation and ``predict_topk``); the memory planner
 #: sizes the prediction workspace with it.
 EVAL_ROWS = 4096
@@ -247,6 +249,11 @@ class AdaptiveConfig(AlgorithmConfig):
         weights of ``W2``'s column ``l`` and ``b2[l]`` over the replicas whose batches held
         label ``l`` as a positive in the period (a label no replica saw keeps the paper's
         weights); same conditions as ``row_weights``.
+    optimizer_state : {'keep', 'average', 'reset'}
+        What a merge does to each replica's Adagrad accumulators (nothing with SGD). ``'keep'``:
+        every replica keeps its own across merges. ``'average'``: every replica gets the
+        merge-weighted average of them (one optimizer state for the merged model). ``'reset'``:
+        zeros, as for a new model.
     """
 
     merge_period: int = 4096
@@ -262,12 +269,14 @@ class AdaptiveConfig(AlgorithmConfig):
     sparse_merge: bool = True
     row_weights: str = "updates"
     label_weights: str = "updates"
+    optimizer_state: str = "keep"
 
     def __post_init__(self):
         super().__post_init__()
         self._check_min(1, "merge_period", "delta_b")
         self._check_choice("row_weights", ROW_WEIGHTS)
         self._check_choice("label_weights", LABEL_WEIGHTS)
+        self._check_choice("optimizer_state", OPTIMIZER_STATES)
         if not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
         self._check_choice("rule", BATCH_RULES)

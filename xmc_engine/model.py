@@ -180,6 +180,12 @@ class MLPReplica:
         for dst, src in zip(self._acc, state, strict=True):
             self.backend.copy_into(dst, np.asarray(src, dtype=np.float32))
 
+    def accumulators(self) -> list:
+        """The live Adagrad accumulators on this replica's backend, one per parameter (empty
+        for SGD): a merge may average or reset them in place
+        (:attr:`~xmc_engine.config.AdaptiveConfig.optimizer_state`)."""
+        return [] if self._acc is None else self._acc
+
     # -- Replica protocol ----------------------------------------------------------------------
     def params(self) -> list:
         return self._params

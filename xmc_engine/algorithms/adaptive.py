@@ -65,6 +65,7 @@ class AdaptiveSGD(Policy):
         # sum(W1**2) of the central model, kept up to date by the row-sparse merge.
         self._sq_w1 = None
         self._wbar = self.empty_params(self.central)
+        self._acc = None  # merged Adagrad accumulators (optimizer_state != 'keep'), lazily
         if c.momentum > 0:
             # z_{t-1} and z_{t-2} start at the initial model: the first merge has no momentum.
             self._z1 = self.central
@@ -85,6 +86,7 @@ class AdaptiveSGD(Policy):
         if c.sparse_merge and c.momentum == 0:
             info = self._merge_sparse(replicas, updates, flag, ctx)
             if info is not None:
+                self._merge_optimizer_state(replicas, info["weights"])
                 return info
         params = [r.params() for r in replicas]
         counts, bad = self.finite_updates(params, updates, ctx)
@@ -108,6 +110,7 @@ class AdaptiveSGD(Policy):
         else:
             self.central, self._wbar = self._wbar, self.central
         self.broadcast(replicas, self.central)
+        self._merge_optimizer_state(replicas, p)
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
                 "nonfinite": bad, **nodes}
 
@@ -133,6 +136,21 @@ class AdaptiveSGD(Policy):
             self.trend.observe(norm)
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
                 "nonfinite": [], **stats}
+
+    def _merge_optimizer_state(self, replicas, p) -> None:
+        """``optimizer_state``: every replica's Adagrad accumulators become their merge-weighted
+        average (``'average'``) or zeros (``'reset'``); nothing for ``'keep'`` or SGD."""
+        mode = self.config.optimizer_state
+        accs = [r.accumulators() if hasattr(r, "accumulators") else [] for r in replicas]
+        if mode == "keep" or not all(accs):
+            return
+        if self._acc is None:
+            self._acc = [self.backend.zeros(a.shape, a.dtype) for a in accs[0]]
+        if mode == "average":
+            weighted_merge(accs, p, self._acc, self.backend, check=False)
+        for acc in accs:
+            for dst, src in zip(acc, self._acc, strict=True):
+                self.backend.copy_into(dst, src)
 
     def state_dict(self) -> dict[str, Any]:
         """Batch sizes and the norm history of the trend flag (momentum buffers restart at the
