@@ -20,6 +20,11 @@ def test_step_rule_directions_and_bounds():
     assert c.update(1.0, [10, 5, 6], [1, 1, 1], [1, 1, 1]) == [96, 32, 32]
     assert c.update(1.0, [10, 5, 6], [1, 1, 1], [1, 1, 1]) == [96, 32, 32]  # clipped
     assert c.learning_rates(0.1) == pytest.approx([0.15, 0.05, 0.05])
+    assert c.learning_rates(0.1, "sqrt") == pytest.approx([0.1 * 1.5 ** 0.5, 0.1 * 0.5 ** 0.5,
+                                                           0.1 * 0.5 ** 0.5])
+    assert c.learning_rates(0.1, "none") == pytest.approx([0.1] * 3)
+    with pytest.raises(ValueError, match="choose one of linear, sqrt, none"):
+        c.learning_rates(0.1, "cubic")
 
 
 def test_step_rule_deadband_and_warmup():

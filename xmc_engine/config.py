@@ -66,6 +66,8 @@ ROW_WEIGHTS = ("updates", "touched")
 LABEL_WEIGHTS = ("updates", "positives")
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
+#: a device's learning rate against its batch size (AdaptiveConfig.lr_scaling)
+LR_SCALINGS = ("linear", "sqrt", "none")
 #: Rows per chunk of top-k prediction (evaluation and ``predict_topk``); the memory planner
 #: sizes the prediction workspace with it.
 EVAL_ROWS = 4096
@@ -254,6 +256,9 @@ class AdaptiveConfig(AlgorithmConfig):
         every replica keeps its own across merges. ``'average'``: every replica gets the
         merge-weighted average of them (one optimizer state for the merged model). ``'reset'``:
         zeros, as for a new model.
+    lr_scaling : {'linear', 'sqrt', 'none'}
+        Device ``i``'s learning rate against its batch ``b_i``: ``lr(t) b_i / B`` (the paper's
+        linear scaling), ``lr(t) sqrt(b_i / B)``, or ``lr(t)`` for every device.
     """
 
     merge_period: int = 4096
@@ -270,6 +275,7 @@ class AdaptiveConfig(AlgorithmConfig):
     row_weights: str = "updates"
     label_weights: str = "updates"
     optimizer_state: str = "keep"
+    lr_scaling: str = "linear"
 
     def __post_init__(self):
         super().__post_init__()
@@ -277,6 +283,7 @@ class AdaptiveConfig(AlgorithmConfig):
         self._check_choice("row_weights", ROW_WEIGHTS)
         self._check_choice("label_weights", LABEL_WEIGHTS)
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
+        self._check_choice("lr_scaling", LR_SCALINGS)
         if not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
         self._check_choice("rule", BATCH_RULES)

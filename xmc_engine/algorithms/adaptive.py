@@ -76,8 +76,9 @@ class AdaptiveSGD(Policy):
         return list(self.controller.batch_sizes)
 
     def device_lrs(self, lr: float) -> list[float]:
-        """``lr_i = lr(t) b_i / B``: linear scaling with each device's batch (§III-C)."""
-        return self.controller.learning_rates(lr)
+        """``lr_i = lr(t) b_i / B``: linear scaling with each device's batch (§III-C), or the
+        rule of ``lr_scaling``."""
+        return self.controller.learning_rates(lr, self.config.lr_scaling)
 
     def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B)."""

@@ -7,12 +7,13 @@ DESIGN.md §4.2, §4.4, §4.5.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from xmc_engine.config import BATCH_RULES
+from xmc_engine.config import BATCH_RULES, LR_SCALINGS
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +97,17 @@ class BatchSizeController:
         self.deadband = float(deadband)
         self.batch_sizes = [self.batch_size] * self.n_devices
 
-    def learning_rates(self, lr: float) -> list[float]:
-        """Per-device ``lr_i = lr(t) * b_i / B`` (linear scaling, arXiv 2110.07029 §III-C)."""
-        return [lr * b / self.batch_size for b in self.batch_sizes]
+    def learning_rates(self, lr: float, scaling: str = "linear") -> list[float]:
+        """Per-device ``lr_i = lr(t) * b_i / B`` (``scaling="linear"``, arXiv 2110.07029
+        §III-C), ``lr(t) * sqrt(b_i / B)`` (``"sqrt"``) or ``lr(t)`` (``"none"``)."""
+        if scaling == "linear":
+            return [lr * b / self.batch_size for b in self.batch_sizes]
+        if scaling == "sqrt":
+            return [lr * math.sqrt(b / self.batch_size) for b in self.batch_sizes]
+        if scaling == "none":
+            return [lr] * self.n_devices
+        raise ValueError(f"learning-rate scaling {scaling!r}: choose one of "
+                         f"{', '.join(LR_SCALINGS)}")
 
     def update(self, progress: float, updates: Sequence[int], samples: Sequence[int],
                busy_s: Sequence[float]) -> list[int]:
