@@ -34,6 +34,9 @@ def test_config_errors():
         AdaptiveConfig(rule="magic")
     with pytest.raises(ConfigError, match="flag_rule"):
         AdaptiveConfig(flag_rule="sometimes")
+    for name in ("row_weights", "label_weights", "optimizer_state", "lr_scaling"):
+        with pytest.raises(ConfigError, match=f"{name} must be one of .*got 'bogus'"):
+            AdaptiveConfig(**{name: "bogus"})
     with pytest.raises(ConfigError, match="b_min"):
         AdaptiveConfig(b_min=64, b_max=32)
     with pytest.raises(ConfigError, match="boost"):
