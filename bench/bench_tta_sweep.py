@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--data", help="dataset name or path, or synthetic:N:FEATURES:LABELS")
     p.add_argument("--from-results", nargs="+", metavar="JSON", default=None,
                    help="run nothing: print the saved sweeps' tables as Markdown")
+    p.add_argument("--summary", action="store_true",
+                   help="with --from-results: one table, a row per dataset and device set")
     p.add_argument("--config", type=parse_config, action="append", default=[])
     p.add_argument("--methods", action="append", default=[], metavar="DEVICES",
                    help="add the standard comparison on this device set: every multi-device "
@@ -150,8 +152,12 @@ def main(argv=None) -> int:
                    "bench/results/tta_sweep/<dataset>.json)")
     args = p.parse_args(argv)
     if args.from_results:
-        for path in args.from_results:
-            print_markdown(json.loads(Path(path).read_text(encoding="utf-8")), path)
+        results = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.from_results]
+        if args.summary:
+            print_summary(results)
+        for path, result in zip(args.from_results, results, strict=True):
+            if not args.summary:
+                print_markdown(result, path)
         return 0
     if not args.data:
         p.error("--data is required (or --from-results)")
@@ -263,6 +269,30 @@ def print_markdown(result: dict, path: str = "") -> None:
             print(f"| {r['config']['label']} | {_fmt_s(med)} | {_fmt_s(q1)}-{_fmt_s(q3)} | "
                   f"{ratio} | {'' if not np.isfinite(ep) else f'{ep:.2f}'} | "
                   f"{np.median(finals):.4f} ({min(finals):.4f}-{max(finals):.4f}) |")
+
+
+def print_summary(results) -> None:
+    """Saved sweeps of ``--methods`` as one Markdown table: per dataset and device set, each
+    algorithm's median time to the target (its ratio to ``adaptive`` in brackets), then
+    ``adaptive``'s median final P@1 against the best algorithm's."""
+    algos = ("single", "adaptive", "sync", "average", "easgd", "crossbow")
+    print("| data | devices | " + " | ".join(algos) + " | final P@1 adaptive / best |")
+    print("|---|---|" + "---:|" * len(algos) + "---|")
+    for result in results:
+        rows = [r for r in result["rows"] if not r["config"]["params"]]
+        for setup in dict.fromkeys(s for r in rows for s in r["config"]["setups"]):
+            mine = {r["config"]["algorithm"]: r for r in rows
+                    if setup in r["config"]["setups"]}
+            ref = _time(mine["adaptive"]["median_time_to_target_s"])
+            cells = []
+            for a in algos:
+                t = _time(mine[a]["median_time_to_target_s"]) if a in mine else np.nan
+                ratio = f" ({t / ref:.2f})" if np.isfinite(t) and np.isfinite(ref) else ""
+                cells.append(_fmt_s(t) + ratio if a in mine else "")
+            finals = {a: float(np.median(r["final_P@1_runs"])) for a, r in mine.items()}
+            best = max(finals, key=finals.get)
+            print(f"| {result['args']['data']} | `{setup}` | " + " | ".join(cells)
+                  + f" | {finals['adaptive']:.4f} / {finals[best]:.4f} ({best}) |")
 
 
 if __name__ == "__main__":

@@ -195,3 +195,21 @@ def test_sweep_markdown_reads_never_reached_back_from_json(capsys):
     assert "| adaptive cpu,cpu | 2.00 | 1.00-3.00 | 1.00 | 1.00 | 0.6100 (0.6000-0.6200) |" in out
     assert "| sync cpu,cpu | 4.00 | 3.00-not reached | 2.00 | 2.00 |" in out
     assert "| easgd cpu,cpu | not reached | not reached-not reached |  |  | 0.4250" in out
+
+
+def test_sweep_summary_gives_ratios_to_adaptive_and_the_best_final(capsys):
+    from bench_tta_sweep import print_summary
+
+    def row(algorithm, devices, med, finals, setups=None):
+        return {"config": {"algorithm": algorithm, "devices": devices, "params": {},
+                           "label": algorithm, "setups": setups or [devices]},
+                "median_time_to_target_s": med, "final_P@1_runs": finals}
+
+    result = {"args": {"data": "toy"},
+              "rows": [row("single", "cpu", 1.0, [0.5, 0.7], ["cpu,cpu"]),
+                       row("adaptive", "cpu,cpu", 2.0, [0.6, 0.6]),
+                       row("sync", "cpu,cpu", None, [0.4, 0.4])]}
+    print_summary([result])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("| toy | `cpu,cpu` | 1.00 (0.50) | 2.00 (1.00) | not reached |  |  |  "
+                       "| 0.6000 / 0.6000 (single) |")
