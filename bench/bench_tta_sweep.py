@@ -129,6 +129,10 @@ def main(argv=None) -> int:
                    help="run nothing: print the saved sweeps' tables as Markdown")
     p.add_argument("--summary", action="store_true",
                    help="with --from-results: one table, a row per dataset and device set")
+    p.add_argument("--ablation", action="store_true",
+                   help="with --from-results: one table, a row per option, a column per "
+                        "dataset and device set: the option's time and final P@1 against the "
+                        "same algorithm's defaults")
     p.add_argument("--config", type=parse_config, action="append", default=[])
     p.add_argument("--methods", action="append", default=[], metavar="DEVICES",
                    help="add the standard comparison on this device set: every multi-device "
@@ -155,8 +159,10 @@ def main(argv=None) -> int:
         results = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.from_results]
         if args.summary:
             print_summary(results)
-        for path, result in zip(args.from_results, results, strict=True):
-            if not args.summary:
+        elif args.ablation:
+            print_ablation(results)
+        else:
+            for path, result in zip(args.from_results, results, strict=True):
                 print_markdown(result, path)
         return 0
     if not args.data:
@@ -293,6 +299,40 @@ def print_summary(results) -> None:
             best = max(finals, key=finals.get)
             print(f"| {result['args']['data']} | `{setup}` | " + " | ".join(cells)
                   + f" | {finals['adaptive']:.4f} / {finals[best]:.4f} ({best}) |")
+
+
+def print_ablation(results) -> None:
+    """Saved sweeps of one algorithm's options as one Markdown table: per dataset and device set
+    (a row) and per option (a column), the ratio of its median time to the target to that of
+    the same algorithm with no options on the same devices (below 1: sooner), and the
+    difference of the median final P@1."""
+    columns, cells = [], {}
+    for result in results:
+        for r in result["rows"]:
+            c = r["config"]
+            if c["params"]:
+                continue
+            col = (result["args"]["data"], c["devices"])
+            ref_t = _time(r["median_time_to_target_s"])
+            ref_p = float(np.median(r["final_P@1_runs"]))
+            for o in result["rows"]:
+                oc = o["config"]
+                if oc["algorithm"] != c["algorithm"] or oc["devices"] != c["devices"] \
+                        or not oc["params"]:
+                    continue
+                t = _time(o["median_time_to_target_s"])
+                ratio = f"{t / ref_t:.2f}" if np.isfinite(t) and np.isfinite(ref_t) else "-"
+                dp = float(np.median(o["final_P@1_runs"])) - ref_p
+                option = ", ".join(f"{k}={v}" for k, v in oc["params"].items())
+                cells[(oc["algorithm"] + " " + option, col)] = f"{ratio} / {dp:+.3f}"
+                columns.append(col)
+    columns = list(dict.fromkeys(columns))
+    options = list(dict.fromkeys(k[0] for k in cells))
+    print("| data | devices | " + " | ".join(options) + " |")
+    print("|---|---|" + "---|" * len(options))
+    for col in columns:
+        print(f"| {col[0]} | `{col[1]}` | "
+              + " | ".join(cells.get((option, col), "") for option in options) + " |")
 
 
 if __name__ == "__main__":

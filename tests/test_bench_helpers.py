@@ -213,3 +213,21 @@ def test_sweep_summary_gives_ratios_to_adaptive_and_the_best_final(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == ("| toy | `cpu,cpu` | 1.00 (0.50) | 2.00 (1.00) | not reached |  |  |  "
                        "| 0.6000 / 0.6000 (single) |")
+
+
+def test_sweep_ablation_compares_each_option_with_the_same_algorithm_s_defaults(capsys):
+    from bench_tta_sweep import print_ablation
+
+    def row(devices, params, med, finals):
+        return {"config": {"algorithm": "adaptive", "devices": devices, "params": params},
+                "median_time_to_target_s": med, "final_P@1_runs": finals}
+
+    result = {"args": {"data": "toy"},
+              "rows": [row("cpu,cpu", {}, 2.0, [0.60, 0.62]),
+                       row("cpu,cpu", {"boost": False}, 1.0, [0.60, 0.60]),
+                       row("cpu,cpu", {"merge_period": 8}, None, [0.50, 0.50]),
+                       row("cpu,cpu@0.5", {}, 4.0, [0.5, 0.5])]}  # no option: no row
+    print_ablation([result])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| data | devices | adaptive boost=False | adaptive merge_period=8 |"
+    assert out[2:] == ["| toy | `cpu,cpu` | 0.50 / -0.010 | - / -0.110 |"]
