@@ -124,7 +124,15 @@ def subset_test(data, n_rows: int | None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", help="dataset name or path, or synthetic:N:FEATURES:LABELS")
+    p.add_argument("--from-results", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: print the saved sweeps' tables as Markdown")
+    p.add_argument("--summary", action="store_true",
+                   help="with --from-results: one table, a row per dataset and device set")
+    p.add_argument("--ablation", action="store_true",
+                   help="with --from-results: one table, a row per option, a column per "
+                        "dataset and device set: the option's time and final P@1 against the "
+                        "same algorithm's defaults")
     p.add_argument("--config", type=parse_config, action="append", default=[])
     p.add_argument("--methods", action="append", default=[], metavar="DEVICES",
                    help="add the standard comparison on this device set: every multi-device "
@@ -147,6 +155,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="results JSON (default: "
                    "bench/results/tta_sweep/<dataset>.json)")
     args = p.parse_args(argv)
+    if args.from_results:
+        results = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.from_results]
+        if args.summary:
+            print_summary(results)
+        elif args.ablation:
+            print_ablation(results)
+        else:
+            for path, result in zip(args.from_results, results, strict=True):
+                print_markdown(result, path)
+        return 0
+    if not args.data:
+        p.error("--data is required (or --from-results)")
     configs = args.config + standard_configs(args.methods)
     if not configs:
         p.error("give at least one --config or --methods")
@@ -218,6 +238,101 @@ def print_tables(rows, target: float) -> None:
             print(f"{r['config']['label'][:46]:46s} {med:9.3f} {q1:6.2f}-{q3:<6.2f} "
                   f"{ratio:10.2f} {r['median_epoch_at_target']:6.2f} {r['final_P@1']:9.4f} "
                   f"{'' if share is None else f'{share:14.3f}'}", flush=True)
+
+
+def _time(t) -> float:
+    """A time read back from JSON, where ``inf`` (never reached) was written as ``null``."""
+    return np.inf if t is None else float(t)
+
+
+def _fmt_s(t: float) -> str:
+    return "not reached" if not np.isfinite(t) else f"{t:.2f}"
+
+
+def print_markdown(result: dict, path: str = "") -> None:
+    """A saved sweep as Markdown: one table per device set, the columns of
+    :func:`print_tables` plus the per-seed final P@1 range."""
+    rows = result["rows"]
+    print(f"\n{path}: {result['args']['data']}, target P@1 {result['target_P@1']:.4f}, "
+          f"{len(rows[0]['runs'])} seeds, commit {str(result.get('git_commit'))[:7]}")
+    setups = list(dict.fromkeys(s for r in rows for s in r["config"]["setups"]))
+    for setup in setups:
+        mine = [r for r in rows if setup in r["config"]["setups"]]
+        ref = next((_time(r["median_time_to_target_s"]) for r in mine
+                    if r["config"]["algorithm"] == "adaptive"
+                    and r["config"]["devices"] == setup and not r["config"]["params"]), None)
+        print(f"\n`{setup}`\n")
+        print("| configuration | median s to target | quartiles | x adaptive | epoch at target "
+              "| final P@1 (median, range) |")
+        print("|---|---:|---|---:|---:|---|")
+        for r in mine:
+            med, q1, q3 = (_time(t) for t in (r["median_time_to_target_s"],
+                                              *r["quartiles_s"]))
+            ratio = (f"{med / ref:.2f}" if ref and np.isfinite(ref) and np.isfinite(med)
+                     else "")
+            ep = _time(r["median_epoch_at_target"])
+            finals = r["final_P@1_runs"]
+            print(f"| {r['config']['label']} | {_fmt_s(med)} | {_fmt_s(q1)}-{_fmt_s(q3)} | "
+                  f"{ratio} | {'' if not np.isfinite(ep) else f'{ep:.2f}'} | "
+                  f"{np.median(finals):.4f} ({min(finals):.4f}-{max(finals):.4f}) |")
+
+
+def print_summary(results) -> None:
+    """Saved sweeps of ``--methods`` as one Markdown table: per dataset and device set, each
+    algorithm's median time to the target (its ratio to ``adaptive`` in brackets), then
+    ``adaptive``'s median final P@1 against the best algorithm's."""
+    algos = ("single", "adaptive", "sync", "average", "easgd", "crossbow")
+    print("| data | devices | " + " | ".join(algos) + " | final P@1 adaptive / best |")
+    print("|---|---|" + "---:|" * len(algos) + "---|")
+    for result in results:
+        rows = [r for r in result["rows"] if not r["config"]["params"]]
+        for setup in dict.fromkeys(s for r in rows for s in r["config"]["setups"]):
+            mine = {r["config"]["algorithm"]: r for r in rows
+                    if setup in r["config"]["setups"]}
+            ref = _time(mine["adaptive"]["median_time_to_target_s"])
+            cells = []
+            for a in algos:
+                t = _time(mine[a]["median_time_to_target_s"]) if a in mine else np.nan
+                ratio = f" ({t / ref:.2f})" if np.isfinite(t) and np.isfinite(ref) else ""
+                cells.append(_fmt_s(t) + ratio if a in mine else "")
+            finals = {a: float(np.median(r["final_P@1_runs"])) for a, r in mine.items()}
+            best = max(finals, key=finals.get)
+            print(f"| {result['args']['data']} | `{setup}` | " + " | ".join(cells)
+                  + f" | {finals['adaptive']:.4f} / {finals[best]:.4f} ({best}) |")
+
+
+def print_ablation(results) -> None:
+    """Saved sweeps of one algorithm's options as one Markdown table: per dataset and device set
+    (a row) and per option (a column), the ratio of its median time to the target to that of
+    the same algorithm with no options on the same devices (below 1: sooner), and the
+    difference of the median final P@1."""
+    columns, cells = [], {}
+    for result in results:
+        for r in result["rows"]:
+            c = r["config"]
+            if c["params"]:
+                continue
+            col = (result["args"]["data"], c["devices"])
+            ref_t = _time(r["median_time_to_target_s"])
+            ref_p = float(np.median(r["final_P@1_runs"]))
+            for o in result["rows"]:
+                oc = o["config"]
+                if oc["algorithm"] != c["algorithm"] or oc["devices"] != c["devices"] \
+                        or not oc["params"]:
+                    continue
+                t = _time(o["median_time_to_target_s"])
+                ratio = f"{t / ref_t:.2f}" if np.isfinite(t) and np.isfinite(ref_t) else "-"
+                dp = float(np.median(o["final_P@1_runs"])) - ref_p
+                option = ", ".join(f"{k}={v}" for k, v in oc["params"].items())
+                cells[(oc["algorithm"] + " " + option, col)] = f"{ratio} / {dp:+.3f}"
+                columns.append(col)
+    columns = list(dict.fromkeys(columns))
+    options = list(dict.fromkeys(k[0] for k in cells))
+    print("| data | devices | " + " | ".join(options) + " |")
+    print("|---|---|" + "---|" * len(options))
+    for col in columns:
+        print(f"| {col[0]} | `{col[1]}` | "
+              + " | ".join(cells.get((option, col), "") for option in options) + " |")
 
 
 if __name__ == "__main__":

@@ -173,3 +173,61 @@ def test_write_result_refuses_a_payload_without_its_metadata(tmp_path):
     meta = {"command": "python bench/b.py", "git_commit": None, "machine": {"cpu_model": "x"}}
     path = _common.write_result(tmp_path / "r.json", {**meta, "rows": [float("inf")]})
     assert json.loads(path.read_text()) == {**meta, "rows": [None]}
+
+
+def test_sweep_markdown_reads_never_reached_back_from_json(capsys):
+    from bench_tta_sweep import print_markdown
+
+    def row(algorithm, med, q, finals, epoch):
+        return {"config": {"algorithm": algorithm, "devices": "cpu,cpu", "params": {},
+                           "label": f"{algorithm} cpu,cpu", "setups": ["cpu,cpu"]},
+                "median_time_to_target_s": med, "quartiles_s": q,
+                "median_epoch_at_target": epoch, "final_P@1_runs": finals, "runs": [{}, {}]}
+
+    # as written by write_result: inf became null
+    result = {"args": {"data": "toy"}, "target_P@1": 0.5, "git_commit": "abcdef123",
+              "rows": [row("adaptive", 2.0, [1.0, 3.0], [0.6, 0.62], 1.0),
+                       row("sync", 4.0, [3.0, None], [0.55, 0.57], 2.0),
+                       row("easgd", None, [None, None], [0.4, 0.45], None)]}
+    print_markdown(result)
+    out = capsys.readouterr().out
+    assert "toy, target P@1 0.5000, 2 seeds, commit abcdef1" in out
+    assert "| adaptive cpu,cpu | 2.00 | 1.00-3.00 | 1.00 | 1.00 | 0.6100 (0.6000-0.6200) |" in out
+    assert "| sync cpu,cpu | 4.00 | 3.00-not reached | 2.00 | 2.00 |" in out
+    assert "| easgd cpu,cpu | not reached | not reached-not reached |  |  | 0.4250" in out
+
+
+def test_sweep_summary_gives_ratios_to_adaptive_and_the_best_final(capsys):
+    from bench_tta_sweep import print_summary
+
+    def row(algorithm, devices, med, finals, setups=None):
+        return {"config": {"algorithm": algorithm, "devices": devices, "params": {},
+                           "label": algorithm, "setups": setups or [devices]},
+                "median_time_to_target_s": med, "final_P@1_runs": finals}
+
+    result = {"args": {"data": "toy"},
+              "rows": [row("single", "cpu", 1.0, [0.5, 0.7], ["cpu,cpu"]),
+                       row("adaptive", "cpu,cpu", 2.0, [0.6, 0.6]),
+                       row("sync", "cpu,cpu", None, [0.4, 0.4])]}
+    print_summary([result])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("| toy | `cpu,cpu` | 1.00 (0.50) | 2.00 (1.00) | not reached |  |  |  "
+                       "| 0.6000 / 0.6000 (single) |")
+
+
+def test_sweep_ablation_compares_each_option_with_the_same_algorithm_s_defaults(capsys):
+    from bench_tta_sweep import print_ablation
+
+    def row(devices, params, med, finals):
+        return {"config": {"algorithm": "adaptive", "devices": devices, "params": params},
+                "median_time_to_target_s": med, "final_P@1_runs": finals}
+
+    result = {"args": {"data": "toy"},
+              "rows": [row("cpu,cpu", {}, 2.0, [0.60, 0.62]),
+                       row("cpu,cpu", {"boost": False}, 1.0, [0.60, 0.60]),
+                       row("cpu,cpu", {"merge_period": 8}, None, [0.50, 0.50]),
+                       row("cpu,cpu@0.5", {}, 4.0, [0.5, 0.5])]}  # no option: no row
+    print_ablation([result])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| data | devices | adaptive boost=False | adaptive merge_period=8 |"
+    assert out[2:] == ["| toy | `cpu,cpu` | 0.50 / -0.010 | - / -0.110 |"]
