@@ -257,8 +257,9 @@ class AdaptiveConfig(AlgorithmConfig):
     optimizer_state : {'keep', 'average', 'reset'}
         What a merge does to each replica's Adagrad accumulators (nothing with SGD). ``'keep'``:
         every replica keeps its own across merges. ``'average'``: every replica gets the
-        merge-weighted average of them (one optimizer state for the merged model). ``'reset'``:
-        zeros, as for a new model.
+        merge-weighted average of them (one optimizer state for the merged model; within one
+        node, and one more copy of the accumulators on the merging device, which the memory
+        planner does not count). ``'reset'``: zeros, as for a new model.
     lr_scaling : {'linear', 'sqrt', 'none'}
         Device ``i``'s learning rate against its batch ``b_i``: ``lr(t) b_i / B`` (the paper's
         linear scaling), ``lr(t) sqrt(b_i / B)``, or ``lr(t)`` for every device.
