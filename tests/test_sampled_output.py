@@ -214,6 +214,21 @@ def test_sampled_model_saves_and_resumes(toy, tmp_path):
     assert np.isfinite(more.params_[-2]).all()
 
 
+def test_sampled_run_resumed_from_a_checkpoint_draws_the_same_negatives(toy, tmp_path):
+    """The checkpoint keeps the negative sampler's state: a run stopped mid-way and resumed ends
+    with the model of the uninterrupted run."""
+    Xtr, Ytr, _, _ = toy
+    kw = dict(hidden=16, epochs=3, batch_size=32, lr=0.05, output="sampled", negatives=8,
+              optimizer="adagrad", threads=1, eval_every=0, seed=4)
+    full = XMCClassifier(**kw).fit(Xtr, Ytr)
+    XMCClassifier(**{**kw, "epochs": 1.5}, log_dir=str(tmp_path), checkpoint_every=100).fit(
+        Xtr, Ytr)
+    resumed = XMCClassifier(**kw, log_dir=str(tmp_path), checkpoint_every=100).fit(
+        Xtr, Ytr, resume=True)
+    for a, b in zip(full.params_, resumed.params_, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # -- CUDA kernels (simulator or GPU; tests/test_kernels_cudasim.py runs them in a child) -------
 def _device_arrays():
     if _cuda.CUDASIM:

@@ -180,6 +180,15 @@ class MLPReplica:
         for dst, src in zip(self._acc, state, strict=True):
             self.backend.copy_into(dst, np.asarray(src, dtype=np.float32))
 
+    def rng_state(self) -> dict:
+        """The state of the negative sampler's generator (``output="sampled"``), as JSON-able
+        data: a checkpoint keeps it so that a resumed run draws the negatives the uninterrupted
+        run would have drawn."""
+        return self._rng.bit_generator.state
+
+    def load_rng_state(self, state: dict) -> None:
+        self._rng.bit_generator.state = state
+
     def accumulators(self) -> list:
         """The live Adagrad accumulators on this replica's backend, one per parameter (empty
         for SGD): a merge may average or reset them in place

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -241,14 +242,24 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
 _STATE_KEY = "trainer_state"  # the trainer's JSON state in a checkpoint, as uint8
 
 
+def _json_bytes(obj) -> np.ndarray:
+    return np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+
+
+def _from_json_bytes(a) -> Any:
+    return json.loads(bytes(np.asarray(a, np.uint8)))
+
+
 def checkpoint_extra(trainer) -> dict[str, np.ndarray]:
-    """What a checkpoint holds beside the central model: the trainer's JSON state and every
-    replica's optimizer state (``opt.<replica>.<param>``)."""
-    text = json.dumps(trainer.state_dict()).encode()
-    out = {_STATE_KEY: np.frombuffer(text, dtype=np.uint8).copy()}
+    """What a checkpoint holds beside the central model: the trainer's JSON state, every
+    replica's optimizer state (``opt.<replica>.<param>``) and the state of its negative
+    sampler (``rng.<replica>``, JSON)."""
+    out = {_STATE_KEY: _json_bytes(trainer.state_dict())}
     for r, rep in enumerate(trainer.replicas):
         for i, a in enumerate(rep.optimizer_state()):
             out[f"opt.{r}.{i}"] = a
+        if hasattr(rep, "rng_state"):
+            out[f"rng.{r}"] = _json_bytes(rep.rng_state())
     return out
 
 
@@ -257,11 +268,13 @@ def restore_trainer(trainer, extra: dict) -> None:
     the checkpoint's model)."""
     saved = extra.get(_STATE_KEY)
     if saved is not None:
-        trainer.load_state_dict(json.loads(bytes(np.asarray(saved, np.uint8))))
+        trainer.load_state_dict(_from_json_bytes(saved))
     for r, rep in enumerate(trainer.replicas):
         state = [extra[f"opt.{r}.{i}"] for i in range(len(rep.params()))
                  if f"opt.{r}.{i}" in extra]
         rep.load_optimizer_state(state)
+        if f"rng.{r}" in extra and hasattr(rep, "load_rng_state"):
+            rep.load_rng_state(_from_json_bytes(extra[f"rng.{r}"]))
 
 
 def host_params(trainer) -> list[np.ndarray]:
