@@ -129,6 +129,9 @@ def main(argv=None) -> int:
                    help="run nothing: print the saved sweeps' tables as Markdown")
     p.add_argument("--summary", action="store_true",
                    help="with --from-results: one table, a row per dataset and device set")
+    p.add_argument("--at-seconds", type=float, nargs="+", default=None, metavar="T",
+                   help="with --from-results: each configuration's median P@1 after T training "
+                        "seconds (equal time rather than equal epochs)")
     p.add_argument("--ablation", action="store_true",
                    help="with --from-results: one table, a row per option, a column per "
                         "dataset and device set: the option's time and final P@1 against the "
@@ -157,7 +160,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.from_results:
         results = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.from_results]
-        if args.summary:
+        if args.at_seconds:
+            for result in results:
+                print_at_seconds(result, args.at_seconds)
+        elif args.summary:
             print_summary(results)
         elif args.ablation:
             print_ablation(results)
@@ -299,6 +305,25 @@ def print_summary(results) -> None:
             best = max(finals, key=finals.get)
             print(f"| {result['args']['data']} | `{setup}` | " + " | ".join(cells)
                   + f" | {finals['adaptive']:.4f} / {finals[best]:.4f} ({best}) |")
+
+
+def p1_at(curve, seconds: float) -> float:
+    """P@1 of the last evaluation at or before ``seconds`` of training (0 before the first)."""
+    return next((c[2] for c in reversed(curve) if c[0] <= seconds), 0.0)
+
+
+def print_at_seconds(result, seconds) -> None:
+    """A saved sweep at equal training time: per configuration the median over seeds of the P@1
+    reached after each of ``seconds`` (a run that ended sooner keeps its last P@1), and the
+    median training time of the whole run."""
+    print(f"\n{result['args']['data']}: median P@1 after T training seconds\n")
+    print("| configuration | " + " | ".join(f"T = {t:g} s" for t in seconds)
+          + " | run's training s |")
+    print("|---|" + "---:|" * (len(seconds) + 1))
+    for r in result["rows"]:
+        cells = [f"{np.median([p1_at(x['curve'], t) for x in r['runs']]):.4f}" for t in seconds]
+        end = np.median([x["curve"][-1][0] for x in r["runs"]])
+        print(f"| {r['config']['label']} | " + " | ".join(cells) + f" | {end:.1f} |")
 
 
 def print_ablation(results) -> None:

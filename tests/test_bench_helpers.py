@@ -231,3 +231,17 @@ def test_sweep_ablation_compares_each_option_with_the_same_algorithm_s_defaults(
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "| data | devices | adaptive boost=False | adaptive merge_period=8 |"
     assert out[2:] == ["| toy | `cpu,cpu` | 0.50 / -0.010 | - / -0.110 |"]
+
+
+def test_sweep_at_equal_time_takes_the_last_evaluation_before_it(capsys):
+    from bench_tta_sweep import p1_at, print_at_seconds
+
+    curve = [[1.0, 0.5, 0.30], [2.0, 1.0, 0.50], [3.0, 1.5, 0.60]]
+    assert p1_at(curve, 0.5) == 0.0
+    assert p1_at(curve, 2.5) == 0.50
+    assert p1_at(curve, 10.0) == 0.60  # a run that ended keeps its last P@1
+    result = {"args": {"data": "toy"},
+              "rows": [{"config": {"label": "single cpu"},
+                        "runs": [{"curve": curve}, {"curve": [[1.5, 1.0, 0.40]]}]}]}
+    print_at_seconds(result, [2.0])
+    assert "| single cpu | 0.4500 | 2.2 |" in capsys.readouterr().out
