@@ -101,12 +101,23 @@ def test_adaptive_merge_weights_and_broadcast():
 
 def test_adaptive_merge_boost_always():
     reps = fakes(3)
-    pol = get_algorithm("adaptive", momentum=0.0, flag_rule="always")
+    pol = get_algorithm("adaptive", momentum=0.0, boost=True, flag_rule="always")
     setup(pol, reps)
     set_all(reps, 1)
     info = pol.merge(reps, [3, 2, 1], MergeContext())
     q = np.array([3 * 1.1, 2, 0.9]) / 6
     assert info["weights"] == pytest.approx(list(q / q.sum())) and info["flag"] == 1
+
+
+def test_adaptive_merge_weights_by_default_are_the_shares_of_updates():
+    """No adaptive normalization by default (``boost=False``, bench/RESULTS.md "Adaptive SGD
+    with defaults"): the weights are ``c_i / sum c`` even while the norm rises."""
+    reps = fakes(3)
+    pol = get_algorithm("adaptive", momentum=0.0, flag_rule="always")
+    setup(pol, reps)
+    set_all(reps, 1)
+    info = pol.merge(reps, [3, 2, 1], MergeContext())
+    assert info["weights"] == pytest.approx([0.5, 2 / 6, 1 / 6]) and info["flag"] == 0
 
 
 def test_adaptive_momentum_recursion():
@@ -158,13 +169,13 @@ def test_average_merge_is_uniform():
 
 def test_adaptive_state_dict_round_trip():
     reps = fakes(2)
-    pol = get_algorithm("adaptive")
+    pol = get_algorithm("adaptive", boost=True)  # the norm trend is kept only with the boost
     setup(pol, reps, warmup_epochs=0)
     pol.controller.batch_sizes = [160, 96]
     pol.trend.observe(1.0)
     pol.trend.observe(2.0)
     state = json.loads(json.dumps(pol.state_dict()))
-    other = get_algorithm("adaptive")
+    other = get_algorithm("adaptive", boost=True)
     setup(other, fakes(2), warmup_epochs=0)
     other.load_state_dict(state)
     assert other.batch_sizes() == [160, 96] and other.trend.flag == 1
