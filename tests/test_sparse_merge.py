@@ -315,3 +315,41 @@ def test_optimizer_state_at_a_merge(be, wide, state, sparse, monkeypatch):
                 else:
                     want = np.zeros_like(a)
                 np.testing.assert_allclose(a, want, rtol=1e-6, atol=1e-7)
+
+
+def test_delta_stats_measure_each_replica_s_change_by_row_sharing_and_label_tail(be, wide):
+    """``delta_stats`` (AdaptiveConfig.delta_stats): per replica the RMS of ``w_i - central``
+    on the W1 rows it alone changed, on rows shared with another replica, and on W2's head and
+    tail label columns; the merge log gets the four lists."""
+    from xmc_engine.scheduler.merge import delta_stats
+
+    X, Y = wide
+    reps = [mlp(be, X, Y) for _ in range(2)]
+    central = [np.array(a) for a in reps[0].params()]
+    _period(reps)
+    tail = np.zeros(Y.shape[1], bool)
+    tail[::2] = True
+    got = delta_stats(reps, central, tail)
+    masks = np.stack([r.changed_rows() for r in reps])
+    for i, r in enumerate(reps):
+        d1 = np.asarray(r.params()[0], np.float64) - central[0]
+        d2 = np.asarray(r.params()[-2], np.float64) - central[-2]
+        single = masks[i] & (masks.sum(0) == 1)
+        shared = masks[i] & (masks.sum(0) == 2)
+        assert single.any() and shared.any()
+        assert got["delta_w1_single"][i] == pytest.approx(np.sqrt(np.mean(d1[single] ** 2)))
+        assert got["delta_w1_shared"][i] == pytest.approx(np.sqrt(np.mean(d1[shared] ** 2)))
+        assert got["delta_w2_head"][i] == pytest.approx(np.sqrt(np.mean(d2[:, ~tail] ** 2)))
+        assert got["delta_w2_tail"][i] == pytest.approx(np.sqrt(np.mean(d2[:, tail] ** 2)))
+        assert got["delta_w1_single"][i] > 0 and got["delta_w2_tail"][i] > 0
+    fakes = [FakeReplica(10, sleep=False, shapes=((4, 2), (2,))) for _ in range(2)]
+    assert delta_stats(fakes, [np.zeros((4, 2)), np.zeros(2)], tail) is None
+
+    log = MergeLog()
+    reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+    with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
+                      lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
+                      delta_stats=True, seed=3, mode="simulated", cost=lambda i, b: 1e-3 * b,
+                      log=log) as tr:
+        tr.run_epoch(0)
+    assert log.merges and all(len(m["delta_w2_tail"]) == 2 for m in log.merges)

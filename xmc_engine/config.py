@@ -263,6 +263,11 @@ class AdaptiveConfig(AlgorithmConfig):
     lr_scaling : {'linear', 'sqrt', 'none'}
         Device ``i``'s learning rate against its batch ``b_i``: ``lr(t) b_i / B`` (the paper's
         linear scaling), ``lr(t) sqrt(b_i / B)``, or ``lr(t)`` for every device.
+    delta_stats : bool
+        Instrumentation: each merge logs the size of every replica's change since the last
+        merge on the ``W1`` rows it alone changed and on shared rows, and on ``W2``'s head and
+        tail label columns (:func:`~xmc_engine.scheduler.merge.delta_stats`; host replicas
+        only). Costs a pass over the changed rows and all of ``W2`` per replica and merge.
     """
 
     merge_period: int = 4096
@@ -280,6 +285,7 @@ class AdaptiveConfig(AlgorithmConfig):
     label_weights: str = "updates"
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
+    delta_stats: bool = False
 
     def __post_init__(self):
         super().__post_init__()

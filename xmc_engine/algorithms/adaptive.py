@@ -28,9 +28,11 @@ from xmc_engine.distributed import combine_nodes
 from xmc_engine.errors import ConfigError
 from xmc_engine.scheduler.controller import BatchSizeController
 from xmc_engine.scheduler.merge import (
+    TAIL_MAX_POSITIVES,
     NormTrend,
     adaptive_normalization,
     central_momentum,
+    delta_stats,
     merge_weights,
     sq_norms,
     weighted_merge,
@@ -66,6 +68,11 @@ class AdaptiveSGD(Policy):
         self._sq_w1 = None
         self._wbar = self.empty_params(self.central)
         self._acc = None  # merged Adagrad accumulators (optimizer_state != 'keep'), lazily
+        self._tail = None  # labels with few positives (delta_stats)
+        if c.delta_stats and hasattr(replicas[0], "Y"):
+            Y = replicas[0].Y
+            counts = np.bincount(Y.indices, minlength=Y.shape[1])
+            self._tail = counts <= TAIL_MAX_POSITIVES
         if c.momentum > 0:
             # z_{t-1} and z_{t-2} start at the initial model: the first merge has no momentum.
             self._z1 = self.central
@@ -84,11 +91,13 @@ class AdaptiveSGD(Policy):
         """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B)."""
         c = self.config
         flag = self.trend.flag
+        deltas = (delta_stats(replicas, self.central, self._tail) or {}
+                  if self._tail is not None else {})
         if c.sparse_merge and c.momentum == 0:
             info = self._merge_sparse(replicas, updates, flag, ctx)
             if info is not None:
                 self._merge_optimizer_state(replicas, info["weights"])
-                return info
+                return {**info, **deltas}
         params = [r.params() for r in replicas]
         counts, bad = self.finite_updates(params, updates, ctx)
         p = adaptive_normalization(merge_weights(counts), flag, c.boost_factor)
@@ -113,7 +122,7 @@ class AdaptiveSGD(Policy):
         self.broadcast(replicas, self.central)
         self._merge_optimizer_state(replicas, p)
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
-                "nonfinite": bad, **nodes}
+                "nonfinite": bad, **nodes, **deltas}
 
     def _merge_sparse(self, replicas, updates, flag, ctx) -> dict[str, Any] | None:
         """The merge with the row-sparse path (``sparse_merge``); ``None`` where it does not
