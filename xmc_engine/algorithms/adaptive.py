@@ -91,8 +91,9 @@ class AdaptiveSGD(Policy):
         """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B)."""
         c = self.config
         flag = self.trend.flag
-        deltas = (delta_stats(replicas, self.central, self._tail) or {}
-                  if self._tail is not None else {})
+        deltas = {}
+        if self._tail is not None:  # delta_stats: read the replicas before the merge
+            deltas = delta_stats(replicas, self.central, self._tail) or {}
         if c.sparse_merge and c.momentum == 0:
             info = self._merge_sparse(replicas, updates, flag, ctx)
             if info is not None:
@@ -151,8 +152,10 @@ class AdaptiveSGD(Policy):
         """``optimizer_state``: every replica's Adagrad accumulators become their merge-weighted
         average (``'average'``) or zeros (``'reset'``); nothing for ``'keep'`` or SGD."""
         mode = self.config.optimizer_state
+        if mode == "keep":
+            return
         accs = [r.accumulators() if hasattr(r, "accumulators") else [] for r in replicas]
-        if mode == "keep" or not all(accs):
+        if not all(accs):
             return
         if self._acc is None:
             self._acc = [self.backend.zeros(a.shape, a.dtype) for a in accs[0]]

@@ -221,6 +221,17 @@ def elastic_update(x: Sequence, center: Sequence, alpha: float, diff_out: Sequen
     return diff_out
 
 
+def _touch_counts(replicas: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(touched, n_touch)``: the replicas' masks of changed ``W1`` rows stacked
+    (n_replicas, n_features), and per row how many replicas changed it; ``None`` where a replica
+    does not record its changed rows."""
+    masks = [r.changed_rows() if hasattr(r, "changed_rows") else None for r in replicas]
+    if any(m is None for m in masks):
+        return None
+    touched = np.stack(masks)
+    return touched, touched.sum(axis=0)
+
+
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
                        backend, *, per_row: bool = False, per_label: bool = False,
                        stats: dict | None = None) -> float | None:
@@ -273,15 +284,14 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     """
     if not backend.tracks_rows:
         return None
-    masks = [r.changed_rows() if hasattr(r, "changed_rows") else None for r in replicas]
+    counted = _touch_counts(replicas)
     w = [float(x) for x in p]
-    if any(m is None for m in masks) or len(w) != len(replicas) or min(w) <= 0.0:
+    if counted is None or len(w) != len(replicas) or min(w) <= 0.0:
         return None
     params = [r.params() for r in replicas]
     if find_nonfinite([ps[1:] for ps in params], backend):
         return None
-    touched = np.stack(masks)
-    n_touch = touched.sum(axis=0)
+    touched, n_touch = counted
     rows = np.flatnonzero(n_touch).astype(np.int64)
     if stats is not None:
         stats["rows_touched"] = int(rows.size)
@@ -337,12 +347,13 @@ def delta_stats(replicas: Sequence, central: Sequence, tail: np.ndarray) -> dict
     ``delta_w2_tail``; ``tail`` a boolean mask over the labels). ``None`` where the replicas do
     not record their changed rows or live off the host (the row-sparse merge's conditions). Call
     it before the merge: it reads ``central`` as the model the period started from."""
-    masks = [r.changed_rows() if hasattr(r, "changed_rows") else None for r in replicas]
-    if any(m is None for m in masks):
+    counted = _touch_counts(replicas)
+    if counted is None:
         return None
-    touched = np.stack(masks)
-    n_touch = touched.sum(axis=0)
+    touched, n_touch = counted
     c1, c2 = np.asarray(central[0]), np.asarray(central[-2])
+    head = ~tail
+    c2_head, c2_tail = c2[:, head], c2[:, tail]  # the centre's columns, gathered once
 
     def rms(d) -> float:
         return float(np.sqrt(np.mean(np.square(d, dtype=np.float64)))) if d.size else 0.0
@@ -355,8 +366,8 @@ def delta_stats(replicas: Sequence, central: Sequence, tail: np.ndarray) -> dict
         shared = np.flatnonzero(touched[i] & (n_touch > 1))
         out["delta_w1_single"].append(rms(W1[single] - c1[single]))
         out["delta_w1_shared"].append(rms(W1[shared] - c1[shared]))
-        out["delta_w2_head"].append(rms(W2[:, ~tail] - c2[:, ~tail]))
-        out["delta_w2_tail"].append(rms(W2[:, tail] - c2[:, tail]))
+        out["delta_w2_head"].append(rms(W2[:, head] - c2_head))
+        out["delta_w2_tail"].append(rms(W2[:, tail] - c2_tail))
     return out
 
 
