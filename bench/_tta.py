@@ -70,18 +70,23 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
               r["metrics"]["P@5"]) for r in clf.history_ if r.get("event") == "eval"]
     merges = [r for r in clf.history_ if r.get("event") == "merge"]
     last = merges[-1]["devices"] if merges else []
-    # the row-sparse merge's instrumentation: W1 rows some replica changed in a period, and
-    # those exactly one replica changed (summed over the merges that report them)
-    touched = sum(r.get("rows_touched", 0) for r in merges)
-    single = sum(r.get("rows_single", 0) for r in merges)
     return {"method": m.label, "algorithm": m.algorithm, "devices": m.devices,
             "params": m.params, "lr": clf.get_config().learning_rate, "seed": seed,
             "curve": curve, "wall_s": wall,
             "final": {"P@1": curve[-1][2], "P@3": curve[-1][3], "P@5": curve[-1][4]},
             "best_P@1": max(c[2] for c in curve),
-            "rows_single_share": single / touched if touched else None,
+            "rows_single_share": rows_single_share(merges),
             "last_period": [{k: d.get(k) for k in ("name", "batch_size", "updates", "weight")}
                             for d in last]}
+
+
+def rows_single_share(merges) -> float | None:
+    """The row-sparse merge's instrumentation over merge-log records: of the ``W1`` rows some
+    replica changed in a period, the share exactly one replica changed (summed over the merges
+    that report them; ``None`` when none does)."""
+    touched = sum(r.get("rows_touched", 0) for r in merges)
+    single = sum(r.get("rows_single", 0) for r in merges)
+    return single / touched if touched else None
 
 
 def time_to_target(curve, target: float) -> float:

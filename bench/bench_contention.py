@@ -10,9 +10,9 @@ out) of:
 
 (2) against (1) is what a multi-device run on this host really gets per device; (3) against
 (1) is the hardware's share of that loss (memory bandwidth, caches), so (2) against (3) is the
-share of running both devices in one process (GIL hand-overs between the workers' Python
-glue). Issue 15's time-to-accuracy study cites it. Command (results in
-``bench/results/contention.json``)::
+share of running both devices in one process (most likely the GIL hand-overs between the
+workers' Python glue; inferred, not traced). Issue 15's time-to-accuracy study cites it.
+Command (results in ``bench/results/contention.json``)::
 
     python bench/bench_contention.py --data delicious debian_debtags debian_builddeps \
         --epochs 2 1 0.5

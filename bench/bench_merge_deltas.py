@@ -48,8 +48,7 @@ def run(data, devices: str, epochs: float, seed: int) -> dict:
     out = {k: [float(np.median([m[k][i] for m in merges])) for i in range(n_dev)] for k in KEYS}
     out["weight"] = [float(np.median([m["devices"][i]["weight"] for m in merges]))
                      for i in range(n_dev)]
-    touched = sum(m.get("rows_touched", 0) for m in merges)
-    out["rows_single_share"] = sum(m.get("rows_single", 0) for m in merges) / max(touched, 1)
+    out["rows_single_share"] = _tta.rows_single_share(merges) or 0.0
     out["merges"] = len(merges)
     return out
 
