@@ -223,17 +223,26 @@ def main(argv=None) -> int:
     return 0
 
 
+def by_setup(rows):
+    """``(setup, rows, reference)`` per device set in order of first appearance: the rows whose
+    table lists the set, and the median time to the target of ``adaptive`` with its defaults (no
+    ``params``) on that set (``inf`` for never reached, also as read back from JSON; ``None``
+    where the set has no such row)."""
+    for setup in dict.fromkeys(s for r in rows for s in r["config"]["setups"]):
+        mine = [r for r in rows if setup in r["config"]["setups"]]
+        ref = next((_time(r["median_time_to_target_s"]) for r in mine
+                    if r["config"]["algorithm"] == "adaptive"
+                    and r["config"]["devices"] == setup and not r["config"]["params"]), None)
+        yield setup, mine, ref
+
+
 def print_tables(rows, target: float) -> None:
     """One table per device set: median and quartiles of the time to ``target``, the ratio to
-    ``adaptive`` on that set (above 1: slower than adaptive), median epoch at the target, median
-    final P@1 and the share of changed W1 rows that one replica alone changed."""
-    setups = list(dict.fromkeys(s for r in rows for s in r["config"]["setups"]))
+    ``adaptive`` with its defaults on that set (above 1: slower than adaptive), median epoch at
+    the target, median final P@1 and the share of changed W1 rows that one replica alone
+    changed."""
     print(f"target P@1 {target:.4f}")
-    for setup in setups:
-        mine = [r for r in rows if setup in r["config"]["setups"]]
-        ref = next((r["median_time_to_target_s"] for r in mine
-                    if r["config"]["algorithm"] == "adaptive"
-                    and r["config"]["devices"] == setup), None)
+    for setup, mine, ref in by_setup(rows):
         print(f"\n{setup}")
         print(f"{'configuration':46s} {'median s':>9s} {'quartiles s':>13s} {'x adaptive':>10s} "
               f"{'epoch':>6s} {'final P@1':>9s} {'1-replica rows':>14s}")
@@ -261,12 +270,7 @@ def print_markdown(result: dict, path: str = "") -> None:
     rows = result["rows"]
     print(f"\n{path}: {result['args']['data']}, target P@1 {result['target_P@1']:.4f}, "
           f"{len(rows[0]['runs'])} seeds, commit {str(result.get('git_commit'))[:7]}")
-    setups = list(dict.fromkeys(s for r in rows for s in r["config"]["setups"]))
-    for setup in setups:
-        mine = [r for r in rows if setup in r["config"]["setups"]]
-        ref = next((_time(r["median_time_to_target_s"]) for r in mine
-                    if r["config"]["algorithm"] == "adaptive"
-                    and r["config"]["devices"] == setup and not r["config"]["params"]), None)
+    for setup, mine, ref in by_setup(rows):
         print(f"\n`{setup}`\n")
         print("| configuration | median s to target | quartiles | x adaptive | epoch at target "
               "| final P@1 (median, range) |")
@@ -292,10 +296,8 @@ def print_summary(results) -> None:
     print("|---|---|" + "---:|" * len(algos) + "---|")
     for result in results:
         rows = [r for r in result["rows"] if not r["config"]["params"]]
-        for setup in dict.fromkeys(s for r in rows for s in r["config"]["setups"]):
-            mine = {r["config"]["algorithm"]: r for r in rows
-                    if setup in r["config"]["setups"]}
-            ref = _time(mine["adaptive"]["median_time_to_target_s"])
+        for setup, listed, ref in by_setup(rows):
+            mine = {r["config"]["algorithm"]: r for r in listed}
             cells = []
             for a in algos:
                 t = _time(mine[a]["median_time_to_target_s"]) if a in mine else np.nan
