@@ -138,3 +138,38 @@ def test_fit_model_on_a_virtual_clock_is_deterministic_and_adapts_batches():
     merges = [r for r in runs[0]["history"] if r.get("event") == "merge"]
     sizes = [[d["batch_size"] for d in m["devices"]] for m in merges]
     assert sizes and sizes[-1][0] > sizes[-1][1], sizes
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["threads", "virtual-clock"])
+def test_max_train_seconds_stops_the_run_and_says_so(simulated):
+    """``max_train_seconds``: training stops at the first barrier after the budget (long before
+    ``epochs``), the run log says why, and the model is still evaluated at the end. On a
+    virtual clock the budget counts virtual seconds."""
+    from xmc_engine.config import TrainConfig
+    from xmc_engine.training import fit_model
+
+    X, Y = tiny_data(n=1000)
+    budget = 0.5
+    cfg = TrainConfig(devices="cpu,cpu@0.5", algorithm="adaptive", epochs=10_000, hidden=[8],
+                      batch_size=32, seed=0, threads=1, max_train_seconds=budget,
+                      algorithm_params={"merge_period": 256})
+    simulate = (lambda i, n: 1e-3 + 1e-4 * n) if simulated else None
+    out = fit_model(cfg, X[:800], Y[:800], (X[800:], Y[800:]), simulate=simulate)
+    hist = out["history"]
+    stop = [r for r in hist if r["event"] == "time_budget"]
+    final = hist[-1]
+    assert len(stop) == 1 and stop[0]["max_train_seconds"] == budget
+    assert budget <= final["train_time"] < budget + 5.0, final["train_time"]
+    assert 0 < final["samples"] < 10_000 * 800
+    assert final["metrics"] is not None and hist[-2]["event"] == "eval"
+    if simulated:  # checked every ~2% of an epoch: 16 samples at 800 rows, a few ms virtual
+        assert final["train_time"] < budget + 0.1, final["train_time"]
+
+
+def test_max_train_seconds_must_be_positive():
+    from xmc_engine.config import TrainConfig
+    from xmc_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_train_seconds"):
+        TrainConfig(max_train_seconds=0)
+    assert TrainConfig(max_train_seconds=1.5).max_train_seconds == 1.5

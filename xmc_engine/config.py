@@ -445,6 +445,10 @@ class TrainConfig(ConfigMixin):
         Hidden layer widths (the first layer sparse-input, the rest dense).
     epochs : float
         Passes over the training rows.
+    max_train_seconds : float or None
+        Stop once this much training time has passed (evaluation excluded), at the first
+        barrier after it (a merge period: well under a second on the CPU at the defaults);
+        ``None``: train all ``epochs``. For comparisons at equal wall time.
     batch_size : int
         ``B``: every device's batch on one device and during warm-up; the base of Adaptive
         SGD's per-device batches.
@@ -485,6 +489,7 @@ class TrainConfig(ConfigMixin):
 
     hidden: list[int] = field(default_factory=lambda: [128])
     epochs: float = 10
+    max_train_seconds: float | None = None
     batch_size: int = 64
     lr: float | None = None
     lr_warmup_epochs: float | None = None
@@ -526,6 +531,8 @@ class TrainConfig(ConfigMixin):
             bad("hidden", "need one or more positive layer widths")
         if not self.epochs > 0:
             bad("epochs", "must be > 0")
+        if self.max_train_seconds is not None and not self.max_train_seconds > 0:
+            bad("max_train_seconds", "must be > 0 (or None: no time limit)")
         if self.batch_size < 1:
             bad("batch_size", "must be >= 1")
         if self.lr is not None and not self.lr > 0:

@@ -97,6 +97,9 @@ class XMCClassifier:
     hidden : int or sequence of int, default (128,)
         Hidden layer widths (first layer sparse, the rest dense).
     epochs, batch_size : training length, base batch size ``B``.
+    max_train_seconds : float or None
+        Stop once this much training time has passed (evaluation excluded; ``None``: all
+        ``epochs``), at the first merge barrier after it.
     lr : float or None
         Base learning rate; ``None``: the optimizer's default
         (:data:`xmc_engine.config.DEFAULT_LR`: 0.05 for Adagrad, 2.0 for SGD).

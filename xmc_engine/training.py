@@ -303,10 +303,32 @@ class _Driver:
         self.next_eval = (state["samples"] // eval_step + 1) * eval_step if eval_step else None
         self._reset_ckpt_clock()
         self._signal: int | None = None
+        self._call_t0: float | None = None  # start of the trainer call in progress
 
     # -- SIGINT / SIGTERM: stop between steps, checkpoint, raise TrainingInterrupted ----------
     def stop_requested(self) -> bool:
-        return self._signal is not None
+        """Asked by the trainer at every barrier: a signal, or the training-time budget."""
+        return self._signal is not None or self.out_of_time()
+
+    def out_of_time(self) -> bool:
+        """``max_train_seconds`` has passed: the finished trainer calls' training time plus,
+        with worker threads, the wall time of the call in progress (a simulated run's virtual
+        time is known at the end of a call only; :meth:`_next_stop` keeps its calls short)."""
+        budget = self.cfg.max_train_seconds
+        if budget is None:
+            return False
+        running = 0.0
+        if self._call_t0 is not None and getattr(self.trainer, "mode", "threads") == "threads":
+            running = time.perf_counter() - self._call_t0
+        return self.state["train_time"] + running >= budget
+
+    def _budget_spent(self) -> bool:
+        """Between trainer calls: is the time budget spent? Several nodes decide together
+        (any node over its budget stops all of them at the same epoch boundary)."""
+        spent = self.out_of_time()
+        if self.multi_node:
+            spent = float(self.trainer.comm.allreduce_sum(np.array([float(spent)]))[0]) > 0
+        return spent
 
     def _on_signal(self, signum, frame) -> None:
         if self._signal is not None:  # a second signal: stop at once
@@ -337,7 +359,8 @@ class _Driver:
             stops.append(self.next_eval)
         if self.every is not None and self.every[0] == "samples":
             stops.append(self.last_ckpt_samples + int(self.every[1]))
-        if self.every is not None and self.every[0] == "seconds":
+        if ((self.every is not None and self.every[0] == "seconds")
+                or self.cfg.max_train_seconds is not None):
             # Check the clock every ~2% of an epoch.
             stops.append(self.state["samples"] + max(self.n // 50, 1))
         return min(stops)
@@ -411,19 +434,23 @@ class _Driver:
         try:
             epoch = int(st["epoch"])
             # A signal stops the loop at the next barrier, where a checkpoint can be taken.
-            while st["samples"] < total and self._signal is None:
+            while (st["samples"] < total and not self._budget_spent()
+                   and self._signal is None):
                 st["epoch"] = epoch
                 before, t0 = st["samples"], st["train_time"]
                 stop_after = None
                 if not self.multi_node:
                     stop = min(self._next_stop(), total)
                     stop_after = self.epoch_samples + max(stop - st["samples"], 1)
+                self._call_t0 = time.perf_counter()
                 try:
                     # several nodes stop together, at the end of an epoch (collectives)
                     res = tr.run_epoch(epoch, stop_after=stop_after, should_stop=(
                         None if self.multi_node else self.stop_requested))
                 except DivergenceError as exc:
                     self._diverged(exc)
+                finally:
+                    self._call_t0 = None
                 n = self.n if self.multi_node else res["samples"]  # every node did an epoch
                 st["train_time"] += res["train_seconds"]
                 st["samples"] += n
@@ -446,6 +473,13 @@ class _Driver:
                     self.checkpoint(epoch)
             if self._signal is not None:
                 self._interrupted(epoch)
+            if st["samples"] < total:  # the time budget ended the run
+                self.log.write("time_budget", max_train_seconds=cfg.max_train_seconds,
+                               train_time=st["train_time"], samples=st["samples"],
+                               epoch=round(st["samples"] / self.n, 4))
+                logger.info("max_train_seconds=%g reached after %.1f s of training, %.3f "
+                            "epochs", cfg.max_train_seconds, st["train_time"],
+                            st["samples"] / self.n)
             if self.evaluator is not None and self.last_eval_samples != st["samples"]:
                 self.evaluate(st["samples"] / self.n)
             if (self.ckpts is not None and self.every is not None

@@ -23,6 +23,8 @@ RUN_FILE = "run.json"  # in a run folder: the config and the data it was trained
 _CONFIG_OPTIONS = {
     "hidden": ("--hidden", int_list, "hidden widths, comma-separated (default 128)"),
     "epochs": ("--epochs", finite_float, "training epochs (default 10)"),
+    "max_train_seconds": ("--max-train-seconds", finite_float,
+                          "stop after this much training time (evaluation excluded)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 64)"),
     "lr": ("--lr", finite_float, "base learning rate (default: the optimizer's, 0.05 for "
            "adagrad, 2.0 for sgd)"),
