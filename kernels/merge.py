@@ -16,7 +16,9 @@ Versions
 ``*_cpu``      @njit, flattened prange loops (every array is viewed 1-D); the CPU only also has
                ``all_finite_cpu`` (the merge's NaN/inf check), ``copy_cpu`` (its broadcast) and
                the row-sparse pair ``merge_rows_cpu`` / ``copy_rows_cpu``, which merge and
-               broadcast only the listed rows of ``W1`` (prange over rows).
+               broadcast only the listed rows of ``W1`` (prange over rows), and the
+               column-sparse pair ``merge_columns_cpu`` / ``copy_columns_cpu`` for the ``W2``
+               columns a sampled output layer changed (prange over rows, listed columns).
 ``*_kernel``   @cuda.jit grid-stride loops over the flattened arrays.
 ``weighted_sum`` over n replicas is applied pairwise on both sides (out = p0 w0, then
 out += p_i w_i): n passes, no Python-level temporaries. Launchers never synchronise.
@@ -161,6 +163,46 @@ def copy_rows_cpu(dst, src, rows):
         r = rows[j]
         for c in range(cols):
             dst[r, c] = src[r, c]
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=_REASSOC)
+def merge_columns_cpu(arrays, weights, cols, central):
+    """Merge the listed columns of 2-D replicas into ``central``, in place (the column-sparse
+    merge of ``W2`` and, viewed as one row, ``b2``).
+
+    ``central[h, cols[j]] = sum_i weights[i, j] * arrays[i][h, cols[j]]`` for every row ``h``;
+    the other columns are left as they are. ``arrays`` is a tuple of float32 (n_rows, n_cols)
+    C-order arrays, ``weights`` float32 (len(arrays), len(cols)): a weight per replica and
+    column (equal columns for the paper's weights, renormalised ones per label), ``cols``
+    int64 (no repeats). Returns whether every merged value is finite.
+    """
+    n = len(arrays)
+    m = cols.shape[0]
+    bad = 0
+    for h in prange(central.shape[0]):
+        out = central[h]
+        a = arrays[0][h]
+        for j in range(m):
+            out[cols[j]] = weights[0, j] * a[cols[j]]
+        for i in range(1, n):
+            a = arrays[i][h]
+            for j in range(m):
+                out[cols[j]] += weights[i, j] * a[cols[j]]
+        for j in range(m):
+            if not np.isfinite(out[cols[j]]):
+                bad += 1
+    return bad == 0
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def copy_columns_cpu(dst, src, cols):
+    """``dst[:, c] = src[:, c]`` for every ``c`` in ``cols`` (2-D, C order: the column-sparse
+    merge's broadcast)."""
+    for h in prange(dst.shape[0]):
+        d = dst[h]
+        v = src[h]
+        for j in range(cols.shape[0]):
+            d[cols[j]] = v[cols[j]]
 
 
 @cuda_kernel

@@ -184,6 +184,9 @@ CROSS_STREAM_READS = {
     "copy_rows": lambda be, a, out: be.copy_rows(out, a, np.array([0, 2])),
     "elastic": lambda be, a, out: be.elastic(out, a, 0.5, be.zeros(out.shape)),
     "merge_rows": lambda be, a, out: be.merge_rows([a], [1.0], np.array([1]), out),
+    "copy_columns": lambda be, a, out: be.copy_columns(out, a, np.array([0, 2])),
+    "merge_columns": lambda be, a, out: be.merge_columns([a], np.ones((1, 2)), np.array([1, 3]),
+                                                         out),
     "all_finite": lambda be, a, out: be.all_finite(a),
 }
 

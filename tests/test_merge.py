@@ -278,3 +278,32 @@ def test_reduce_gradients_is_the_weighted_sum_over_the_union_of_rows(backend):
     assert all(o.dtype == dtype for o in [out[0][1], out[1], out[2]])
     with pytest.raises(ValueError, match="no device"):
         reduce_gradients([None, grads[0]], [0.5, 0.0], be)
+
+
+def test_reduce_gradients_sums_a_sampled_output_layer_over_the_union_of_columns():
+    """With the sampled output layer ``W2`` and ``b2`` arrive as ``(cols, values)`` over each
+    device's candidate labels: the sum is over the union of the columns, as if each were
+    scattered into a dense array first."""
+    from xmc_engine.backends import get_backend
+    from xmc_engine.scheduler.merge import reduce_gradients
+
+    be = get_backend("cpu", threads=1)
+    rng = np.random.default_rng(4)
+    grads, dense = [], []
+    for n_cols in (5, 7):
+        w1 = sparse_grads(n_cols, 3, np.float32)[0]
+        cols = rng.choice(12, size=n_cols, replace=False).astype(np.int64)  # not sorted
+        dW2 = rng.standard_normal((4, n_cols)).astype(np.float32)
+        db2 = rng.standard_normal(n_cols).astype(np.float32)
+        grads.append([w1, rng.standard_normal(4).astype(np.float32), (cols, dW2), (cols, db2)])
+        full_W2, full_b2 = np.zeros((4, 12), np.float32), np.zeros(12, np.float32)
+        full_W2[:, cols], full_b2[cols] = dW2, db2
+        dense.append((full_W2, full_b2))
+    out = reduce_gradients(grads, [0.25, 0.75], be)
+    union = np.union1d(grads[0][2][0], grads[1][2][0])
+    for k, j in ((2, 0), (3, 1)):
+        cols, values = out[k]
+        np.testing.assert_array_equal(cols, union)
+        want = 0.25 * dense[0][j] + 0.75 * dense[1][j]
+        np.testing.assert_allclose(values, want[..., union], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(out[1], 0.25 * grads[0][1] + 0.75 * grads[1][1], rtol=1e-6)

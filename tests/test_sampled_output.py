@@ -154,16 +154,22 @@ def test_sampled_step_touches_only_the_candidate_columns(optimizer):
     assert np.array_equal(np.flatnonzero(rep.params()[-1] != before[-1]), moved)
 
 
-def test_sampled_grad_batch_is_dense_and_zero_off_the_candidates():
-    _, rep = _replicas("sgd", L=200, negatives=5)
+def test_sampled_grad_batch_is_column_sparse_over_the_candidates():
+    """``grad_batch`` with the sampled output layer: ``W2``, ``b2`` as ``(cols, values)`` over
+    the candidate labels, and applying it is the step ``train_batch`` makes."""
+    exact, rep = _replicas("sgd", L=200, negatives=5)
     rows = np.arange(10, 18)
     loss, grads = rep.grad_batch(rows)
-    dW2, db2 = grads[-2], grads[-1]
-    assert dW2.shape == rep.params()[-2].shape and db2.shape == rep.params()[-1].shape
-    nz = np.flatnonzero(db2)
-    assert set(np.unique(rep.Y[rows].indices)) <= set(nz) and len(nz) <= 8 * 3 + 5
-    assert not dW2[:, np.setdiff1d(np.arange(200), nz)].any()
+    (cols, dW2), (cols_b, db2) = grads[-2], grads[-1]
+    assert cols is cols_b and cols.dtype == np.int64 and np.unique(cols).size == cols.size
+    assert dW2.shape == (rep.params()[-2].shape[0], cols.size) and db2.shape == cols.shape
+    positives = np.unique(rep.Y[rows].indices)
+    assert set(positives) <= set(cols) and len(cols) == len(positives) + 5
     assert loss > 0
+    before = [np.array(p) for p in rep.params()]
+    rep.apply_grads(grads, 0.5)
+    moved = np.flatnonzero((rep.params()[-2] != before[-2]).any(axis=0))
+    assert set(moved) <= set(cols) and len(moved) > 0
 
 
 def test_config_output_and_negatives():
@@ -332,7 +338,9 @@ def test_sampled_training_on_the_cuda_stand_in_equals_the_cpu(monkeypatch, optim
         assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     g = [r.grad_batch(np.arange(16)) for r in reps]
     assert g[1][0] == pytest.approx(g[0][0], rel=1e-4)
-    np.testing.assert_allclose(reps[1].backend.to_host(g[1][1][-2]), g[0][1][-2], atol=1e-6)
+    for k in (0, 1):  # (cols, dW2 over them)
+        np.testing.assert_allclose(reps[1].backend.to_host(g[1][1][-2][k]), g[0][1][-2][k],
+                                   atol=1e-6)
     for a, b in zip(reps[0].params(), reps[1].params(), strict=True):
         np.testing.assert_allclose(reps[1].backend.to_host(b), a, rtol=2e-4, atol=2e-5)
     assert ledger.hazards == [] and ledger.null_stream_ops == []

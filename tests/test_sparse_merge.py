@@ -27,9 +27,16 @@ def wide():
     return X, Y
 
 
-def mlp(be, X, Y, seed=0, optimizer="sgd"):
+@pytest.fixture(scope="module")
+def many_labels():
+    """Toy data over 400 labels: a sampled step (a batch's positives plus 6 negatives) changes
+    a few columns of ``W2``."""
+    return tiny_data(n=400, n_features=300, n_labels=400)
+
+
+def mlp(be, X, Y, seed=0, optimizer="sgd", output="exact"):
     p = init_params(ModelShape(X.shape[1], Y.shape[1], (16,)), seed, avg_nnz=8.0)
-    return MLPReplica(be, X, Y, p, optimizer=optimizer)
+    return MLPReplica(be, X, Y, p, optimizer=optimizer, output=output, negatives=6, seed=seed)
 
 
 def sq64(a):
@@ -73,6 +80,36 @@ def test_copy_rows_copies_only_the_rows(be):
     assert not dst[[0, 2, 3, 4, 5, 6, 8, 9]].any()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("shape", [(5, 40), (40,)], ids=["W2", "b2"])
+def test_merge_columns_matches_numpy_on_the_columns_only(be, n, shape):
+    rng = np.random.default_rng(n)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+    cols = np.array([0, 3, 4, 17, 39], np.int64)
+    Q = rng.dirichlet(np.ones(n), size=cols.size).T.astype(np.float32)  # (n, len(cols))
+    out = rng.standard_normal(shape).astype(np.float32)
+    before = out.copy()
+    assert be.merge_columns(arrays, Q, cols, out) is True
+    expect = before.copy()
+    expect[..., cols] = sum(Q[i] * arrays[i][..., cols] for i in range(n))
+    np.testing.assert_allclose(out, expect, rtol=1e-6, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(shape[-1]), cols)
+    assert np.array_equal(out[..., untouched], before[..., untouched])
+    dst = np.zeros(shape, np.float32)
+    be.copy_columns(dst, arrays[0], cols)
+    assert np.array_equal(dst[..., cols], arrays[0][..., cols])
+    assert not dst[..., untouched].any()
+
+
+def test_merge_columns_reports_a_nonfinite_value(be):
+    arrays = [np.ones((3, 6), np.float32), np.ones((3, 6), np.float32)]
+    arrays[1][2, 4] = np.nan
+    Q = np.full((2, 6), 0.5, np.float32)
+    out = np.zeros((3, 6), np.float32)
+    assert be.merge_columns(arrays, Q, np.arange(6), out) is False
+    assert be.merge_columns(arrays, Q[:, :3], np.array([0, 1, 5]), out) is True
+
+
 # -- the replica's record of changed rows --------------------------------------------------------
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_replica_records_the_rows_its_steps_change(be, wide, optimizer):
@@ -107,6 +144,26 @@ def test_set_params_with_rows_copies_those_rows_of_w1_and_the_rest(be, wide):
     assert np.array_equal(a.params()[0][others], w1_before[others])
     for x, y in zip(a.params()[1:], b.params()[1:], strict=True):
         assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_sampled_replica_records_the_columns_its_steps_change(be, many_labels, optimizer):
+    X, Y = many_labels
+    assert mlp(be, X, Y).changed_columns() is None  # the exact softmax changes every column
+    rep = mlp(be, X, Y, optimizer=optimizer, output="sampled")
+    W2, b2 = np.array(rep.params()[-2]), np.array(rep.params()[-1])
+    assert not rep.changed_columns().any()
+    rows = np.arange(0, 40, 3)
+    rep.train_batch(rows, 0.5)
+    rep.train_batch(rows + 1, 0.5)
+    mask = rep.changed_columns()
+    changed = (rep.params()[-2] != W2).any(axis=0) | (rep.params()[-1] != b2)
+    assert mask[changed].all(), "a changed column is missing from the record"
+    positives = np.zeros(Y.shape[1], bool)
+    positives[Y[np.concatenate([rows, rows + 1])].indices] = True
+    assert mask[positives].all() and 0 < mask.sum() < Y.shape[1]
+    rep.set_params(rep.params())
+    assert not rep.changed_columns().any()
 
 
 # -- merge_changed_rows --------------------------------------------------------------------------
@@ -202,6 +259,55 @@ def test_per_label_weights_renormalize_over_the_replicas_that_saw_a_label(be, wi
     assert not any(r.seen_labels().any() for r in reps)  # the broadcast starts a new record
 
 
+@pytest.mark.parametrize("per_label", [False, True])
+def test_sampled_replicas_merge_only_changed_columns_and_give_the_dense_merge(be, many_labels,
+                                                                            per_label):
+    """With the sampled output layer the merge reads and writes only the ``W2`` columns (``b2``
+    entries) some replica changed; the merged model is the dense merge's (with ``per_label``
+    its per-label weights), and every replica ends holding it."""
+    X, Y = many_labels
+    reps = [mlp(be, X, Y, seed=i, optimizer="adagrad", output="sampled") for i in range(3)]
+    for r in reps[1:]:
+        r.set_params(reps[0].params())
+    if per_label:
+        for r in reps:
+            r.track_labels()
+    central = [np.array(a) for a in reps[0].params()]
+    _period(reps)
+    changed = np.logical_or.reduce([r.changed_columns() for r in reps])
+    seen = np.stack([r.seen_labels() for r in reps]) if per_label else None
+    params = [[np.array(a) for a in r.params()] for r in reps]
+    p = np.array([0.5, 0.3, 0.2])
+    Q = np.repeat(p[:, None], Y.shape[1], axis=1)
+    if per_label:
+        Q = np.where(seen.any(axis=0), p[:, None] * seen / (p[:, None] * seen).sum(0).clip(1e-30),
+                     Q)
+    stats = {}
+    assert merge_changed_rows(reps, p, central, be, per_label=per_label, stats=stats) is not None
+    assert stats["labels_changed"] == int(changed.sum()) < Y.shape[1]
+    for k in (-2, -1):
+        np.testing.assert_allclose(central[k], sum(Q[i] * params[i][k] for i in range(3)),
+                                   rtol=1e-6, atol=1e-7)
+    for r in reps:
+        assert not r.changed_columns().any()
+        for x, c in zip(r.params(), central, strict=True):
+            assert np.array_equal(x, c)
+
+
+def test_a_nonfinite_changed_column_sends_a_sampled_merge_to_the_dense_path(be, many_labels):
+    X, Y = many_labels
+    reps = [mlp(be, X, Y, output="sampled") for _ in range(2)]
+    central = [np.array(a) for a in reps[0].params()]
+    _period(reps)
+    col = int(np.flatnonzero(reps[1].changed_columns())[0])
+    reps[1].params()[-2][3, col] = np.inf
+    before = [[np.array(x) for x in r.params()] for r in reps]
+    assert merge_changed_rows(reps, [0.5, 0.5], central, be) is None
+    for r, b in zip(reps, before, strict=True):
+        for x, y in zip(r.params(), b, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
 def test_merge_changed_rows_leaves_replicas_alone_when_one_is_nonfinite(be, wide):
     X, Y = wide
     reps = [mlp(be, X, Y) for _ in range(2)]
@@ -238,9 +344,10 @@ class MergeLog:
             self.merges.append(fields)
 
 
+@pytest.mark.parametrize("output", ["exact", "sampled"])
 @pytest.mark.parametrize("algorithm", ["adaptive", "average"])
-def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorithm,
-                                                               monkeypatch):
+def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, many_labels, algorithm,
+                                                               output, monkeypatch):
     import xmc_engine.algorithms.base as base
 
     done = []
@@ -250,10 +357,10 @@ def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, algorit
         return done[-1]
 
     monkeypatch.setattr(base, "merge_changed_rows", counted)
-    X, Y = wide
+    X, Y = wide if output == "exact" else many_labels
     results = {}
     for sparse in (True, False):
-        reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+        reps = [mlp(be, X, Y, optimizer="adagrad", output=output) for _ in range(2)]
         log = MergeLog()
         with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), algorithm, X.shape[0],
                           lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,

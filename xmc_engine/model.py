@@ -117,8 +117,9 @@ class MLPReplica:
     output : ``"exact"`` (default) or ``"sampled"``: the output layer of a step
         (:class:`~xmc_engine.config.TrainConfig` ``output``). Sampled steps touch only the
         ``W2`` columns and ``b2`` entries of their candidate labels (SGD and Adagrad alike);
-        :meth:`grad_batch` scatters their gradient into dense ``dW2``/``db2`` arrays, and
-        merges treat ``W2`` densely as in the exact mode.
+        :meth:`grad_batch` scatters their gradient into dense ``dW2``/``db2`` arrays. Where
+        the backend tracks rows the replica also records the columns its steps changed
+        (:meth:`changed_columns`), and a merge reads and writes only those.
     negatives : int; ``K`` of the sampled mode
     seed : int; seed of the negatives' random stream (give replicas different seeds). The
         stream is not part of checkpoints: a resumed sampled run draws other negatives than an
@@ -152,6 +153,10 @@ class MLPReplica:
         # W1 rows changed by steps since the last set_params (a step changes only the rows of
         # its batch's features); None where the backend's merges are dense.
         self._changed = np.zeros(X.shape[1], dtype=np.bool_) if backend.tracks_rows else None
+        # W2 columns (and b2 entries) changed by sampled steps since the last set_params; None
+        # where every step changes all of them (the exact softmax) or merges are dense.
+        self._changed_cols = (np.zeros(Y.shape[1], dtype=np.bool_)
+                              if backend.tracks_rows and output == "sampled" else None)
         # labels that were a positive of a batch row since the last set_params, once
         # track_labels() asked for them (AdaptiveConfig.label_weights='positives')
         self._seen = None
@@ -199,19 +204,25 @@ class MLPReplica:
     def params(self) -> list:
         return self._params
 
-    def set_params(self, params, rows=None) -> None:
+    def set_params(self, params, rows=None, cols=None) -> None:
         """Copy ``params`` into this replica. With ``rows`` (int64 ``W1`` row numbers, on a
-        backend with ``tracks_rows``) only those rows of ``W1`` are copied, and every other
-        parameter in full: the caller vouches that the other rows already hold ``params[0]``'s
-        values (a row-sparse merge). Either way the record of changed rows starts afresh."""
+        backend with ``tracks_rows``) only those rows of ``W1`` are copied, with ``cols`` (int64
+        label numbers) only those columns of ``W2`` and entries of ``b2``, and every other
+        parameter in full: the caller vouches that the rest already holds ``params``' values (a
+        row- and column-sparse merge). Either way the record of changes starts afresh."""
         be = self.backend
+        last = len(self._params) - 2  # W2, b2
         for k, (dst, src) in enumerate(zip(self._params, params, strict=True)):
             if k == 0 and rows is not None:
                 be.copy_rows(dst, src, rows)
+            elif k >= last and cols is not None:
+                be.copy_columns(dst, src, cols)
             else:
                 be.copy_into(dst, src)
         if self._changed is not None:
             self._changed[:] = False
+        if self._changed_cols is not None:
+            self._changed_cols[:] = False
         if self._seen is not None:
             self._seen[:] = False
 
@@ -232,6 +243,12 @@ class MLPReplica:
         parameters were last set, or ``None`` where not tracked (no row-sparse merge on this
         backend). Parameters change only through steps and :meth:`set_params`."""
         return self._changed
+
+    def changed_columns(self):
+        """Boolean mask (n_labels,) of the ``W2`` columns (and ``b2`` entries) this replica's
+        steps changed since its parameters were last set, or ``None`` where not tracked (the
+        exact output layer changes every column; no row tracking on this backend)."""
+        return self._changed_cols
 
     def train_batch(self, rows: np.ndarray, lr: float) -> float:
         """One optimiser step on training rows ``rows`` (int64, host); returns the summed loss."""
@@ -256,36 +273,31 @@ class MLPReplica:
 
         Returns ``(loss_sum, grads)``: ``grads`` follows the order of :meth:`params`;
         ``grads[0]`` (``W1``) is row-sparse, a pair ``(rows int64 (n_rows,) sorted unique
-        features of the batch, grad_rows float32 (n_rows, hidden[0]))``; every other entry is a
-        dense float32 array of its parameter's shape. All live on this replica's device and
-        are already scaled as the mean over the batch (``apply_grads(grads, lr)`` is the step
+        features of the batch, grad_rows float32 (n_rows, hidden[0]))``; with
+        ``output="sampled"`` the last two (``W2``, ``b2``) are column-sparse, ``(cols int64
+        (m,) the candidate labels, dW2 float32 (hidden[-1], m))`` and ``(cols, db2 (m,))``;
+        every other entry is a dense float32 array of its parameter's shape. All live on this
+        replica's device (the sampled ones in workspaces, valid until its next step) and are
+        already scaled as the mean over the batch (``apply_grads(grads, lr)`` is the step
         ``train_batch(rows, lr)`` makes). ``loss_sum`` is summed over the rows.
         """
         Xb, Yb = self._take_x(rows), self._take_y(rows)
         if self.output == "exact":
             return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
-        be = self.backend
-        loss, grads, cols = sampled_grad_step(be, self._params, Xb, Yb, self.negatives,
-                                              self._rng)
-        with be.activate():
-            dW2, db2 = be.zeros(self._params[-2].shape), be.zeros(self._params[-1].shape)
-            be.scatter_add_columns(dW2, db2, cols, grads[-2], grads[-1], 1.0)
-        return loss, [*grads[:-2], dW2, db2]
+        return sampled_grad_step(self.backend, self._params, Xb, Yb, self.negatives,
+                                 self._rng)
 
     def _sampled_step(self, Xb, Yb, lr: float) -> float:
         """A step with the sampled output layer: ``W1`` on its touched rows, ``W2`` / ``b2``
         on the candidate columns, the dense layers in full (SGD or Adagrad)."""
         be, params = self.backend, self._params
-        loss, grads, cols = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng)
-        W2, b2 = params[-2], params[-1]
-        with be.activate():
-            if self._acc is not None:
-                apply_adagrad(be, params[:-2], grads[:-2], self._acc[:-2], lr)
-                be.adagrad_columns(W2, b2, self._acc[-2], self._acc[-1], cols, grads[-2],
-                                   grads[-1], lr, ADAGRAD_EPS)
-            else:
-                apply_grads(be, params[:-2], grads[:-2], lr)
-                be.scatter_add_columns(W2, b2, cols, grads[-2], grads[-1], -float(lr))
+        loss, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng)
+        if self._changed_cols is not None:
+            self._changed_cols[grads[-1][0]] = True
+        if self._acc is not None:
+            apply_adagrad(be, params, grads, self._acc, lr)
+        else:
+            apply_grads(be, params, grads, lr)
         return loss
 
     def apply_grads(self, grads: list, lr: float) -> None:
@@ -298,6 +310,12 @@ class MLPReplica:
         """
         if self._changed is not None:
             self._changed[np.asarray(self.backend.to_host(grads[0][0]), dtype=np.int64)] = True
+        if self._changed_cols is not None:
+            if isinstance(grads[-1], tuple):  # column-sparse W2, b2 (sampled)
+                self._changed_cols[np.asarray(self.backend.to_host(grads[-1][0]),
+                                              dtype=np.int64)] = True
+            else:
+                self._changed_cols[:] = True
         if self._acc is not None:
             apply_adagrad(self.backend, self._params, grads, self._acc, lr)
         else:
@@ -385,15 +403,15 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
         return be.to_float(loss), [*grads, dW2, db2]  # synchronize!
 
 
-def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng) -> tuple[float, list, object]:
-    """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads, cols)``.
+def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng) -> tuple[float, list]:
+    """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads)``.
 
     The candidate labels ``cols`` (int64, on the backend) are the batch's positives plus
     ``negatives`` uniform draws from ``rng``
     (:func:`xmc_engine.output_layer.sample_candidates`); ``grads`` is in the
-    :meth:`MLPReplica.grad_batch` layout except its last two entries, the gradients of
-    ``W2[:, cols]`` (n_hidden, m) and ``b2[cols]`` (m,) only (backend workspaces, valid until
-    the next sampled step).
+    :meth:`MLPReplica.grad_batch` layout, its last two entries column-sparse:
+    ``(cols, dW2[:, cols])`` (n_hidden, m) and ``(cols, db2[cols])`` (m,) (backend workspaces,
+    valid until the next sampled step).
     """
     W2, b2 = params[-2], params[-1]
     cols, local_y, n_pos, log_weight = sample_candidates(Yb.indices, W2.shape[1], negatives, rng)
@@ -405,7 +423,7 @@ def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng) -> tuple[float, l
         loss, dW2s, db2s, dH = be.sampled_output_grad(acts[-1], W2, b2, cols, n_pos,
                                                       log_weight, y_indptr, y_local)
         grads = _hidden_grads(be, params, x_parts, acts, dH)
-        return be.to_float(loss), [*grads, dW2s, db2s], cols  # synchronize!
+        return be.to_float(loss), [*grads, (cols, dW2s), (cols, db2s)]  # synchronize!
 
 
 def _hidden_grads(be, params, x_parts, acts, dH) -> list:
@@ -431,24 +449,45 @@ def apply_grads(be, params, grads, lr: float) -> None:
     copied to the device of ``be`` first (no copy on the CPU backend).
     """
     rows, grad_rows = grads[0]
+    dense = _dense_part(params, grads)
     with be.activate():
         if len(rows):
             be.sparse_rows_update(params[0], be.asarray(rows, dtype=np.int64),
                                   be.asarray(grad_rows, dtype=np.float32), lr)
-        for p, g in zip(params[1:], grads[1:], strict=True):
+        for p, g in zip(params[dense], grads[dense], strict=True):
             be.axpy(p, be.asarray(g, dtype=np.float32), -float(lr))
+        if isinstance(grads[-1], tuple):
+            be.scatter_add_columns(params[-2], params[-1], *_columns(be, grads), -float(lr))
+
+
+def _dense_part(params, grads) -> slice:
+    """The dense entries of a :meth:`MLPReplica.grad_batch` list: all after ``W1``, or all
+    between ``W1`` and a column-sparse ``W2``, ``b2`` (the sampled output layer)."""
+    return slice(1, len(params) - 2 if isinstance(grads[-1], tuple) else len(params))
+
+
+def _columns(be, grads) -> tuple:
+    """``(cols, dW2s, db2s)`` of a column-sparse ``W2``, ``b2`` gradient, on ``be``."""
+    (cols, dW2s), (_, db2s) = grads[-2], grads[-1]
+    return (be.asarray(cols, dtype=np.int64), be.asarray(dW2s, dtype=np.float32),
+            be.asarray(db2s, dtype=np.float32))
 
 
 def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -> None:
     """In-place Adagrad (Duchi et al. 2011) for ``grads`` in the :meth:`MLPReplica.grad_batch`
     layout: ``acc += g^2; p -= lr g / (sqrt(acc) + eps)``; ``W1`` on its touched rows only."""
     rows, grad_rows = grads[0]
+    dense = _dense_part(params, grads)
     with be.activate():
         if len(rows):
             be.adagrad_rows(params[0], be.asarray(rows, dtype=np.int64),
                             be.asarray(grad_rows, dtype=np.float32), acc[0], lr, eps)
-        for p, g, a in zip(params[1:], grads[1:], acc[1:], strict=True):
+        for p, g, a in zip(params[dense], grads[dense], acc[dense], strict=True):
             be.adagrad_dense(p, be.asarray(g, dtype=np.float32), a, lr, eps)
+        if isinstance(grads[-1], tuple):
+            cols, dW2s, db2s = _columns(be, grads)
+            be.adagrad_columns(params[-2], params[-1], acc[-2], acc[-1], cols, dW2s, db2s, lr,
+                               eps)
 
 
 def calibrate_threads(be, params, X, Y, batch_size: int, max_threads: int, *,

@@ -18,8 +18,9 @@ Capabilities differ only through declared class attributes (never ``hasattr`` pr
 ``tracks_rows``
     Replicas on this backend record the ``W1`` rows their steps change, and the merge reads and
     writes only those rows (``merge_rows`` / ``copy_rows``,
-    :func:`xmc_engine.scheduler.merge.merge_changed_rows`). Where it is False the merge is dense
-    and ``merge_rows`` / ``copy_rows`` may raise ``NotImplementedError`` naming the flag.
+    :func:`xmc_engine.scheduler.merge.merge_changed_rows`); with the sampled output layer also
+    only the ``W2`` columns and ``b2`` entries the steps changed (``merge_columns`` /
+    ``copy_columns``). Where it is False the merge is dense.
 
 Arrays are float32 (parameters, activations) and int32/int64 (CSR indices) on the backend's
 device. Launchers queue work on the backend's stream and return without waiting; the methods
@@ -127,6 +128,14 @@ class SchedulerBackend(Protocol):
 
     def copy_rows(self, dst, src, rows) -> None:
         """``dst[r] = src[r]`` for ``r`` in ``rows`` (int64, host)."""
+
+    def merge_columns(self, arrays: Sequence, weights, cols, out) -> bool:
+        """``out[:, c_j] = sum_i weights[i, j] arrays[i][:, c_j]`` for the columns ``c_j`` of
+        ``cols`` (int64, host; ``weights`` (n_arrays, len(cols)), host; 2-D arrays, a 1-D one
+        is one row); returns whether all merged values are finite (waits for the result)."""
+
+    def copy_columns(self, dst, src, cols) -> None:
+        """``dst[:, c] = src[:, c]`` for ``c`` in ``cols`` (int64, host; 1-D arrays: entries)."""
 
 
 @runtime_checkable

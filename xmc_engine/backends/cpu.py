@@ -361,6 +361,20 @@ class CPUBackend:
         merge.copy_rows_cpu(dst, src, np.asarray(rows, np.int64))
 
     @staticmethod
+    def merge_columns(arrays, weights, cols, out) -> bool:
+        """``out[:, c_j] = sum_i weights[i, j] arrays[i][:, c_j]`` for the columns of ``cols``
+        (2-D float32, C order; a 1-D array is one row); returns whether all are finite (the
+        column-sparse merge of ``W2``, ``b2``)."""
+        return bool(merge.merge_columns_cpu(tuple(_as_rows(a) for a in arrays),
+                                            np.asarray(weights, np.float32),
+                                            np.asarray(cols, np.int64), _as_rows(out)))
+
+    @staticmethod
+    def copy_columns(dst, src, cols) -> None:
+        """``dst[:, c] = src[:, c]`` for ``c`` in ``cols`` (parallel over rows; 1-D: entries)."""
+        merge.copy_columns_cpu(_as_rows(dst), _as_rows(src), np.asarray(cols, np.int64))
+
+    @staticmethod
     def momentum(wbar, z1, z2, mu, out):
         merge.momentum_cpu(wbar, z1, z2, mu, out)
         return out
@@ -381,3 +395,8 @@ class CPUBackend:
     @staticmethod
     def adagrad_columns(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
         sampled_output.adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)
+
+
+def _as_rows(a: np.ndarray) -> np.ndarray:
+    """A 2-D view: a 1-D array (``b2``) as one row."""
+    return a.reshape(1, -1) if a.ndim == 1 else a

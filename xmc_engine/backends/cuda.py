@@ -554,6 +554,30 @@ class CUDABackend:
             dst[r] = self._readable(src, "copy_rows_src")[r]
             self._release()
 
+    def merge_columns(self, arrays, weights, cols, out) -> bool:
+        """``out[..., c_j] = sum_i weights[i, j] arrays[i][..., c_j]`` for the columns of
+        ``cols``; returns whether all are finite (waits for the result)."""
+        cp = self.xp
+        with self.activate():
+            self.fence()
+            c = cp.asarray(np.asarray(cols, np.int64))
+            w = cp.asarray(np.asarray(weights, np.float32))
+            new = cp.zeros(out.shape[:-1] + (c.size,), dtype=out.dtype)
+            for i, a in enumerate(arrays):
+                new += w[i] * self._readable(a, "merge_columns_src")[..., c]
+            out[..., c] = new
+            ok = self.to_host(cp.isfinite(new).all())  # synchronize!
+        return bool(ok)
+
+    def copy_columns(self, dst, src, cols) -> None:
+        """``dst[..., c] = src[..., c]`` for ``c`` in ``cols`` (int64, host), after ``src``'s
+        writes."""
+        with self.activate():
+            self.fence()
+            c = self.xp.asarray(np.asarray(cols, np.int64))
+            dst[..., c] = self._readable(src, "copy_columns_src")[..., c]
+            self._release()
+
     def momentum(self, wbar, z1, z2, mu, out):
         with self.activate():
             self._launch(merge.momentum_launch, wbar, z1, z2, mu, out)

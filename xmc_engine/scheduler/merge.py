@@ -236,7 +236,9 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
                        backend, *, per_row: bool = False, per_label: bool = False,
                        stats: dict | None = None) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
-    only the ``W1`` rows some replica changed in the period (every other parameter in full).
+    only the ``W1`` rows some replica changed in the period and, where the replicas record them
+    (the sampled output layer, ``changed_columns()``), only the ``W2`` columns and ``b2``
+    entries some replica changed (every other parameter in full).
 
     Between two merges a step changes only the ``W1`` rows of its batch's features, so every
     other row of every replica still equals the central model's: merging it would write back the
@@ -250,9 +252,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     Parameters
     ----------
     replicas : list of replicas
-        Each with ``changed_rows()`` (a boolean mask over ``W1``'s rows) and
-        ``set_params(params, rows=...)`` (:class:`xmc_engine.model.MLPReplica`), all of whose
-        parameters equal ``central`` outside the changed rows (true after a merge's broadcast).
+        Each with ``changed_rows()`` (a boolean mask over ``W1``'s rows), optionally
+        ``changed_columns()`` (over ``W2``'s columns, or ``None``), and
+        ``set_params(params, rows=..., cols=...)`` (:class:`xmc_engine.model.MLPReplica`), all
+        of whose parameters equal ``central`` outside the changed rows and columns (true after a
+        merge's broadcast).
     p : sequence of float
         Merge weights, all > 0.
     central : list of arrays
@@ -271,8 +275,9 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         (``seen_labels()``); a label no replica saw keeps the weights ``p``.
     stats : dict, optional
         Receives ``rows_touched`` (rows some replica changed) and ``rows_single`` (rows exactly
-        one replica changed), and with ``per_label`` also ``labels_seen`` and
-        ``labels_single``: the instrumentation of how sparse a period's updates are.
+        one replica changed), with ``per_label`` also ``labels_seen`` and ``labels_single``,
+        and with the sampled output layer ``labels_changed`` (``W2`` columns some replica
+        changed): the instrumentation of how sparse a period's updates are.
 
     Returns
     -------
@@ -289,7 +294,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     if counted is None or len(w) != len(replicas) or min(w) <= 0.0:
         return None
     params = [r.params() for r in replicas]
-    if find_nonfinite([ps[1:] for ps in params], backend):
+    changed = [r.changed_columns() if hasattr(r, "changed_columns") else None
+               for r in replicas]
+    sparse_cols = all(m is not None for m in changed)
+    # W2 and b2 are checked by their merge where only changed columns are read.
+    if find_nonfinite([ps[1:-2] if sparse_cols else ps[1:] for ps in params], backend):
         return None
     touched, n_touch = counted
     rows = np.flatnonzero(n_touch).astype(np.int64)
@@ -311,25 +320,34 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     if not finite:
         return None
     seen = [r.seen_labels() if hasattr(r, "seen_labels") else None for r in replicas]
-    if per_label and len(replicas) > 1 and all(m is not None for m in seen):
-        weighted_merge([ps[1:-2] for ps in params], w, central[1:-2], backend, check=False)
-        S = np.stack(seen)
-        n_seen = S.sum(axis=0)
-        Q = np.asarray(w, np.float64)[:, None] * S
-        Q = np.where(n_seen > 0, Q / np.maximum(Q.sum(axis=0), 1e-300), np.asarray(w)[:, None])
-        Q = Q.astype(np.float32)
-        for k, scale in ((-2, lambda q: q[None, :]), (-1, lambda q: q)):
-            out = central[k]
-            np.multiply(params[0][k], scale(Q[0]), out=out)
-            for i in range(1, len(params)):
-                out += params[i][k] * scale(Q[i])
-        if stats is not None:
-            stats["labels_seen"] = int(np.count_nonzero(n_seen))
-            stats["labels_single"] = int(np.count_nonzero(n_seen == 1))
-    else:
+    per_label = per_label and len(replicas) > 1 and all(m is not None for m in seen)
+    # The sampled output layer: only the W2 columns (b2 entries) some replica changed.
+    cols = (np.flatnonzero(np.logical_or.reduce(changed)).astype(np.int64)
+            if sparse_cols else None)
+    if not per_label and cols is None:
         weighted_merge([ps[1:] for ps in params], w, central[1:], backend, check=False)
+    else:
+        weighted_merge([ps[1:-2] for ps in params], w, central[1:-2], backend, check=False)
+        if per_label:  # a label's weights over the replicas that held it as a positive
+            S = np.stack(seen) if cols is None else np.stack(seen)[:, cols]
+            n_seen = S.sum(axis=0)
+            Q = np.asarray(w, np.float64)[:, None] * S
+            Q = np.where(n_seen > 0, Q / np.maximum(Q.sum(axis=0), 1e-300),
+                         np.asarray(w)[:, None])
+            if stats is not None:
+                stats["labels_seen"] = int(np.count_nonzero(n_seen))
+                stats["labels_single"] = int(np.count_nonzero(n_seen == 1))
+        else:
+            Q = np.repeat(np.asarray(w, np.float64)[:, None], cols.size, axis=1)
+        Q = Q.astype(np.float32)
+        idx = np.arange(central[-1].shape[0], dtype=np.int64) if cols is None else cols
+        for k in (-2, -1):
+            if not backend.merge_columns([ps[k] for ps in params], Q, idx, central[k]):
+                return None
+        if stats is not None and cols is not None:
+            stats["labels_changed"] = int(cols.size)
     for r in replicas:
-        r.set_params(central, rows=rows)
+        r.set_params(central, rows=rows, cols=cols)
     return delta
 
 
@@ -379,7 +397,8 @@ def reduce_gradients(grads: Sequence[list | None], weights: Sequence[float], bac
     ----------
     grads : list (n_devices) of gradient lists or ``None``
         In the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch`, on any device: entry 0
-        row-sparse ``(rows int64 (n_rows_i,) sorted unique, grad_rows (n_rows_i, h))``, the
+        row-sparse ``(rows int64 (n_rows_i,) sorted unique, grad_rows (n_rows_i, h))``, with
+        the sampled output layer the last two column-sparse ``(cols, values (..., m_i))``, the
         others dense. ``None`` (a device without rows this step) is skipped.
     weights : sequence of float, shape (n_devices,)
         ``b_i / sum_j b_j``, each device's share of the global batch (the result is then the
@@ -391,28 +410,44 @@ def reduce_gradients(grads: Sequence[list | None], weights: Sequence[float], bac
     -------
     list
         Same layout, fresh arrays on ``backend``: ``W1`` over the sorted union of the devices'
-        rows (a row a device did not touch contributes 0), dense entries ``sum_i w_i g_i``.
-        Only the row numbers travel to the host (to form the union). Returns after the sum is
+        rows (a row a device did not touch contributes 0), likewise a column-sparse ``W2``,
+        ``b2`` over the union of the columns, dense entries ``sum_i w_i g_i``. Only the row and
+        column numbers travel to the host (to form the unions). Returns after the sum is
         done (the devices may reuse their gradient buffers at once).
     """
     used = [i for i, g in enumerate(grads) if g is not None and weights[i] != 0.0]
     if not used:
         raise ValueError("reduce_gradients: no device contributed a gradient")
     w = [float(weights[i]) for i in used]
+    out = []
     with backend.activate():
         backend.fence()
-        row_sets = [np.asarray(backend.to_host(grads[i][0][0]), dtype=np.int64) for i in used]
-        rows = np.unique(np.concatenate(row_sets))
-        first = grads[used[0]][0][1]
-        g1 = backend.zeros((rows.shape[0], *first.shape[1:]), first.dtype)
-        for r, i, wi in zip(row_sets, used, w, strict=True):
-            # rows are unique within a device, so fancy-index += is an exact scatter-add
-            at = backend.asarray(np.searchsorted(rows, r))
-            g1[at] += first.dtype.type(wi) * backend.asarray(grads[i][0][1])
-        out = [(backend.asarray(rows), g1)]
-        for k in range(1, len(grads[used[0]])):
+        for k in range(len(grads[used[0]])):
             like = grads[used[0]][k]
-            out.append(backend.weighted_sum([grads[i][k] for i in used], w,
-                                            backend.empty(like.shape, like.dtype)))
+            if isinstance(like, tuple):  # W1 by rows; a sampled W2, b2 by columns
+                out.append(_sparse_sum([grads[i][k] for i in used], w, backend,
+                                       last_axis=k > 0))
+            else:
+                out.append(backend.weighted_sum([grads[i][k] for i in used], w,
+                                                backend.empty(like.shape, like.dtype)))
         backend.synchronize()  # synchronize! the sum has read every device's buffers
     return out
+
+
+def _sparse_sum(entries: Sequence[tuple], w: Sequence[float], backend, *, last_axis: bool):
+    """``(union, sum_i w_i g_i)`` of index-sparse gradients ``(index int64, values)``, indexed
+    on the first axis of ``values`` (``W1``'s rows) or the last (``W2``'s columns, ``b2``):
+    an index a device did not list contributes 0. Only the indices travel to the host."""
+    idx = [np.asarray(backend.to_host(e[0]), dtype=np.int64) for e in entries]
+    union = np.unique(np.concatenate(idx))
+    first = entries[0][1]
+    shape = (*first.shape[:-1], union.size) if last_axis else (union.size, *first.shape[1:])
+    total = backend.zeros(shape, first.dtype)
+    for ix, (_, values), wi in zip(idx, entries, w, strict=True):
+        # indices are unique within a device, so fancy-index += is an exact scatter-add
+        at = backend.asarray(np.searchsorted(union, ix))
+        if last_axis:
+            total[..., at] += first.dtype.type(wi) * backend.asarray(values)
+        else:
+            total[at] += first.dtype.type(wi) * backend.asarray(values)
+    return backend.asarray(union), total

@@ -64,7 +64,8 @@ class HostBackend:
     It is what the scheduler, the merges and the algorithms call (arrays and transfers, the
     worker context, the merge launchers), written with plain NumPy so that
     :class:`FakeReplica`'s float64 parameters merge exactly. ``tracks_rows`` is False: fakes
-    keep no record of changed rows, so ``merge_rows`` / ``copy_rows`` raise.
+    keep no record of changed rows, so ``merge_rows`` / ``copy_rows`` (and the column pair)
+    raise.
     """
 
     name = "cpu"
@@ -130,6 +131,14 @@ class HostBackend:
 
     def copy_rows(self, dst, src, rows) -> None:
         raise NotImplementedError("HostBackend.tracks_rows is False: no row-sparse copy "
+                                  "(copy whole arrays with copy_into)")
+
+    def merge_columns(self, arrays, weights, cols, out) -> bool:
+        raise NotImplementedError("HostBackend.tracks_rows is False: no column-sparse merge "
+                                  "(merge densely with weighted_sum)")
+
+    def copy_columns(self, dst, src, cols) -> None:
+        raise NotImplementedError("HostBackend.tracks_rows is False: no column-sparse copy "
                                   "(copy whole arrays with copy_into)")
 
 
