@@ -222,9 +222,8 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     h_sum, h_last = sum(cfg.hidden), cfg.hidden[-1]
     if cfg.output == "sampled":
         m = min(n_labels, math.ceil(b * label_nnz / max(n_samples, 1)) + cfg.negatives)
+        # sync's gradients of W2, b2 are column-sparse too: inside the candidate workspaces
         act = 2 * b * h_sum * F32 + b * m * F32 + 2 * (h_last + 1) * m * F32
-        if cfg.algorithm == "sync":
-            act += (h_last + 1) * n_labels * F32
     else:
         act = 2 * b * h_sum * F32 + b * C * F32 + n_labels * F32
         if C < n_labels:
