@@ -7,6 +7,7 @@ script first checks, on a small problem, that a sampled step over every label is
 
     python bench/bench_sampled.py --data delicious --epochs 5 --negatives 256 1024
     python bench/bench_sampled.py --data synthetic:20000:5000:100000 --epochs 2
+    python bench/bench_sampled.py --data debian_builddeps --epochs 5 --engine-defaults
 
 ``--data`` takes a dataset name or folder (``delicious``, ``debian_builddeps``), or a synthetic
 power-law shape ``synthetic:N_TRAIN:N_FEATURES:N_LABELS`` (:func:`bench._tta.load_data`).
@@ -127,11 +128,12 @@ def run_one(spec: dict) -> dict:
         del Xte, Yte
         return {**spec, **time_steps(spec, Xtr, Ytr), "peak_rss_mib": _common.peak_rss_mib(),
                 "data_shape": shape}
-    clf = XMCClassifier(hidden=spec["hidden"], epochs=spec["epochs"],
-                        batch_size=spec["batch_size"], optimizer=spec["optimizer"],
-                        lr=spec["lr"], seed=spec["seed"], threads=spec["threads"],
+    chosen = {k: spec[k] for k in ("hidden", "batch_size", "optimizer", "lr", "threads")
+              if spec[k] is not None}  # None: the engine's default (--engine-defaults)
+    clf = XMCClassifier(epochs=spec["epochs"], seed=spec["seed"],
                         eval_every=spec["eval_every"], output=spec["output"],
-                        negatives=spec["negatives"], label_chunk=spec.get("label_chunk"))
+                        negatives=spec["negatives"], label_chunk=spec.get("label_chunk"),
+                        **chosen)
     plan = plan_memory(clf.get_config(), n_samples=Xtr.shape[0], n_features=Xtr.shape[1],
                        n_labels=Ytr.shape[1], nnz=Xtr.nnz, label_nnz=Ytr.nnz,
                        n_test=Xte.shape[0], test_nnz=Xte.nnz, test_label_nnz=Yte.nnz,
@@ -146,7 +148,7 @@ def run_one(spec: dict) -> dict:
             "s_per_epoch": last["train_time"] / last["epoch"], "curve": curve,
             "final": {k: last["metrics"][k] for k in METRICS},
             "peak_rss_mib": _common.peak_rss_mib(), "planned_host_bytes": plan.pools[0].total,
-            "data_shape": shape}
+            "data_shape": shape, "config": clf.get_config().to_dict()}
 
 
 def main(argv=None) -> None:
@@ -172,6 +174,9 @@ def main(argv=None) -> None:
     p.add_argument("--ablate-correction", action="store_true",
                    help="also run each K without the sampled-softmax weight on the negatives")
     p.add_argument("--no-exact", action="store_true", help="sampled runs only")
+    p.add_argument("--engine-defaults", action="store_true",
+                   help="leave hidden, batch size, optimizer, lr and threads to the engine's "
+                        "defaults (what a user who passes no flags gets)")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/"
                    "sampled_<data>.json)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one spec as JSON
@@ -179,9 +184,14 @@ def main(argv=None) -> None:
     if args.one:
         print("RESULT " + json.dumps(run_one(json.loads(args.one))), flush=True)
         return
+    if args.engine_defaults:
+        if args.steps:
+            raise SystemExit("--engine-defaults times whole runs, not --steps")
+        args.hidden = args.batch_size = args.optimizer = args.lr = args.threads = None
     meta = _common.result_metadata({"threads": args.threads})
     check_against_exact()
-    base = {"data": args.data, "hidden": [args.hidden], "batch_size": args.batch_size,
+    base = {"data": args.data, "hidden": None if args.hidden is None else [args.hidden],
+            "batch_size": args.batch_size,
             "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
             "threads": args.threads, "eval_every": args.eval_every, "steps": args.steps,
             "label_chunk": args.label_chunk,

@@ -172,11 +172,37 @@ def test_sampled_grad_batch_is_column_sparse_over_the_candidates():
     assert set(moved) <= set(cols) and len(moved) > 0
 
 
+def test_output_auto_chooses_from_the_label_space_against_a_sampled_step_s_width():
+    """``output="auto"``: sampled when ``n_labels >= AUTO_SAMPLED_RATIO x (batch x labels per
+    row + negatives)``; a run says which it trained, and the planner plans that one."""
+    from xmc_engine.config import AUTO_SAMPLED_RATIO
+    from xmc_engine.memory import plan_memory
+
+    cfg = TrainConfig(output="auto", batch_size=64, negatives=1024)
+    width = 64 * 5.0 + 1024
+    assert cfg.output_for(int(AUTO_SAMPLED_RATIO * width), 5.0) == "sampled"
+    assert cfg.output_for(int(AUTO_SAMPLED_RATIO * width) - 1, 5.0) == "exact"
+    assert cfg.output_for(983, 19.0) == "exact"  # delicious' shape
+    for fixed in ("exact", "sampled"):  # an explicit choice is kept whatever the data
+        assert TrainConfig(output=fixed).output_for(10**7, 1.0) == fixed
+    shape = dict(n_samples=1000, n_features=50, nnz=10**4, label_nnz=5000)
+    for n_labels, want in ((100_000, "sampled"), (1000, "exact")):
+        plan = plan_memory(cfg, n_labels=n_labels, budget="1TiB", **shape)
+        assert plan.settings["output"] == want
+    X, Y = tiny_data(n=300, n_labels=400)  # ~2 labels per row: 8 x (8 x 2 + 6) < 400
+    for n_labels, want in ((400, "sampled"), (40, "exact")):
+        Xs, Ys = (X, Y) if n_labels == 400 else tiny_data(n=300, n_labels=40)
+        clf = XMCClassifier(hidden=8, epochs=1, batch_size=8, output="auto", negatives=6,
+                            threads=1, eval_every=0).fit(Xs, Ys)
+        start = clf.history_[0]
+        assert start["output"] == want and start["config"]["output"] == "auto"
+
+
 def test_config_output_and_negatives():
     cfg = TrainConfig(output="sampled", negatives=64)
     assert TrainConfig.from_json(cfg.to_json()) == cfg
     assert TrainConfig().output == "exact"
-    with pytest.raises(ConfigError, match="output='softmax'.*exact, sampled"):
+    with pytest.raises(ConfigError, match="output='softmax'.*exact, sampled, auto"):
         TrainConfig(output="softmax")
     with pytest.raises(ConfigError, match="negatives=-1"):
         TrainConfig(negatives=-1)

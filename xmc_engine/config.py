@@ -50,7 +50,12 @@ __all__ = [
 #: Optimizers of :class:`~xmc_engine.model.MLPReplica`.
 OPTIMIZERS = ("sgd", "adagrad")
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
-OUTPUTS = ("exact", "sampled")
+#: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
+OUTPUTS = ("exact", "sampled", "auto")
+#: ``output="auto"`` trains the sampled output layer when the label space is at least this many
+#: times a sampled step's output width (the base batch's expected positive labels plus
+#: ``negatives``), the exact softmax otherwise (:meth:`TrainConfig.output_for`).
+AUTO_SAMPLED_RATIO = 8.0
 #: Each optimizer's learning rate when ``TrainConfig.lr`` is ``None``: of
 #: ``bench/bench_defaults.py``'s grid, the value with the best mean P@1 over the datasets
 #: (``bench/RESULTS.md``, "Defaults"). Adagrad's 0.05 is within 0.03 of each dataset's best
@@ -464,14 +469,16 @@ class TrainConfig(ConfigMixin):
     optimizer : {'sgd', 'adagrad'}
         Adagrad by default: on every dataset of ``bench/bench_defaults.py`` its best learning
         rate beat plain SGD's (the paper's optimizer) at equal epochs, by 0.03 to 0.46 P@1.
-    output : {'exact', 'sampled'}
+    output : {'exact', 'sampled', 'auto'}
         The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.
         ``"sampled"``: the softmax over the batch's positive labels plus ``negatives`` labels
         drawn uniformly from the rest, with the sampled-softmax weight on the drawn ones
         (:func:`xmc_engine.output_layer.sample_candidates`); the step costs GEMMs of
         ``B x hidden x (positives + negatives)`` and updates only those ``W2`` columns.
         Prediction and evaluation are exact either way; ``label_chunk`` then applies to them
-        only. When to choose which: README, "Sampled output layer".
+        only. ``"auto"``: ``"sampled"`` where the label space is large against a sampled step's
+        width, else ``"exact"`` (:meth:`output_for`; the run log's ``start`` record says which).
+        When to choose which: README, "Sampled output layer".
     negatives : int
         ``K``, the negatives drawn per batch when ``output="sampled"`` (0: the other rows'
         positives only). Measured: ``bench/RESULTS.md``, "Sampled output layer".
@@ -563,6 +570,16 @@ class TrainConfig(ConfigMixin):
             if not getattr(self, name) > 0:
                 bad(name, "must be > 0")
         self.algorithm_params = algorithm_config(self.algorithm, self.algorithm_params)
+
+    def output_for(self, n_labels: int, labels_per_row: float) -> str:
+        """The output layer a run on data with ``n_labels`` labels and ``labels_per_row``
+        positives per training row trains: ``output``, or for ``"auto"`` ``"sampled"`` when
+        ``n_labels >= AUTO_SAMPLED_RATIO * (batch_size * labels_per_row + negatives)`` (a
+        sampled step's output width), else ``"exact"``."""
+        if self.output != "auto":
+            return self.output
+        width = self.batch_size * float(labels_per_row) + self.negatives
+        return "sampled" if n_labels >= AUTO_SAMPLED_RATIO * width else "exact"
 
     @property
     def learning_rate(self) -> float:

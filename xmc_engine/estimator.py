@@ -111,9 +111,10 @@ class XMCClassifier:
     optimizer : {"adagrad", "sgd"}
         Adagrad (the default: per-parameter accumulators, row-sparse for ``W1``; each replica
         keeps its own, merges average parameters only) or plain SGD (the paper's).
-    output : {"exact", "sampled"}
+    output : {"exact", "sampled", "auto"}
         Output layer of training: the softmax over every label, or over the batch's positives
-        plus ``negatives`` sampled labels (prediction is exact either way).
+        plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks
+        from the data's shape (:meth:`xmc_engine.config.TrainConfig.output_for`).
     negatives : int
         Negatives per batch of ``output="sampled"``.
     devices : str

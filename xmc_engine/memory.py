@@ -220,7 +220,8 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     b = _max_batch(cfg)
     C = min(int(cfg.label_chunk), n_labels) if cfg.label_chunk else n_labels
     h_sum, h_last = sum(cfg.hidden), cfg.hidden[-1]
-    if cfg.output == "sampled":
+    output = cfg.output_for(n_labels, label_nnz / max(n_samples, 1))
+    if output == "sampled":
         m = min(n_labels, math.ceil(b * label_nnz / max(n_samples, 1)) + cfg.negatives)
         # sync's gradients of W2, b2 are column-sparse too: inside the candidate workspaces
         act = 2 * b * h_sum * F32 + b * m * F32 + 2 * (h_last + 1) * m * F32
@@ -268,7 +269,7 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     settings = {"n_samples": int(n_samples), "n_features": int(n_features),
                 "n_labels": int(n_labels), "hidden": list(cfg.hidden), "devices": cfg.devices,
                 "algorithm": cfg.algorithm, "batch_size": cfg.batch_size, "b_max": b,
-                "label_chunk": cfg.label_chunk, "output": cfg.output,
+                "label_chunk": cfg.label_chunk, "output": output,
                 "negatives": cfg.negatives, "n_params": shape.n_params(), "param_bytes": P}
     plan = MemoryPlan(list(pools.values()), settings)
     if suggest and plan.fits is False:

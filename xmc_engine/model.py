@@ -27,7 +27,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
-from xmc_engine.config import EVAL_ROWS, OPTIMIZERS, OUTPUTS, TrainConfig
+from xmc_engine.config import EVAL_ROWS, OPTIMIZERS, TrainConfig
 from xmc_engine.output_layer import sample_candidates
 
 logger = logging.getLogger(__name__)
@@ -131,8 +131,8 @@ class MLPReplica:
                  negatives: int = TrainConfig.negatives, seed: int = 0):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        if output not in OUTPUTS:
-            raise ValueError(f"output={output!r}: choose one of {', '.join(OUTPUTS)}")
+        if output not in ("exact", "sampled"):  # "auto" is resolved before (make_replica)
+            raise ValueError(f"output={output!r}: choose exact or sampled")
         if negatives < 0:
             raise ValueError(f"negatives={negatives!r}: must be >= 0")
         self.backend = backend

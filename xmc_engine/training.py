@@ -8,6 +8,7 @@ resume, and the progress bar. The one-device loop lives here; several devices go
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -92,6 +93,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         label_counts, n_samples = join_run(comm, cfg, params, label_counts, n_samples, resume)
         if not comm.is_root:  # rank 0 alone logs, checkpoints and evaluates
             log_dir, eval_set, checkpoint_every = None, None, None
+    # output="auto": one choice for every node, from the whole training set's label counts
+    output = cfg.output_for(Y.shape[1], float(label_counts.sum()) / max(n_samples, 1))
+    given = cfg
+    cfg = dataclasses.replace(cfg, output=output)
     run_dir = Path(log_dir) if log_dir is not None else None
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -124,7 +129,12 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
     evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
                  if eval_set is not None else None)
-    log.write("start", config=cfg.to_dict(), lr=cfg.learning_rate,
+    if given.output != output:
+        logger.info("output='%s': training the %s output layer (%d labels, %.2f per row; "
+                    "batch %d, negatives %d)", given.output, output, Y.shape[1],
+                    float(label_counts.sum()) / max(n_samples, 1), cfg.batch_size,
+                    cfg.negatives)
+    log.write("start", config=given.to_dict(), output=output, lr=cfg.learning_rate,
               warmup_epochs=cfg.warmup_epochs, n_samples=n_samples, n_features=shape.n_features,
               n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
               resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
@@ -157,7 +167,8 @@ def make_replica(cfg: TrainConfig, device, X, Y, params, index: int) -> MLPRepli
 
     be = get_backend(device.kind, device.index, threads=cfg.threads or device.threads)
     return MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer,
-                      output=cfg.output, negatives=cfg.negatives, seed=cfg.seed + index)
+                      output=cfg.output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1)),
+                      negatives=cfg.negatives, seed=cfg.seed + index)
 
 
 def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
