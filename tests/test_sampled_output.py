@@ -201,7 +201,7 @@ def test_output_auto_chooses_from_the_label_space_against_a_sampled_step_s_width
 def test_config_output_and_negatives():
     cfg = TrainConfig(output="sampled", negatives=64)
     assert TrainConfig.from_json(cfg.to_json()) == cfg
-    assert TrainConfig().output == "exact"
+    assert TrainConfig().output == "auto"
     with pytest.raises(ConfigError, match="output='softmax'.*exact, sampled, auto"):
         TrainConfig(output="softmax")
     with pytest.raises(ConfigError, match="negatives=-1"):
@@ -323,7 +323,7 @@ def test_memory_plan_knows_the_sampled_mode():
         (pool,) = plan.pools
         return sum(v for k, v in pool.items.items() if k.startswith("activations"))
 
-    exact = plan_memory(TrainConfig(batch_size=256), **shape)
+    exact = plan_memory(TrainConfig(batch_size=256, output="exact"), **shape)
     sampled = plan_memory(TrainConfig(batch_size=256, output="sampled", negatives=1000),
                           **shape)
     m = 256 * 4 + 1000  # b x labels per row + negatives

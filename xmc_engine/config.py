@@ -52,9 +52,14 @@ OPTIMIZERS = ("sgd", "adagrad")
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
 OUTPUTS = ("exact", "sampled", "auto")
-#: ``output="auto"`` trains the sampled output layer when the label space is at least this many
-#: times a sampled step's output width (the base batch's expected positive labels plus
-#: ``negatives``), the exact softmax otherwise (:meth:`TrainConfig.output_for`).
+#: ``output="auto"`` (the default) trains the sampled output layer when the label space is at
+#: least this many times a sampled step's output width (the base batch's expected positive labels
+#: plus ``negatives``), the exact softmax otherwise (:meth:`TrainConfig.output_for`). Chosen by
+#: ``bench/bench_sampled.py --engine-defaults`` (``bench/RESULTS.md``, "Sampled output layer"):
+#: with every other default, sampling reached the exact model's P@1 - 0.01 3.3x sooner at ratio
+#: 13.5 (debian_builddeps), 2.3x at 7.8 and 7.2x at 23 (synthetic 10K / 30K labels); below 1
+#: (delicious, debian_debtags) a batch's positives cover most labels and it buys nothing. 8 is
+#: conservative: 7.8 already won, nothing between 0.5 and 7.8 was measured.
 AUTO_SAMPLED_RATIO = 8.0
 #: Each optimizer's learning rate when ``TrainConfig.lr`` is ``None``: of
 #: ``bench/bench_defaults.py``'s grid, the value with the best mean P@1 over the datasets
@@ -477,7 +482,8 @@ class TrainConfig(ConfigMixin):
         ``B x hidden x (positives + negatives)`` and updates only those ``W2`` columns.
         Prediction and evaluation are exact either way; ``label_chunk`` then applies to them
         only. ``"auto"``: ``"sampled"`` where the label space is large against a sampled step's
-        width, else ``"exact"`` (:meth:`output_for`; the run log's ``start`` record says which).
+        width, else ``"exact"`` (:meth:`output_for`; the run log's ``start`` record says which);
+        the default.
         When to choose which: README, "Sampled output layer".
     negatives : int
         ``K``, the negatives drawn per batch when ``output="sampled"`` (0: the other rows'
@@ -503,7 +509,7 @@ class TrainConfig(ConfigMixin):
     lr_decay: float = 0.0
     label_chunk: int | None = None
     optimizer: str = "adagrad"
-    output: str = "exact"
+    output: str = "auto"
     negatives: int = 1024
     devices: str = "cpu"
     algorithm: str = "single"

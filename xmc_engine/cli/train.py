@@ -33,8 +33,8 @@ _CONFIG_OPTIONS = {
     "lr_decay": ("--lr-decay", finite_float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
-    "output": ("--output", str, "training output layer: exact (default), sampled, or auto "
-               "(sampled for large label spaces)"),
+    "output": ("--output", str, "training output layer: auto (default: sampled for large "
+               "label spaces, else exact), exact or sampled"),
     "negatives": ("--negatives", int, "negatives per batch of --output sampled"),
     "devices": ("--devices", str, "device spec, e.g. cpu | cpu,cpu@0.5 | cuda:0,cuda:0 | auto"),
     "algorithm": ("--algorithm", str, f"one of {', '.join(ALGORITHMS)}"),
