@@ -62,7 +62,7 @@ def run_one(spec: dict) -> dict:
     """Train one configuration in this process; returns its record."""
     from xmc_engine import XMCClassifier
     from xmc_engine.devices import parse_devices
-    from xmc_engine.memory import plan_memory
+    from xmc_engine.memory import plan_for_data
 
     t_load = time.perf_counter()
     Xtr, Ytr, Xte, Yte = load(spec["data"])
@@ -75,10 +75,7 @@ def run_one(spec: dict) -> dict:
                         devices=spec["devices"], algorithm=spec["algorithm"], seed=spec["seed"],
                         eval_every=spec["eval_every"], **options)
     cfg = clf.get_config()
-    plan = plan_memory(cfg, n_samples=Xtr.shape[0], n_features=Xtr.shape[1],
-                       n_labels=Ytr.shape[1], nnz=Xtr.nnz, label_nnz=Ytr.nnz,
-                       n_test=Xte.shape[0], test_nnz=Xte.nnz, test_label_nnz=Yte.nnz,
-                       budget="1TiB")
+    plan = plan_for_data(cfg, Xtr, Ytr, (Xte, Yte), budget="1TiB")
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     wall = time.perf_counter() - t0

@@ -73,7 +73,7 @@ def time_steps(spec: dict, Xtr, Ytr) -> dict:
     """
     from xmc_engine.backends.cpu import CPUBackend
     from xmc_engine.config import TrainConfig
-    from xmc_engine.memory import plan_memory
+    from xmc_engine.memory import plan_for_data
     from xmc_engine.model import MLPReplica, ModelShape, init_params_for_data
 
     B = spec["batch_size"]
@@ -95,8 +95,7 @@ def time_steps(spec: dict, Xtr, Ytr) -> dict:
     n_rows = spec["project_rows"] or Xtr.shape[0]
     cfg = TrainConfig(hidden=spec["hidden"], batch_size=B, optimizer=spec["optimizer"],
                       output=spec["output"], negatives=spec["negatives"])
-    plan = plan_memory(cfg, n_samples=Xtr.shape[0], n_features=Xtr.shape[1],
-                       n_labels=Ytr.shape[1], nnz=Xtr.nnz, label_nnz=Ytr.nnz, budget="1TiB")
+    plan = plan_for_data(cfg, Xtr, Ytr, budget="1TiB")
     return {"s_per_step": s_step, "s_per_epoch": s_step * math.ceil(n_rows / B),
             "projected_rows": n_rows, "planned_host_bytes": plan.pools[0].total}
 
@@ -116,7 +115,7 @@ def without_correction() -> None:
 def run_one(spec: dict) -> dict:
     """Train one configuration (in this process); returns its record."""
     from xmc_engine import XMCClassifier
-    from xmc_engine.memory import plan_memory
+    from xmc_engine.memory import plan_for_data
 
     if not spec.get("correction", True):
         without_correction()
@@ -134,10 +133,7 @@ def run_one(spec: dict) -> dict:
                         eval_every=spec["eval_every"], output=spec["output"],
                         negatives=spec["negatives"], label_chunk=spec.get("label_chunk"),
                         **chosen)
-    plan = plan_memory(clf.get_config(), n_samples=Xtr.shape[0], n_features=Xtr.shape[1],
-                       n_labels=Ytr.shape[1], nnz=Xtr.nnz, label_nnz=Ytr.nnz,
-                       n_test=Xte.shape[0], test_nnz=Xte.nnz, test_label_nnz=Yte.nnz,
-                       budget="1TiB")
+    plan = plan_for_data(clf.get_config(), Xtr, Ytr, (Xte, Yte), budget="1TiB")
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     wall = time.perf_counter() - t0

@@ -333,6 +333,17 @@ def _suggest(cfg, devs, shape_kw) -> tuple[dict | None, str]:
 
 
 # -- the hook in fit_model -------------------------------------------------------------------
+def plan_for_data(cfg, X, Y, eval_set=None, *, budget=None) -> MemoryPlan:
+    """:func:`plan_memory` of ``cfg`` with the shape of host CSR ``X`` (n_samples, n_features),
+    ``Y`` (n_samples, n_labels) and the optional held-out ``(X_test, Y_test)``."""
+    kw = {}
+    if eval_set is not None:
+        kw = {"n_test": eval_set[0].shape[0], "test_nnz": eval_set[0].nnz,
+              "test_label_nnz": eval_set[1].nnz}
+    return plan_memory(cfg, n_samples=X.shape[0], n_features=X.shape[1], n_labels=Y.shape[1],
+                       nnz=X.nnz, label_nnz=Y.nnz, budget=budget, **kw)
+
+
 def check_memory(cfg, X, Y, eval_set=None, *, budget=None) -> MemoryPlan:
     """Plan ``cfg`` on host CSR ``X`` (n_samples, n_features), ``Y`` (n_samples, n_labels) and
     the optional held-out ``(X_test, Y_test)``; raise :class:`MemoryPlanError` with the estimate
@@ -341,12 +352,7 @@ def check_memory(cfg, X, Y, eval_set=None, *, budget=None) -> MemoryPlan:
 
     if budget is None and str(_env.memory_budget()).lower() in ("off", "none", "0"):
         return None
-    kw = {}
-    if eval_set is not None:
-        kw = {"n_test": eval_set[0].shape[0], "test_nnz": eval_set[0].nnz,
-              "test_label_nnz": eval_set[1].nnz}
-    plan = plan_memory(cfg, n_samples=X.shape[0], n_features=X.shape[1], n_labels=Y.shape[1],
-                       nnz=X.nnz, label_nnz=Y.nnz, budget=budget, **kw)
+    plan = plan_for_data(cfg, X, Y, eval_set, budget=budget)
     if plan.fits is False:
         worst = max((p for p in plan.pools if p.fits is False), key=lambda p: p.total)
         raise MemoryPlanError(

@@ -94,7 +94,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         if not comm.is_root:  # rank 0 alone logs, checkpoints and evaluates
             log_dir, eval_set, checkpoint_every = None, None, None
     # output="auto": one choice for every node, from the whole training set's label counts
-    output = cfg.output_for(Y.shape[1], float(label_counts.sum()) / max(n_samples, 1))
+    labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
+    output = cfg.output_for(Y.shape[1], labels_per_row)
     given = cfg
     cfg = dataclasses.replace(cfg, output=output)
     run_dir = Path(log_dir) if log_dir is not None else None
@@ -132,8 +133,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if given.output != output:
         logger.info("output='%s': training the %s output layer (%d labels, %.2f per row; "
                     "batch %d, negatives %d)", given.output, output, Y.shape[1],
-                    float(label_counts.sum()) / max(n_samples, 1), cfg.batch_size,
-                    cfg.negatives)
+                    labels_per_row, cfg.batch_size, cfg.negatives)
     log.write("start", config=given.to_dict(), output=output, lr=cfg.learning_rate,
               warmup_epochs=cfg.warmup_epochs, n_samples=n_samples, n_features=shape.n_features,
               n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
