@@ -10,7 +10,11 @@ The network, loss, optimiser, batching and initialisation mirror the engine:
   ``loss = (1/B) Σ_rows -Σ_l (y_l/|y|) log softmax(z)_l`` (rows without labels contribute 0,
   ``B`` = rows in the batch, labelled or not) — the engine's summed loss divided by ``B``, so a
   plain SGD step with learning rate ``lr`` is the engine's step with the same ``lr``.
-* plain ``torch.optim.SGD`` (no momentum, no weight decay), constant learning rate.
+* plain ``torch.optim.SGD`` (no momentum, no weight decay), constant learning rate; or Adam
+  (``--optimizer adam``: ``torch.optim.Adam`` on every parameter, ``W1`` with a dense gradient;
+  ``--optimizer sparse_adam``: ``torch.optim.SparseAdam`` on the sparse ``W1`` gradient and
+  ``Adam`` on the rest). ``bench/bench_torch_adam.py`` grids Adam's learning rate against the
+  engine's defaults.
 * init: ``W1`` uniform with variance ``1 / (avg_nnz * mean(x^2))`` (train-set statistics),
   ``W2`` Glorot-uniform, zero biases; drawn with the engine's NumPy generator and seed, so both
   start from the same weights.
@@ -215,9 +219,30 @@ def _eval_points(n_samples: int, epochs: int, eval_every: float) -> list[int]:
     return pts + [total]
 
 
+#: ``train_torch``'s optimizers: plain SGD (the paper's), Adam on a dense ``W1`` gradient (what
+#: ``torch.optim.Adam`` needs: ``EmbeddingBag(sparse=False)``), and "lazy" Adam
+#: (``torch.optim.SparseAdam`` on the sparse ``W1`` gradient, ``Adam`` on the rest: only the
+#: rows of a batch's features move, as in the engine).
+TORCH_OPTIMIZERS = ("sgd", "adam", "sparse_adam")
+
+
+def make_optimizer(model, name: str, lr: float) -> list:
+    """The ``torch.optim`` optimizers of :data:`TORCH_OPTIMIZERS` ``name`` over ``model``."""
+    if name == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=lr)]
+    if name == "adam":
+        return [torch.optim.Adam(model.parameters(), lr=lr)]
+    if name == "sparse_adam":
+        rest = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
+        return [torch.optim.SparseAdam(list(model.emb.parameters()), lr=lr),
+                torch.optim.Adam(rest, lr=lr)]
+    raise ValueError(f"optimizer {name!r}: choose one of {', '.join(TORCH_OPTIMIZERS)}")
+
+
 def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 256,
                 lr: float = 1.0, epochs: int = 10, threads: int = 2, seed: int = 0,
-                eval_every: float = 1.0, verbose: bool = False) -> dict:
+                eval_every: float = 1.0, verbose: bool = False,
+                optimizer: str = "sgd") -> dict:
     """Train the single-process PyTorch baseline and record its time-to-accuracy curve.
 
     Parameters
@@ -227,6 +252,8 @@ def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 25
     hidden, batch_size, lr, epochs, seed : as the engine's config
     threads : int, ``torch.set_num_threads`` (intra-op threads)
     eval_every : float, epochs between evaluations (also evaluated after the last batch)
+    optimizer : one of :data:`TORCH_OPTIMIZERS` (default ``"sgd"``, no momentum); the Adam
+        variants use PyTorch's default betas and eps
 
     Returns
     -------
@@ -239,20 +266,22 @@ def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 25
     torch.set_num_threads(int(threads))
     torch.manual_seed(seed)
     n = X.shape[0]
-    model = SparseMLP(X.shape[1], Y.shape[1], hidden, sparse=True,
+    model = SparseMLP(X.shape[1], Y.shape[1], hidden, sparse=optimizer != "adam",
                       init=engine_init(X.shape[1], Y.shape[1], hidden, X, seed))
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opts = make_optimizer(model, optimizer, lr)
     points = _eval_points(n, epochs, eval_every)
     curve, samples, train_time, eval_time, loss_sum, loss_rows = [], 0, 0.0, 0.0, 0.0, 0
     train_cpu = 0.0
     for epoch in range(epochs):
         t0, c0 = time.perf_counter(), time.process_time()
         for b in make_batches(X, Y, batch_size, seed, epoch):
-            opt.zero_grad(set_to_none=True)
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
             loss = batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
                               1.0 / b.n_rows)
             loss.backward()
-            opt.step()
+            for opt in opts:
+                opt.step()
             samples += b.n_rows
             loss_sum += float(loss.detach()) * b.n_rows
             loss_rows += b.n_rows
@@ -278,7 +307,8 @@ def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 25
     return {
         "variant": "torch", "config": {"hidden": hidden, "batch_size": batch_size, "lr": lr,
                                        "epochs": epochs, "threads": threads, "seed": seed,
-                                       "eval_every": eval_every, "sparse_grad": True},
+                                       "eval_every": eval_every, "sparse_grad": optimizer != "adam",
+                                       "optimizer": optimizer},
         "curve": curve, "train_time": train_time, "train_cpu_time": train_cpu,
         "eval_time": eval_time,
         "samples_per_s": samples / train_time if train_time > 0 else None,
@@ -495,6 +525,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, nargs="+", default=[1.0],
                    help="learning rate; several values run a grid and keep every curve")
+    p.add_argument("--optimizer", choices=TORCH_OPTIMIZERS, default="sgd",
+                   help="optimizer of the single-process run (the DDP variant: SGD)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
@@ -535,7 +567,8 @@ def run_dataset(name: str, args) -> dict | None:
     common = dict(hidden=args.hidden, batch_size=args.batch_size, epochs=args.epochs,
                   threads=args.threads, seed=args.seed, eval_every=args.eval_every, verbose=True)
     for lr in args.lr:
-        variants = [] if args.no_single else [("torch", train_torch, {})]
+        variants = [] if args.no_single else [("torch", train_torch,
+                                                {"optimizer": args.optimizer})]
         if args.ddp:
             variants.append((f"torch_ddp{args.ddp}", train_torch_ddp, {"world_size": args.ddp}))
         for label, fn, extra in variants:

@@ -340,7 +340,9 @@ def test_throughput_end_to_end_through_a_child(tmp_path):
     assert f["shape"]["n_labels"] == 670 and f["engine_step"]["steps"] == 2
     assert set(f["gemms_ms"]) == {"forward H@W2", "backward dZ@W2.T", "update W2 += H.T@dZ"}
     assert f["single_fit"]["samples"] == 512 and f["projected_epoch_s"] > 0
-    assert "targets" not in f  # the epoch goal is for the full shape only
+    # the epoch goal is for the full shape only (with PyTorch installed the step comparison
+    # against it is a target too)
+    assert not any(k.startswith("projected Amazon-670K epoch") for k in f.get("targets", {}))
     assert "torch_step" in f
     assert r["finished"] and r["summary"]["passed"] == ["throughput"]
     assert "[throughput] check engine loss finite" in (tmp_path / gc.LOG_NAME).read_text()

@@ -1,0 +1,162 @@
+"""The engine with its defaults against the same network in PyTorch with Adam at its best
+learning rate, at equal epochs, in one run (issue "Defaults that win out of the box").
+
+Per dataset, one seed, one process, every run after the other (nothing else on the CPU):
+
+* **engine**: ``XMCClassifier(epochs=E, seed=s)``, nothing else set: what a user gets (thread
+  budget calibrated, output layer, optimizer and learning rate resolved by the engine); and the
+  same with each learning rate of ``--engine-lrs`` (the default optimizer's), so that the table
+  separates the engine from its default learning rate;
+* **PyTorch**: :func:`torch_baseline.train_torch` (same network, initialisation and batch
+  order), Adam on a dense ``W1`` gradient (``adam``) and lazy Adam (``sparse_adam``: SparseAdam
+  on ``W1``), each at every learning rate of ``--lrs``, batch ``--torch-batch``, ``--torch-threads``
+  threads; the best of them by final P@1 is the competitor.
+
+Both evaluate on the whole test set after ``E`` epochs only (evaluation is not training time).
+Printed per dataset: P@1 / P@3 / P@5 and training seconds of the defaults, of the engine's best
+learning rate and of PyTorch's best, the P@1 differences and the time ratio (PyTorch's best /
+the engine's defaults: above 1 means the engine is faster). Results (every run) in
+``--out``. The committed run::
+
+    python bench/bench_torch_adam.py --out bench/results/torch_adam.json
+
+Needs ``pip install torch==2.13.0`` (the CPU build); without it the script says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+import bench_defaults  # noqa: E402
+import torch_baseline  # noqa: E402
+
+DATASETS = ("bibtex", "delicious", "corel5k", "stackex_cooking", "stackex_cs", "rcv1sub1",
+            "imdb", "debian_debtags", "debian_builddeps")
+ADAM_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+ENGINE_LRS = (0.02, 0.05, 0.1)
+METRICS = ("P@1", "P@3", "P@5")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lrs", type=float, nargs="+", default=list(ADAM_LRS),
+                   help="Adam learning rates of the PyTorch grid")
+    p.add_argument("--engine-lrs", type=float, nargs="*", default=list(ENGINE_LRS),
+                   help="learning rates of the engine's default optimizer tried beside its "
+                   "defaults (none: defaults only)")
+    p.add_argument("--optimizers", nargs="+", default=["adam", "sparse_adam"],
+                   choices=torch_baseline.TORCH_OPTIMIZERS)
+    p.add_argument("--torch-batch", type=int, default=256)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="PyTorch intra-op threads (1: on this 2-core VM two spin-waiting "
+                   "OpenMP threads were slower, torch_baseline.py)")
+    p.add_argument("--max-train", type=int, default=30_000,
+                   help="subsample larger training sets to this many rows (imdb), as "
+                   "bench_defaults.py does")
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / "torch_adam.json"))
+    return p.parse_args(argv)
+
+
+def run_engine(data, epochs: int, seed: int, lr: float | None = None) -> dict:
+    """The engine's defaults (with ``lr``: but that learning rate): P@1/3/5 and training
+    seconds after ``epochs`` epochs."""
+    from xmc_engine import XMCClassifier
+
+    X, Y, Xt, Yt = data
+    clf = XMCClassifier(epochs=epochs, eval_every=epochs, seed=seed, lr=lr)
+    t0 = time.perf_counter()
+    clf.fit(X, Y, eval_set=(Xt, Yt))
+    wall = time.perf_counter() - t0
+    start = next(r for r in clf.history_ if r["event"] == "start")
+    last = [r for r in clf.history_ if r["event"] == "eval"][-1]
+    threads = [r["threads"] for r in clf.history_ if r["event"] == "threads"]
+    resolved = {k: start["config"][k] for k in ("optimizer", "batch_size", "hidden")}
+    resolved.update(lr=start["lr"], output=start["output"], threads=threads[0] if threads else None)
+    return {**{k: last["metrics"][k] for k in METRICS}, "train_time": last["train_time"],
+            "wall_s": wall, "resolved": resolved}
+
+
+def run_torch(data, args, optimizer: str, lr: float) -> dict:
+    X, Y, Xt, Yt = data
+    res = torch_baseline.train_torch(X, Y, Xt, Yt, lr=lr, epochs=args.epochs,
+                                     batch_size=args.torch_batch, threads=args.torch_threads,
+                                     seed=args.seed, eval_every=float(args.epochs),
+                                     optimizer=optimizer)
+    last = res["curve"][-1]
+    return {"optimizer": optimizer, "lr": lr, **{k: last[k] for k in METRICS},
+            "train_time": res["train_time"]}
+
+
+def _fmt(r: dict) -> str:
+    return " / ".join(f"{r[k]:.4f}" for k in METRICS) + f" ({r['train_time']:.1f} s)"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if torch_baseline.torch is None:
+        print(f"SKIP: {torch_baseline.TORCH_HINT}")
+        return 0
+    payload = {**_common.result_metadata(), "benchmark": "torch_adam", "epochs": args.epochs,
+               "seed": args.seed, "torch_batch": args.torch_batch,
+               "torch_threads": args.torch_threads, "rows": []}
+    for name in args.datasets:
+        try:
+            X, Y, Xt, Yt, note = bench_defaults.load(name, args.max_train)
+        except _common.SkipBenchmark as e:
+            print(f"SKIP {name}: {e}")
+            continue
+        data = (X, Y, Xt, Yt)
+        run_engine(data, 1, args.seed)  # compile (or load Numba's cache) before the timed run
+        engine = run_engine(data, args.epochs, args.seed)
+        print(f"{name}: engine defaults {_fmt(engine)} {engine['resolved']}", flush=True)
+        engine_grid = []
+        for lr in args.engine_lrs:
+            engine_grid.append(run_engine(data, args.epochs, args.seed, lr))
+            print(f"{name}: engine lr={lr:g} {_fmt(engine_grid[-1])}", flush=True)
+        engine_best = max([engine, *engine_grid], key=lambda r: r["P@1"])
+        grid = []
+        for opt in args.optimizers:
+            for lr in args.lrs:
+                grid.append(run_torch(data, args, opt, lr))
+                print(f"{name}: torch {opt} lr={lr:g} {_fmt(grid[-1])}", flush=True)
+        best = max(grid, key=lambda r: r["P@1"])
+        row = {"dataset": name, "note": note, "engine": engine, "engine_grid": engine_grid,
+               "engine_best": engine_best, "torch": grid, "torch_best": best,
+               "P@1_diff": engine["P@1"] - best["P@1"],
+               "best_P@1_diff": engine_best["P@1"] - best["P@1"],
+               "time_ratio": best["train_time"] / engine["train_time"]}
+        payload["rows"].append(row)
+        print(f"{name}: engine defaults - torch best ({best['optimizer']} lr={best['lr']:g}) "
+              f"P@1 {row['P@1_diff']:+.4f}, engine best lr ({engine_best['resolved']['lr']:g}) "
+              f"- torch best {row['best_P@1_diff']:+.4f}; torch / engine training time "
+              f"{row['time_ratio']:.2f}x", flush=True)
+        _common.write_result(args.out, payload)
+    print_table(payload["rows"])
+    print(f"wrote {args.out}")
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| dataset | engine defaults P@1 / P@3 / P@5 (train s) | PyTorch Adam best "
+          "P@1 / P@3 / P@5 (train s) | Adam variant, lr | defaults - PyTorch P@1 | "
+          "PyTorch / engine time | engine's best lr: P@1 - PyTorch |")
+    print("|---|---|---|---|---:|---:|---|")
+    for r in rows:
+        b, e = r["torch_best"], r.get("engine_best", r["engine"])
+        print(f"| {r['dataset']} | {_fmt(r['engine'])} | {_fmt(b)} | {b['optimizer']} "
+              f"{b['lr']:g} | {r['P@1_diff']:+.4f} | {r['time_ratio']:.2f}x | "
+              f"{e['resolved']['lr']:g}: {e['P@1'] - b['P@1']:+.4f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

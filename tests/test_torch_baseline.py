@@ -1,0 +1,71 @@
+"""The PyTorch framework baseline (bench/torch_baseline.py): its SGD step is the engine's step,
+and its Adam variants train. PyTorch is an optional extra (``pip install torch==2.13.0``, the
+CPU build); without it these tests are skipped with that reason."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch not installed: pip install torch==2.13.0 "
+                            "(the CPU build) to test the framework baseline")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import torch_baseline  # noqa: E402
+from xmc_engine.datasets import make_synthetic  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_synthetic("default", n_train=600, n_test=200, n_features=300, n_labels=40,
+                          seed=0)
+
+
+def test_sgd_step_equals_the_engines_train_step(data):
+    X, Y, _, _ = data
+    check = torch_baseline.check_against_engine(X, Y, hidden=16, batch_size=64, lr=0.5,
+                                                n_steps=3)
+    assert check is not None
+    assert max(check["max_abs_diff"].values()) < 1e-4
+    assert check["loss_torch"] == pytest.approx(check["loss_engine"], rel=1e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sparse_adam"])
+def test_adam_variants_learn(data, optimizer):
+    X, Y, Xt, Yt = data
+    res = torch_baseline.train_torch(X, Y, Xt, Yt, hidden=16, batch_size=64, lr=1e-2,
+                                     epochs=4, threads=1, eval_every=1.0, optimizer=optimizer)
+    assert res["config"]["optimizer"] == optimizer
+    assert res["config"]["sparse_grad"] is (optimizer == "sparse_adam")
+    losses = [r["loss"] for r in res["curve"]]
+    assert losses[-1] < 0.9 * losses[0]
+    popularity = np.asarray(Y.sum(axis=0)).ravel().argmax()
+    p1_popular = float(np.asarray(Yt[:, popularity].todense()).mean())
+    assert res["curve"][-1]["P@1"] > p1_popular
+
+
+def test_sparse_adam_moves_only_the_batch_rows_of_w1(data):
+    X, Y, _, _ = data
+    model = torch_baseline.SparseMLP(X.shape[1], Y.shape[1], 8, sparse=True)
+    before = model.emb.weight.detach().clone()
+    opts = torch_baseline.make_optimizer(model, "sparse_adam", 1e-2)
+    b = next(torch_baseline.make_batches(X, Y, 32, 0, 0))
+    torch_baseline.batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
+                              1.0 / b.n_rows).backward()
+    for opt in opts:
+        opt.step()
+    moved = (model.emb.weight.detach() != before).any(dim=1).numpy()
+    touched = np.zeros(X.shape[1], dtype=bool)
+    touched[b.input.numpy()] = True
+    assert moved.any()
+    assert not (moved & ~touched).any()
+
+
+def test_unknown_optimizer_is_refused():
+    model = torch_baseline.SparseMLP(10, 3, 4)
+    with pytest.raises(ValueError, match="choose one of sgd, adam, sparse_adam"):
+        torch_baseline.make_optimizer(model, "lbfgs", 0.1)
