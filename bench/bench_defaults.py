@@ -12,10 +12,13 @@ Stages, per dataset (one process, one thread per run, so that runs do not compet
    what a user gets.
 
 Every run trains ``max(--epochs)`` epochs with an evaluation every ``min(--epochs)`` epochs;
-without learning-rate decay (the defaults' ``lr_decay=0``) and with no warm-up on one device the
-run up to epoch 5 is the 5-epoch run, so the evaluation at epoch 5 of a 15-epoch run is the
-5-epoch figure, and its ``train_time`` the 5-epoch training time. Datasets in ``--heavy`` run
-the lowest epoch count only, with the first seed, and a reduced stage 2 (``--heavy-shapes``).
+the learning-rate schedule depends on the epochs reached, not on the run's length (the decay
+``lr / (1 + λ e)`` over whole epochs; no warm-up on one device), so the run up to epoch 5 is the
+5-epoch run, the evaluation at epoch 5 of a 15-epoch run is the 5-epoch figure, and its
+``train_time`` the 5-epoch training time. The grid runs take the optimizer's default decay
+(committed grid runs: before the default decay, i.e. without one); ``--decay-study`` grids it.
+Datasets in ``--heavy`` run the lowest epoch count only, with the first seed, and a reduced
+stage 2 (``--heavy-shapes``).
 
 Results (every run, its curve and the tables) go to ``--out`` (``bench/results/defaults.json``)
 through :func:`_common.write_result`, rewritten after every dataset; ``--resume`` reuses the
@@ -88,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--napkinxc", nargs="*",
                    default=["bibtex", "delicious", "debian_debtags", "debian_builddeps"],
                    help="datasets on which napkinXC PLT (library defaults) runs beside the grid")
+    d = p.add_argument_group("decay study (--decay-study: instead of the grid)")
+    d.add_argument("--decay-study", action="store_true",
+                   help="the default optimizer at each --decay-lrs x --decays (the defaults "
+                   "otherwise) on --datasets, evaluated at each --epochs")
+    d.add_argument("--decay-lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
+    d.add_argument("--decays", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
     w = p.add_argument_group("warm-up study (--warmup-study: instead of the grid)")
     w.add_argument("--warmup-study", action="store_true")
     w.add_argument("--warmups", type=float, nargs="+", default=[0.0, 0.05, 0.25, 1.0])
@@ -263,6 +272,77 @@ def print_table(summary: list[dict], napkin: dict) -> None:
               f"| {d['train_time']:.1f} | {s['gap_P@1']:+.4f} | {nx} |")
 
 
+def decay_study(args, meta) -> int:
+    """P@1 of the defaults' optimizer at each learning rate x learning-rate decay
+    (``lr / (1 + decay x epoch)``), everything else at the defaults, on every dataset at each
+    of ``--epochs`` (one run of ``max(--epochs)`` epochs per configuration and seed, evaluated
+    every ``min(--epochs)``: the decay depends on the epoch reached, not on the run's length).
+    Prints per dataset and epoch count the mean P@1 over seeds of every configuration, then
+    each configuration's mean over datasets and its largest shortfall against a dataset's best
+    configuration."""
+    from xmc_engine.config import TrainConfig
+
+    d = TrainConfig()
+    configs = [{"lr": lr, "lr_decay": dec} for lr in args.decay_lrs for dec in args.decays]
+    rows, table = [], {}
+    for name in args.datasets:
+        X, Y, Xt, Yt, note = load(name, args.max_train)
+        heavy = name in args.heavy
+        epochs = sorted(args.epochs)[:1] if heavy else sorted(args.epochs)
+        seeds = args.seeds[:1] if heavy else args.seeds
+        print(f"{name}: epochs {epochs}, seeds {seeds} {note}", flush=True)
+        for c in configs:
+            for seed in seeds:
+                r = run_one((X, Y, Xt, Yt), c, seed, epochs, args.threads)
+                r.update(dataset=name, epochs=epochs)
+                rows.append(r)
+                for e in epochs:
+                    table.setdefault((name, e), {}).setdefault(_decay_label(c), []).append(
+                        r["at"][str(e)]["P@1"])
+                print(f"  {_decay_label(c):22s} seed {seed}: " + ", ".join(
+                    f"P@1@{e} {r['at'][str(e)]['P@1']:.4f} ({r['at'][str(e)]['train_time']:.1f}"
+                    " s)" for e in epochs), flush=True)
+        summary = print_decay_table(table, [_decay_label(c) for c in configs],
+                                    _decay_label({"lr": d.learning_rate,
+                                                  "lr_decay": d.learning_rate_decay}))
+        _common.write_result(args.out, {**meta, "benchmark": "defaults_decay",
+                                        "configs": configs, "summary": summary, "rows": rows})
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _decay_label(c: dict) -> str:
+    return f"lr={c['lr']:g} decay={c['lr_decay']:g}"
+
+
+def print_decay_table(table: dict, labels: list[str], default: str) -> list[dict]:
+    """Markdown: a row per (dataset, epochs), a column per configuration (mean P@1 over seeds,
+    the row's best in bold); then per epoch count each configuration's mean over the datasets
+    and its worst shortfall against the row's best. Returns those per-configuration figures."""
+    print("\n| data | epochs | " + " | ".join(labels) + " |")
+    print("|---|---:|" + "---:|" * len(labels))
+    means = {(k, lab): float(np.mean(v)) for k, runs in table.items() for lab, v in runs.items()}
+    for (name, e), runs in table.items():
+        best = max(means[(name, e), lab] for lab in runs)
+        cells = [f"**{means[(name, e), lab]:.4f}**" if means[(name, e), lab] == best
+                 else f"{means[(name, e), lab]:.4f}" if lab in runs else "" for lab in labels]
+        print(f"| {name} | {e} | " + " | ".join(cells) + " |")
+    summary = []
+    for e in sorted({e for _, e in table}):
+        keys = [k for k in table if k[1] == e and all(lab in table[k] for lab in labels)]
+        for lab in labels:
+            vals = [means[k, lab] for k in keys]
+            gaps = [max(means[k, other] for other in labels) - means[k, lab] for k in keys]
+            summary.append({"epochs": e, "config": lab, "datasets": len(keys),
+                            "mean_P@1": float(np.mean(vals)) if vals else None,
+                            "worst_gap": float(max(gaps)) if gaps else None})
+        print(f"\n{e} epochs, {len(keys)} datasets (default: {default}):")
+        for s in (x for x in summary if x["epochs"] == e and x["mean_P@1"] is not None):
+            print(f"  {s['config']:22s} mean P@1 {s['mean_P@1']:.4f}, worst shortfall "
+                  f"{s['worst_gap']:.4f}")
+    return summary
+
+
 def warmup_study(args, meta) -> int:
     """Time to 97 % of the best P@1 of ``adaptive`` on ``--warmup-devices`` for each
     ``--warmups`` learning-rate warm-up, at the defaults' optimizer, lr, batch and hidden
@@ -318,6 +398,8 @@ def main(argv=None) -> int:
     meta = _common.result_metadata(machine_extra={"threads_per_run": args.threads})
     if args.warmup_study:
         return warmup_study(args, meta)
+    if args.decay_study:
+        return decay_study(args, meta)
     out = Path(args.out)
     previous, napkin = {}, {}
     for path in [out, *args.previous] if args.resume else []:

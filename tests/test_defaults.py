@@ -10,7 +10,7 @@ import pytest
 from xmc_engine.datasets import make_synthetic
 
 from xmc_engine import XMCClassifier, training
-from xmc_engine.config import DEFAULT_LR, OPTIMIZERS, TrainConfig
+from xmc_engine.config import DEFAULT_LR, DEFAULT_LR_DECAY, OPTIMIZERS, TrainConfig
 from xmc_engine.devices import parse_devices
 from xmc_engine.errors import ConfigError
 from xmc_engine.runlog import RunLog
@@ -25,6 +25,27 @@ def small():
 def test_unset_lr_is_the_optimizers_default(optimizer):
     assert TrainConfig(optimizer=optimizer).learning_rate == DEFAULT_LR[optimizer]
     assert TrainConfig(optimizer=optimizer, lr=0.3).learning_rate == 0.3
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_unset_lr_decay_is_the_optimizers_default(optimizer):
+    assert TrainConfig(optimizer=optimizer).learning_rate_decay == DEFAULT_LR_DECAY[optimizer]
+    assert TrainConfig(optimizer=optimizer, lr_decay=0.0).learning_rate_decay == 0.0
+    assert set(DEFAULT_LR_DECAY) == set(OPTIMIZERS)
+    with pytest.raises(ConfigError, match="lr_decay=-0.5"):
+        TrainConfig(lr_decay=-0.5)
+
+
+def test_default_decay_reaches_the_schedule(small):
+    """The run's learning rate per period is the default lr over (1 + default decay x whole
+    epochs done): 0.05 in epoch 0, 0.05 / 1.5 in epoch 1 for Adagrad."""
+    X, Y, _, _ = small
+    m = XMCClassifier(epochs=2, threads=1, eval_every=0).fit(X, Y)
+    start = next(r for r in m.history_ if r["event"] == "start")
+    assert start["lr_decay"] == DEFAULT_LR_DECAY["adagrad"] == 0.5
+    lrs = {r["epoch"]: r["lr"] for r in m.history_ if r["event"] == "merge"}
+    assert lrs[0] == pytest.approx(0.05)
+    assert lrs[1] == pytest.approx(0.05 / 1.5)
 
 
 def test_every_optimizer_has_a_default_lr_and_a_bad_lr_is_named():

@@ -11,7 +11,12 @@ def test_warmup_ramp_then_decay():
     assert learning_rate(1.0, 0.25, warmup_epochs=1) == pytest.approx(0.25)
     assert learning_rate(1.0, 1.0, warmup_epochs=1, decay=0.5) == pytest.approx(1.0)
     assert learning_rate(1.0, 1.5, warmup_epochs=1, decay=0.5) == pytest.approx(1.0)
-    assert learning_rate(1.0, 3.0, warmup_epochs=1, decay=0.5) == pytest.approx(0.5)
+    # a period ending at progress 3.0 runs in epoch 2 (the third), one epoch after warm-up
+    assert learning_rate(1.0, 3.0, warmup_epochs=1, decay=0.5) == pytest.approx(1.0 / 1.5)
+    assert learning_rate(1.0, 3.25, warmup_epochs=1, decay=0.5) == pytest.approx(0.5)
+    # no warm-up: epoch 0's periods, its last one (ending at 1.0) included, get lr0
+    assert learning_rate(1.0, 1.0, decay=1.0) == pytest.approx(1.0)
+    assert learning_rate(1.0, 1.01, decay=1.0) == pytest.approx(0.5)
     assert learning_rate(0.1, 7.0, decay=0.0) == pytest.approx(0.1)
 
 

@@ -105,7 +105,8 @@ class XMCClassifier:
         (:data:`xmc_engine.config.DEFAULT_LR`: 0.05 for Adagrad, 2.0 for SGD).
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
         the schedule of every algorithm (``lr_warmup_epochs=None``: the algorithm's own,
-        none by default).
+        none by default; ``lr_decay=None``: the optimizer's default,
+        :data:`xmc_engine.config.DEFAULT_LR_DECAY`: 0.5 for Adagrad, 0 for SGD).
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"adagrad", "sgd"}

@@ -135,9 +135,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                     "batch %d, negatives %d)", given.output, output, Y.shape[1],
                     labels_per_row, cfg.batch_size, cfg.negatives)
     log.write("start", config=given.to_dict(), output=output, lr=cfg.learning_rate,
-              warmup_epochs=cfg.warmup_epochs, n_samples=n_samples, n_features=shape.n_features,
-              n_labels=shape.n_labels, devices=[d.__dict__ for d in devices],
-              resumed=bool(resume), samples=state["samples"], epoch=state["epoch"])
+              lr_decay=cfg.learning_rate_decay, warmup_epochs=cfg.warmup_epochs,
+              n_samples=n_samples, n_features=shape.n_features, n_labels=shape.n_labels,
+              devices=[d.__dict__ for d in devices], resumed=bool(resume),
+              samples=state["samples"], epoch=state["epoch"])
     compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
                             mode="threads" if simulate is None else "simulated", cost=simulate)
@@ -243,7 +244,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                     log.write("threads", device=str(d), threads=be.threads,
                           note="calibrated: the faster of 1 and all of the device's threads")
         replicas.append(rep)
-    schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs, cfg.lr_decay)
+    schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs, cfg.learning_rate_decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
                    batch_size=cfg.batch_size, schedule=schedule, seed=cfg.seed, log=log,
                    rejoin_after=opts.rejoin_after, faults=opts.fault, comm=comm,

@@ -30,7 +30,8 @@ _CONFIG_OPTIONS = {
            "adagrad, 2.0 for sgd)"),
     "lr_warmup_epochs": ("--lr-warmup-epochs", finite_float,
                          "linear learning-rate warm-up, every algorithm (default 0)"),
-    "lr_decay": ("--lr-decay", finite_float, "decay lambda: lr0/(1+lambda(e-e_warm))"),
+    "lr_decay": ("--lr-decay", finite_float, "decay lambda: lr0/(1+lambda(e-e_warm)) "
+                 "(default: the optimizer's, 0.5 for adagrad, 0 for sgd)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "output": ("--output", str, "training output layer: auto (default: sampled for large "

@@ -26,12 +26,15 @@ def learning_rate(lr0: float, progress: float, *, warmup_epochs: float = 0.0,
 
     Warm-up (``progress < warmup_epochs``): linear ramp ``lr0 * progress / warmup_epochs`` — the
     caller passes the progress at the *end* of the period about to run, so the first period does
-    not get ``lr = 0``. After warm-up: ``lr0 / (1 + decay * (progress - warmup_epochs))`` with
-    ``progress`` counted in whole epochs (DESIGN.md §4.5: ``lr(e) = lr0 / (1 + λ (e − e_warm))``).
+    not get ``lr = 0``. After warm-up: ``lr0 / (1 + decay * (e - warmup_epochs))`` with ``e`` the
+    whole epochs done when the period starts (DESIGN.md §4.5:
+    ``lr(e) = lr0 / (1 + λ (e − e_warm))``); a period never spans two epochs, so a period
+    ending at ``progress`` runs in epoch ``ceil(progress) - 1`` (the last period of epoch 0,
+    ending at 1.0, still gets ``lr0``).
     """
     if warmup_epochs > 0 and progress < warmup_epochs:
         return lr0 * max(progress, 0.0) / warmup_epochs
-    e = int(np.floor(progress + 1e-9)) - warmup_epochs
+    e = int(np.ceil(progress - 1e-9)) - 1 - warmup_epochs
     return lr0 / (1.0 + decay * max(e, 0.0))
 
 
