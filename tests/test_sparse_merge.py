@@ -366,7 +366,10 @@ def test_runs_with_the_sparse_merge_give_the_dense_merge_model(be, wide, many_la
                           lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
                           sparse_merge=sparse, seed=3, mode="simulated",
                           cost=lambda i, b: 1e-3 * b, log=log,
-                          **({"boost": True} if algorithm == "adaptive" else {})) as tr:
+                          # the paper's weights: per-row / per-label ones need the sparse merge
+                          **({"boost": True, "row_weights": "updates",
+                              "label_weights": "updates"} if algorithm == "adaptive" else {})
+                          ) as tr:
             for epoch in range(2):
                 tr.run_epoch(epoch)
             results[sparse] = ([np.array(p) for p in tr.central_params()], log.merges)
