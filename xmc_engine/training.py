@@ -198,9 +198,15 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
         rows = np.arange(min(4, X.shape[0]), dtype=np.int64)
         hidden = tuple(min(h, COMPILE_WIDTH) for h in cfg.hidden)
         params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed)
+        # the merge weights of the run's algorithm (Adaptive SGD's per-row / per-label ones
+        # run kernels of their own, e.g. the column merge with the exact output layer)
+        per_row = getattr(cfg.algorithm_params, "row_weights", "updates") == "touched"
+        per_label = getattr(cfg.algorithm_params, "label_weights", "updates") == "positives"
         replicas = []
         for d in devices:
             rep = make_replica(cfg, d, X, Y, params, len(replicas))
+            if per_label:
+                rep.track_labels()
             rep.train_batch(rows, 0.0)
             rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
             replicas.append(rep)
@@ -211,7 +217,8 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
             weights = [1.0 / len(replicas)] * len(replicas)
             central = [be.asarray(np.array(p, dtype=np.float32)) for p in params]
             weighted_merge([r.params() for r in replicas], weights, central, be)
-            merge_changed_rows(replicas, weights, central, be)
+            merge_changed_rows(replicas, weights, central, be, per_row=per_row,
+                               per_label=per_label)
         for rep in replicas:
             rep.backend.synchronize()
     finally:
