@@ -130,9 +130,11 @@ def load(name: str, max_train: int):
     return X, Y, Xt, Yt, note
 
 
-def run_one(data, config: dict, seed: int, epochs: list[int], threads: int) -> dict:
+def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | None) -> dict:
     """Train ``config`` (``XMCClassifier`` keywords; empty: the defaults) once for
-    ``max(epochs)`` epochs; returns the metrics and training time at each of ``epochs``."""
+    ``max(epochs)`` epochs; returns the metrics and training time at each of ``epochs``, and
+    what the engine resolved (optimizer, lr, batch, hidden, output layer, threads: ``threads``
+    ``None`` lets it calibrate them)."""
     from xmc_engine import XMCClassifier
 
     X, Y, Xt, Yt = data
@@ -143,6 +145,8 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int) -> d
     wall = time.perf_counter() - t0
     start = next(r for r in clf.history_ if r["event"] == "start")
     resolved = {k: start["config"][k] for k in ("optimizer", "batch_size", "hidden")}
+    calibrated = [r["threads"] for r in clf.history_ if r["event"] == "threads"]
+    resolved.update(output=start["output"], threads=calibrated[0] if calibrated else threads)
     at = {}
     for r in clf.history_:
         if r["event"] == "eval" and round(r["epoch"]) in epochs:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,22 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_engine(data, epochs: int, seed: int, lr: float | None = None) -> dict:
-    """The engine's defaults (with ``lr``: but that learning rate): P@1/3/5 and training
-    seconds after ``epochs`` epochs."""
-    from xmc_engine import XMCClassifier
-
-    X, Y, Xt, Yt = data
-    clf = XMCClassifier(epochs=epochs, eval_every=epochs, seed=seed, lr=lr)
-    t0 = time.perf_counter()
-    clf.fit(X, Y, eval_set=(Xt, Yt))
-    wall = time.perf_counter() - t0
-    start = next(r for r in clf.history_ if r["event"] == "start")
-    last = [r for r in clf.history_ if r["event"] == "eval"][-1]
-    threads = [r["threads"] for r in clf.history_ if r["event"] == "threads"]
-    resolved = {k: start["config"][k] for k in ("optimizer", "batch_size", "hidden")}
-    resolved.update(lr=start["lr"], output=start["output"], threads=threads[0] if threads else None)
-    return {**{k: last["metrics"][k] for k in METRICS}, "train_time": last["train_time"],
-            "wall_s": wall, "resolved": resolved}
+    """The engine's defaults (with ``lr``: but that learning rate), thread budget calibrated:
+    P@1/3/5 and training seconds after ``epochs`` epochs (:func:`bench_defaults.run_one`)."""
+    r = bench_defaults.run_one(data, {} if lr is None else {"lr": lr}, seed, [epochs], None)
+    at = r["at"][str(epochs)]
+    return {**{k: at[k] for k in METRICS}, "train_time": at["train_time"], "wall_s": r["wall_s"],
+            "resolved": r["resolved"]}
 
 
 def run_torch(data, args, optimizer: str, lr: float) -> dict:
@@ -120,8 +109,9 @@ def main(argv=None) -> int:
         engine = run_engine(data, args.epochs, args.seed)
         print(f"{name}: engine defaults {_fmt(engine)} {engine['resolved']}", flush=True)
         engine_grid = []
-        for lr in args.engine_lrs:
-            engine_grid.append(run_engine(data, args.epochs, args.seed, lr))
+        for lr in args.engine_lrs:  # the default lr's run is the defaults' run
+            same = lr == engine["resolved"]["lr"]
+            engine_grid.append(engine if same else run_engine(data, args.epochs, args.seed, lr))
             print(f"{name}: engine lr={lr:g} {_fmt(engine_grid[-1])}", flush=True)
         engine_best = max([engine, *engine_grid], key=lambda r: r["P@1"])
         grid = []
@@ -152,7 +142,7 @@ def print_table(rows: list[dict]) -> None:
           "PyTorch / engine time | engine's best lr: P@1 - PyTorch |")
     print("|---|---|---|---|---:|---:|---|")
     for r in rows:
-        b, e = r["torch_best"], r.get("engine_best", r["engine"])
+        b, e = r["torch_best"], r["engine_best"]
         print(f"| {r['dataset']} | {_fmt(r['engine'])} | {_fmt(b)} | {b['optimizer']} "
               f"{b['lr']:g} | {r['P@1_diff']:+.4f} | {r['time_ratio']:.2f}x | "
               f"{e['resolved']['lr']:g}: {e['P@1'] - b['P@1']:+.4f} |")

@@ -192,9 +192,8 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0) -
     top = clf.predict_topk(X_test, TOP_K)[0]
     predict = time.perf_counter() - t0
     return {"library": "xmc-engine", "model": "defaults", "train_time": final["train_time"],
-            "wall_s": wall,
-            "train_cpu_time": cpu, "predict_time": predict, "compile_s": compile_s,
-            "epochs": epochs, **_score(top, Y_test)}
+            "wall_s": wall, "train_cpu_time": cpu, "predict_time": predict,
+            "compile_s": compile_s, "epochs": epochs, **_score(top, Y_test)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

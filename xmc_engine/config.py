@@ -202,6 +202,19 @@ class AlgorithmConfig(ConfigMixin):
     rejoin_after: int | None = None
     fault: str | None = None
 
+    @property
+    def per_row_weights(self) -> bool:
+        """Whether a row-sparse merge weights each ``W1`` row over the replicas that changed
+        it (:attr:`AdaptiveConfig.row_weights` ``'touched'``); the paper's weights elsewhere."""
+        return getattr(self, "row_weights", "updates") == "touched"
+
+    @property
+    def per_label_weights(self) -> bool:
+        """Whether it weights each label over the replicas that held it as a positive
+        (:attr:`AdaptiveConfig.label_weights` ``'positives'``); the replicas must then
+        record the labels they see (``track_labels``)."""
+        return getattr(self, "label_weights", "updates") == "positives"
+
     def __post_init__(self):
         if self.rejoin_after is not None and self.rejoin_after < 0:
             raise ConfigError(f"rejoin_after must be >= 0 or None, got {self.rejoin_after}")

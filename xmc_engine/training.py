@@ -200,8 +200,8 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
         params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed)
         # the merge weights of the run's algorithm (Adaptive SGD's per-row / per-label ones
         # run kernels of their own, e.g. the column merge with the exact output layer)
-        per_row = getattr(cfg.algorithm_params, "row_weights", "updates") == "touched"
-        per_label = getattr(cfg.algorithm_params, "label_weights", "updates") == "positives"
+        per_row = cfg.algorithm_params.per_row_weights
+        per_label = cfg.algorithm_params.per_label_weights
         replicas = []
         for d in devices:
             rep = make_replica(cfg, d, X, Y, params, len(replicas))

@@ -60,7 +60,7 @@ class AdaptiveSGD(Policy):
             self.n_devices, self.batch_size, b_min=c.b_min, b_max=c.b_max, delta_b=c.delta_b,
             rule=c.rule, warmup_epochs=self.warmup_epochs, deadband=c.deadband)
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
-        if c.label_weights == "positives":  # the replicas record the labels they see
+        if c.per_label_weights:  # the replicas record the labels they see
             for r in replicas:
                 if hasattr(r, "track_labels"):
                     r.track_labels()
@@ -134,8 +134,8 @@ class AdaptiveSGD(Policy):
             self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]
         stats: dict = {}
         delta = self.merge_rows_only(replicas, p, ctx,
-                                     per_row=self.config.row_weights == "touched",
-                                     per_label=self.config.label_weights == "positives",
+                                     per_row=self.config.per_row_weights,
+                                     per_label=self.config.per_label_weights,
                                      stats=stats)
         if delta is None:
             return None
