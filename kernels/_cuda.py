@@ -90,6 +90,14 @@ def cuda_kernel(fn):
     return cuda.jit(fn)
 
 
+def cuda_device(fn):
+    """``@cuda.jit(device=True)``: a function the kernels call (``None`` without numba-cuda:
+    the kernels that call it are stand-ins then)."""
+    if cuda is None:
+        return None
+    return cuda.jit(device=True)(fn)
+
+
 def blocks_for(n_items: int, tpb: int = TPB) -> int:
     """Blocks for a grid-stride loop over ``n_items`` with ``tpb`` threads per block."""
     return max(1, min(MAX_BLOCKS, (int(n_items) + tpb - 1) // tpb))

@@ -28,7 +28,29 @@ import math
 
 import numpy as np
 from numba import njit, prange
-from xmc_engine.kernels._cuda import TPB, blocks_for, cuda, cuda_kernel, launch, rows_grid
+from xmc_engine.kernels._cuda import (
+    TPB,
+    blocks_for,
+    cuda,
+    cuda_device,
+    cuda_kernel,
+    launch,
+    rows_grid,
+)
+
+
+def _adagrad_entry(w, acc, g, lr, eps):
+    """The rule on one entry: returns the new ``(w, acc)``. The one place the formula is
+    written; every Adagrad kernel (dense, row-sparse here, column-sparse in
+    :mod:`xmc_engine.kernels.sampled_output`) calls it, compiled for the CPU or the device."""
+    a = acc + g * g
+    return w - lr * g / (math.sqrt(a) + eps), a
+
+
+#: :func:`_adagrad_entry` for the ``@njit`` kernels (inlined into their loops)
+adagrad_entry_cpu = njit(inline="always", fastmath=True, cache=True)(_adagrad_entry)
+#: :func:`_adagrad_entry` for the ``@cuda.jit`` kernels (``None`` without numba-cuda)
+adagrad_entry_device = cuda_device(_adagrad_entry)
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
@@ -40,10 +62,7 @@ def adagrad_dense_cpu(w, g, acc, lr, eps):
     lr32 = np.float32(lr)
     eps32 = np.float32(eps)
     for t in prange(wv.shape[0]):
-        gt = gv[t]
-        a = av[t] + gt * gt
-        av[t] = a
-        wv[t] -= lr32 * gt / (np.sqrt(a) + eps32)
+        wv[t], av[t] = adagrad_entry_cpu(wv[t], av[t], gv[t], lr32, eps32)
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
@@ -57,19 +76,13 @@ def adagrad_rows_cpu(W, rows, grad_rows, acc_W, lr, eps):
         a = acc_W[rows[u]]
         g = grad_rows[u]
         for j in range(n_hidden):
-            gj = g[j]
-            aj = a[j] + gj * gj
-            a[j] = aj
-            w[j] -= lr32 * gj / (np.sqrt(aj) + eps32)
+            w[j], a[j] = adagrad_entry_cpu(w[j], a[j], g[j], lr32, eps32)
 
 
 @cuda_kernel
 def adagrad_dense_kernel(w, g, acc, lr, eps):
     for t in range(cuda.grid(1), w.shape[0], cuda.gridsize(1)):
-        gt = g[t]
-        a = acc[t] + gt * gt
-        acc[t] = a
-        w[t] -= lr * gt / (math.sqrt(a) + eps)
+        w[t], acc[t] = adagrad_entry_device(w[t], acc[t], g[t], lr, eps)
 
 
 @cuda_kernel
@@ -78,10 +91,8 @@ def adagrad_rows_kernel(W, rows, grad_rows, acc_W, lr, eps):
     for u in range(cuda.blockIdx.x, rows.shape[0], cuda.gridDim.x):
         f = rows[u]
         for j in range(cuda.threadIdx.x, n_hidden, cuda.blockDim.x):
-            gj = grad_rows[u, j]
-            a = acc_W[f, j] + gj * gj
-            acc_W[f, j] = a
-            W[f, j] -= lr * gj / (math.sqrt(a) + eps)
+            W[f, j], acc_W[f, j] = adagrad_entry_device(W[f, j], acc_W[f, j], grad_rows[u, j],
+                                                         lr, eps)
 
 
 def adagrad_dense_launch(w, g, acc, lr, eps, stream=0):

@@ -27,11 +27,10 @@ Versions
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 from xmc_engine.kernels._cuda import TPB, blocks_for, cuda, cuda_kernel, launch
+from xmc_engine.kernels.adagrad import adagrad_entry_cpu, adagrad_entry_device
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -74,16 +73,10 @@ def adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
         g = dW2s[h]
         for j in range(m):
             c = cols[j]
-            gj = g[j]
-            aj = acc[c] + gj * gj
-            acc[c] = aj
-            w[c] -= lr32 * gj / (np.sqrt(aj) + eps32)
+            w[c], acc[c] = adagrad_entry_cpu(w[c], acc[c], g[j], lr32, eps32)
     for j in range(m):
         c = cols[j]
-        gj = db2s[j]
-        aj = acc_b2[c] + gj * gj
-        acc_b2[c] = aj
-        b2[c] -= lr32 * gj / (np.sqrt(aj) + eps32)
+        b2[c], acc_b2[c] = adagrad_entry_cpu(b2[c], acc_b2[c], db2s[j], lr32, eps32)
 
 
 @cuda_kernel
@@ -121,16 +114,11 @@ def adagrad_columns_kernel(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
             h = t // m
             j = t - h * m
             c = cols[j]
-            g = dW2s[h, j]
-            a = acc_W2[h, c] + g * g
-            acc_W2[h, c] = a
-            W2[h, c] -= lr * g / (math.sqrt(a) + eps)
+            W2[h, c], acc_W2[h, c] = adagrad_entry_device(W2[h, c], acc_W2[h, c], dW2s[h, j],
+                                                          lr, eps)
         else:
             c = cols[t - n]
-            g = db2s[t - n]
-            a = acc_b2[c] + g * g
-            acc_b2[c] = a
-            b2[c] -= lr * g / (math.sqrt(a) + eps)
+            b2[c], acc_b2[c] = adagrad_entry_device(b2[c], acc_b2[c], db2s[t - n], lr, eps)
 
 
 def _entries(W2, cols) -> int:
