@@ -8,6 +8,8 @@ script first checks, on a small problem, that a sampled step over every label is
     python bench/bench_sampled.py --data delicious --epochs 5 --negatives 256 1024
     python bench/bench_sampled.py --data synthetic:20000:5000:100000 --epochs 2
     python bench/bench_sampled.py --data debian_builddeps --epochs 5 --engine-defaults
+    python bench/bench_sampled.py --data debian_builddeps --epochs 3 --engine-defaults \
+        --negative-sampling uniform frequency --seeds 0 1 2
 
 ``--data`` takes a dataset name or folder (``delicious``, ``debian_builddeps``), or a synthetic
 power-law shape ``synthetic:N_TRAIN:N_FEATURES:N_LABELS`` (:func:`bench._tta.load_data`).
@@ -19,6 +21,11 @@ projects the time per epoch of ``--project-rows`` training rows (default: the da
 whose full epoch does not fit the time budget (the Amazon-670K shape); it also records the
 memory planner's estimate of the host pool (:func:`xmc_engine.memory.plan_memory`) beside the
 measured peak RSS.
+
+``--negative-sampling`` runs each ``K`` with each rule that draws the negatives (uniform, or by
+label frequency: ``TrainConfig.negative_sampling``); ``--seeds`` repeats every configuration
+(the exact one too) with each seed, and the summary gives the mean over the seeds of each
+configuration's final metrics and of its difference to the exact model of the same seed.
 
     python bench/bench_sampled.py --data synthetic:20000:135909:670091 --steps 20 \
         --project-rows 490449
@@ -132,7 +139,7 @@ def run_one(spec: dict) -> dict:
     clf = XMCClassifier(epochs=spec["epochs"], seed=spec["seed"],
                         eval_every=spec["eval_every"], output=spec["output"],
                         negatives=spec["negatives"], label_chunk=spec.get("label_chunk"),
-                        **chosen)
+                        negative_sampling=spec.get("negative_sampling", "uniform"), **chosen)
     plan = plan_for_data(clf.get_config(), Xtr, Ytr, (Xte, Yte), budget="1TiB")
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
@@ -162,7 +169,11 @@ def main(argv=None) -> None:
     p.add_argument("--label-chunk", type=int, default=None,
                    help="label chunk of the exact output layer and of evaluation")
     p.add_argument("--eval-every", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                   help="seeds; every configuration runs with each")
+    p.add_argument("--negative-sampling", nargs="+", default=["uniform"],
+                   choices=["uniform", "frequency"],
+                   help="rules that draw the negatives; each K runs with each")
     p.add_argument("--steps", type=int, default=0,
                    help="time this many steps per configuration instead of training epochs")
     p.add_argument("--project-rows", type=int, default=0,
@@ -188,59 +199,92 @@ def main(argv=None) -> None:
     check_against_exact()
     base = {"data": args.data, "hidden": None if args.hidden is None else [args.hidden],
             "batch_size": args.batch_size,
-            "optimizer": args.optimizer, "lr": args.lr, "seed": args.seed,
+            "optimizer": args.optimizer, "lr": args.lr,
             "threads": args.threads, "eval_every": args.eval_every, "steps": args.steps,
             "label_chunk": args.label_chunk,
             "project_rows": args.project_rows}
-    specs = [] if args.no_exact else [
-        {**base, "output": "exact", "negatives": 0, "epochs": args.exact_epochs or args.epochs}]
-    specs += [{**base, "output": "sampled", "negatives": k, "epochs": args.epochs,
-               "correction": corr}
-              for k in args.negatives for corr in ((True, False) if args.ablate_correction
-                                                   else (True,))]
+    specs = []
+    for seed in args.seeds:
+        if not args.no_exact:
+            specs.append({**base, "seed": seed, "output": "exact", "negatives": 0,
+                          "epochs": args.exact_epochs or args.epochs})
+        specs += [{**base, "seed": seed, "output": "sampled", "negatives": k,
+                   "negative_sampling": rule, "epochs": args.epochs, "correction": corr}
+                  for k in args.negatives for rule in args.negative_sampling
+                  for corr in ((True, False) if args.ablate_correction else (True,))]
     runs = []
     for spec in specs:
         proc = subprocess.run([sys.executable, __file__, "--data", args.data, "--one",
                                json.dumps(spec)], capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not line:
-            raise SystemExit(f"run {spec['output']} K={spec['negatives']} failed:\n"
+            raise SystemExit(f"run {label(spec)} seed {spec['seed']} failed:\n"
                              f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         r = json.loads(line[0][len("RESULT "):])
         runs.append(r)
         if args.steps:
-            print(f"{args.data} {r['output']:7s} K={r['negatives']:<6d} "
+            print(f"{args.data} {label(r)} seed={r['seed']} "
                   f"{r['s_per_step'] * 1e3:9.1f} ms/step -> {r['s_per_epoch']:8.1f} s/epoch of "
                   f"{r['projected_rows']} rows (projected)  peak {r['peak_rss_mib']:7.0f} MiB, "
                   f"planned {r['planned_host_bytes'] / 2**20:7.0f} MiB", flush=True)
             continue
         f = r["final"]
-        tag = "" if r.get("correction", True) else " no-logQ"
-        print(f"{args.data} {r['output']:7s} K={r['negatives']:<6d}{tag} epochs={r['epochs']:<4g} "
+        print(f"{args.data} {label(r)} seed={r['seed']} epochs={r['epochs']:<4g} "
               f"{r['s_per_epoch']:8.2f} s/epoch  peak {r['peak_rss_mib']:7.0f} MiB  "
               f"P@1 {f['P@1']:.4f} P@3 {f['P@3']:.4f} P@5 {f['P@5']:.4f} "
               f"PSP@5 {f['PSP@5']:.4f}  planned {r['planned_host_bytes'] / 2**20:.0f} MiB",
               flush=True)
-    exact = next((r for r in runs if r["output"] == "exact"), None)
-    if exact is not None and args.steps:
-        for r in runs:
-            r["speedup_per_epoch"] = exact["s_per_epoch"] / r["s_per_epoch"]
-            print(f"  {r['output']:7s} K={r['negatives']:<6d} {r['speedup_per_epoch']:6.1f}x "
-                  "per step")
-    elif exact is not None:
-        target = exact["final"]["P@1"] - 0.01
-        exact["s_to_target"] = time_to_target(exact["curve"], target)
-        for r in runs:
-            r["s_to_target"] = time_to_target(r["curve"], target)
-            r["speedup_per_epoch"] = exact["s_per_epoch"] / r["s_per_epoch"]
-            r["dP@1"] = r["final"]["P@1"] - exact["final"]["P@1"]
-            tag = "" if r.get("correction", True) else " no-logQ"
-            print(f"  {r['output']:7s} K={r['negatives']:<6d}{tag} {r['speedup_per_epoch']:6.1f}x "
-                  f"per epoch, dP@1 {r['dP@1']:+.4f}, time to exact P@1 - 0.01 "
-                  f"({target:.4f}): {r['s_to_target']:.1f} s")
+    summary = compare_to_exact(runs, steps=bool(args.steps))
     out = args.out or _common.RESULTS_DIR / f"sampled_{data_tag(args.data)}.json"
-    _common.write_result(out, {**meta, "benchmark": "sampled output layer", "runs": runs})
+    _common.write_result(out, {**meta, "benchmark": "sampled output layer", "runs": runs,
+                               "summary": summary})
     print(f"wrote {out}")
+
+
+def label(r: dict) -> str:
+    """``exact`` or ``sampled K=1024 uniform`` (``no-logQ`` for the uncorrected ablation)."""
+    if r["output"] == "exact":
+        return "exact"
+    tag = "" if r.get("correction", True) else " no-logQ"
+    return f"sampled K={r['negatives']} {r.get('negative_sampling', 'uniform')}{tag}"
+
+
+def compare_to_exact(runs: list[dict], steps: bool) -> list[dict]:
+    """Each run against the exact run of its seed (speed-up per epoch or step; with epochs
+    also the P@1 difference and the time to the exact model's final P@1 - 0.01), then one row
+    per configuration: the means over its seeds, printed."""
+    exact = {r["seed"]: r for r in runs if r["output"] == "exact"}
+    for r in runs:
+        ref = exact.get(r["seed"])
+        if ref is None:
+            continue
+        r["speedup_per_epoch"] = ref["s_per_epoch"] / r["s_per_epoch"]
+        if not steps:
+            target = ref["final"]["P@1"] - 0.01
+            r["s_to_target"] = time_to_target(r["curve"], target)
+            r["dP@1"] = r["final"]["P@1"] - ref["final"]["P@1"]
+    rows = []
+    for name in dict.fromkeys(label(r) for r in runs):
+        group = [r for r in runs if label(r) == name]
+        row = {"config": name, "seeds": [r["seed"] for r in group],
+               "s_per_epoch": float(np.mean([r["s_per_epoch"] for r in group]))}
+        if not steps:
+            row.update({k: float(np.mean([r["final"][k] for r in group])) for k in METRICS})
+        for key in ("speedup_per_epoch", "dP@1", "s_to_target"):
+            vals = [r[key] for r in group if r.get(key) is not None]
+            if len(vals) == len(group) and np.isfinite(vals).all():
+                row[key] = float(np.mean(vals))
+            elif vals or key in group[0]:
+                row[key] = None  # some seed has no exact run, or did not reach the target
+        rows.append(row)
+        metrics = ("" if steps else "  " + " ".join(f"{k} {row[k]:.4f}" for k in METRICS))
+        extra = "".join(f"  {k} {row[k]:+.4f}" if k == "dP@1" else f"  {k} {row[k]:.2f}"
+                        for k in ("speedup_per_epoch", "dP@1", "s_to_target")
+                        if row.get(k) is not None)
+        print(f"  mean of {len(group)} seed(s): {name:32s} {row['s_per_epoch']:7.2f} s/epoch"
+              f"{metrics}{extra}")
+    return rows
+
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from xmc_engine.backends.cpu import CPUBackend
 from xmc_engine.config import ALGORITHMS, TrainConfig
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import MLPReplica, ModelShape, init_params
-from xmc_engine.output_layer import sample_candidates
+from xmc_engine.output_layer import FrequencyProposal, sample_candidates
 
 F32 = np.float32
 # (n_hidden, n_labels, m): m = 0, one column, and sizes that are not multiples of a block
@@ -98,6 +98,86 @@ def test_sampled_negatives_are_uniform():
     free = np.delete(counts, [3, 7])
     expected = 2000 * 6 / 48
     assert np.abs(free - expected).max() < 0.25 * expected, free
+
+
+def test_frequency_proposal_draws_in_proportion_to_a_power_of_the_counts():
+    counts = np.array([0, 1, 10, 100, 1000, 3])
+    p = FrequencyProposal(counts, power=0.75)
+    want = (counts + 1.0) ** 0.75
+    np.testing.assert_allclose(p.q, want / want.sum())
+    draws = p.draw(np.random.default_rng(0), 200_000)
+    assert draws.dtype == np.int64 and draws.min() >= 0 and draws.max() < len(counts)
+    freq = np.bincount(draws, minlength=len(counts)) / len(draws)
+    np.testing.assert_allclose(freq, p.q, rtol=0.05, atol=1e-3)
+    np.testing.assert_allclose(FrequencyProposal(counts, power=0).q, 1 / len(counts))
+    with pytest.raises(ValueError, match="count >= 0"):
+        FrequencyProposal([3])
+    with pytest.raises(ValueError, match="count >= 0"):
+        FrequencyProposal([3, -1])
+
+
+@pytest.mark.parametrize("negatives", [0, 1, 30, 5000])
+def test_sample_candidates_with_a_frequency_proposal(rng, negatives):
+    L = 60
+    _, y = _labels(rng, 9, L)
+    p = FrequencyProposal(rng.integers(0, 50, L))
+    cols, local_y, n_pos, log_weight = sample_candidates(y, L, negatives, rng, p)
+    pos = np.unique(y)
+    assert n_pos == len(pos) and np.array_equal(cols[:n_pos], pos)
+    assert len(np.unique(cols)) == len(cols) and np.array_equal(cols[local_y], y)
+    neg = cols[n_pos:]
+    assert not np.isin(neg, pos).any() and len(neg) <= negatives
+    if negatives == 0:
+        assert len(neg) == 0 and log_weight == 0.0
+        return
+    assert log_weight.dtype == np.float32 and log_weight.shape == neg.shape
+    incl = 1 - (1 - p.q[neg]) ** negatives
+    np.testing.assert_allclose(log_weight, -np.log(incl), rtol=1e-5, atol=1e-6)
+    assert (log_weight >= 0).all()
+    with pytest.raises(ValueError, match="proposal over 60 labels for 61 labels"):
+        sample_candidates(y, 61, negatives, rng, p)
+
+
+def test_frequency_weights_estimate_the_partition_sum_without_bias():
+    """The weighted negatives' ``sum exp(z + log_weight)`` averages to the sum of ``exp(z)``
+    over every label that is not a positive (what the exact softmax's denominator holds)."""
+    rng = np.random.default_rng(1)
+    L = 40
+    p = FrequencyProposal(rng.zipf(1.5, L) - 1)
+    z = rng.standard_normal(L)
+    y = np.array([int(p.q.argmax()), 5], dtype=np.int32)
+    want = np.exp(np.delete(z, np.unique(y))).sum()
+    est, flat = [], []
+    for _ in range(4000):
+        cols, _, n_pos, log_weight = sample_candidates(y, L, 6, rng, p)
+        neg = cols[n_pos:]
+        est.append(np.exp(z[neg] + log_weight).sum())
+        # a constant weight (the uniform rule's form) is biased under this proposal
+        flat.append(np.exp(z[neg]).sum() * (L - n_pos) / max(len(neg), 1))
+    se = np.std(est) / np.sqrt(len(est))
+    assert abs(np.mean(est) - want) < 4 * se, (np.mean(est), want, se)
+    assert abs(np.mean(flat) - want) > 10 * np.std(flat) / np.sqrt(len(flat)), np.mean(flat)
+
+
+@pytest.mark.parametrize("B", [0, 1, 7])
+def test_sampled_output_grad_with_a_weight_per_negative_matches_reference(rng, B):
+    nh, L = 6, 40
+    be = CPUBackend(threads=1)
+    H = np.maximum(rng.standard_normal((B, nh)), 0).astype(F32)
+    W2, b2 = rng.standard_normal((nh, L)).astype(F32), rng.standard_normal(L).astype(F32)
+    y_indptr, y = _labels(rng, B, L)
+    p = FrequencyProposal(rng.integers(0, 20, L))
+    cols, local_y, n_pos, log_weight = sample_candidates(y, L, 15, rng, p)
+    loss, dW2s, db2s, dH = be.sampled_output_grad(H, W2, b2, cols, n_pos, log_weight, y_indptr,
+                                                  local_y)
+    offs = np.concatenate([np.zeros(n_pos), log_weight])
+    r_loss, r_dW2, r_db2, r_dH = reference.sampled_output_grad(
+        H.astype(np.float64), W2.astype(np.float64), b2.astype(np.float64), y_indptr, y, cols,
+        offs)
+    assert loss == pytest.approx(r_loss, rel=1e-5, abs=1e-5)
+    np.testing.assert_allclose(dW2s, r_dW2[:, cols], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(db2s, r_db2[cols], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dH, r_dH, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("B", [0, 1, 7])
@@ -212,6 +292,12 @@ def test_config_output_and_negatives():
         MLPReplica(CPUBackend(threads=1), X, Y, params, output="fast")
     with pytest.raises(ValueError, match="negatives=-2"):
         MLPReplica(CPUBackend(threads=1), X, Y, params, output="sampled", negatives=-2)
+    assert TrainConfig().negative_sampling == "uniform"
+    with pytest.raises(ConfigError, match="negative_sampling='popular'.*uniform, frequency"):
+        TrainConfig(negative_sampling="popular")
+    with pytest.raises(ValueError, match="negative_sampling='hard'"):
+        MLPReplica(CPUBackend(threads=1), X, Y, params, output="sampled",
+                   negative_sampling="hard")
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +316,24 @@ def test_every_algorithm_trains_with_the_sampled_layer(toy, algorithm):
     m.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     popular = int(np.asarray(Ytr.sum(0)).argmax())
     assert m.metrics_["P@1"] > float(Yte[:, popular].mean()) + 0.1, m.metrics_
+
+
+def test_frequency_sampled_training_learns_and_draws_frequent_labels_more(toy):
+    Xtr, Ytr, Xte, Yte = toy
+    kw = dict(hidden=32, epochs=6, batch_size=32, output="sampled", negatives=8, threads=1,
+              eval_every=0, seed=0)
+    m = XMCClassifier(**kw, negative_sampling="frequency").fit(Xtr, Ytr, eval_set=(Xte, Yte))
+    popular = int(np.asarray(Ytr.sum(0)).argmax())
+    assert m.metrics_["P@1"] > float(Yte[:, popular].mean()) + 0.1, m.metrics_
+    assert m.get_config().negative_sampling == "frequency"
+    params = init_params(ModelShape(Xtr.shape[1], Ytr.shape[1], (4,)))
+    rep = MLPReplica(CPUBackend(threads=1), Xtr, Ytr, params, output="sampled", negatives=4,
+                     negative_sampling="frequency")
+    counts = np.bincount(Ytr.indices, minlength=Ytr.shape[1])
+    want = (counts + 1.0) ** 0.75
+    np.testing.assert_allclose(rep._proposal.q, want / want.sum())
+    exact = MLPReplica(CPUBackend(threads=1), Xtr, Ytr, params, negative_sampling="frequency")
+    assert exact._proposal is None  # the exact softmax draws nothing
 
 
 def test_sampled_model_saves_and_resumes(toy, tmp_path):

@@ -122,6 +122,7 @@ def test_clone_round_trips_every_parameter():
               "lr": 0.5,
               "lr_warmup_epochs": 0.5, "lr_decay": 0.1, "label_chunk": 7,
               "optimizer": "adagrad", "output": "sampled", "negatives": 64,
+              "negative_sampling": "frequency",
               "devices": "cpu,cpu", "algorithm": "average",
               "algorithm_params": {"merge_period": 512}, "seed": 7, "threads": 2,
               "eval_every": 0.5, "eval_k": 3, "propensity_a": 0.6, "propensity_b": 2.6,

@@ -52,6 +52,8 @@ OPTIMIZERS = ("sgd", "adagrad")
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
 OUTPUTS = ("exact", "sampled", "auto")
+#: How a sampled step draws its negatives (:class:`TrainConfig` ``negative_sampling``).
+NEGATIVE_SAMPLING = ("uniform", "frequency")
 #: ``output="auto"`` (the default) trains the sampled output layer when the label space is at
 #: least this many times a sampled step's output width (the base batch's expected positive labels
 #: plus ``negatives``), the exact softmax otherwise (:meth:`TrainConfig.output_for`). Chosen by
@@ -516,6 +518,12 @@ class TrainConfig(ConfigMixin):
     negatives : int
         ``K``, the negatives drawn per batch when ``output="sampled"`` (0: the other rows'
         positives only). Measured: ``bench/RESULTS.md``, "Sampled output layer".
+    negative_sampling : {'uniform', 'frequency'}
+        How ``output="sampled"`` draws its negatives: ``K`` distinct labels uniformly
+        (the default), or ``K`` draws in proportion to the training frequency of each label to
+        the power 0.75 (:class:`xmc_engine.output_layer.FrequencyProposal`), each weighted by
+        the inverse of its probability of being drawn. Measured: ``bench/RESULTS.md``,
+        "Sampled output layer".
     devices : str
         Device spec (:func:`~xmc_engine.devices.parse_devices`).
     algorithm : str
@@ -539,6 +547,7 @@ class TrainConfig(ConfigMixin):
     optimizer: str = "adagrad"
     output: str = "auto"
     negatives: int = 1024
+    negative_sampling: str = "uniform"
     devices: str = "cpu"
     algorithm: str = "single"
     algorithm_params: dict | AlgorithmConfig = field(default_factory=dict)
@@ -590,6 +599,8 @@ class TrainConfig(ConfigMixin):
             bad("output", f"unknown; choose one of {', '.join(OUTPUTS)}")
         if self.negatives < 0:
             bad("negatives", "must be >= 0 (0: only the batch's own positive labels)")
+        if self.negative_sampling not in NEGATIVE_SAMPLING:
+            bad("negative_sampling", f"unknown; choose one of {', '.join(NEGATIVE_SAMPLING)}")
         if self.algorithm not in ALGORITHMS:
             bad("algorithm", f"unknown; choose one of {', '.join(ALGORITHMS)}")
         if self.threads is not None and self.threads < 1:

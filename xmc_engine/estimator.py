@@ -118,6 +118,8 @@ class XMCClassifier:
         from the data's shape (:meth:`xmc_engine.config.TrainConfig.output_for`).
     negatives : int
         Negatives per batch of ``output="sampled"``.
+    negative_sampling : {"uniform", "frequency"}
+        How ``output="sampled"`` draws them: uniformly (the default) or by label frequency.
     devices : str
         Device spec, e.g. ``"cpu"``, ``"cpu,cpu@0.5"``, ``"cuda:0,cuda:0"``, ``"auto"``.
     algorithm : str

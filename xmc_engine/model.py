@@ -27,8 +27,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
-from xmc_engine.config import EVAL_ROWS, OPTIMIZERS, TrainConfig
-from xmc_engine.output_layer import sample_candidates
+from xmc_engine.config import EVAL_ROWS, NEGATIVE_SAMPLING, OPTIMIZERS, TrainConfig
+from xmc_engine.output_layer import FrequencyProposal, sample_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,8 @@ class MLPReplica:
         the backend tracks rows the replica also records the columns its steps changed
         (:meth:`changed_columns`), and a merge reads and writes only those.
     negatives : int; ``K`` of the sampled mode
+    negative_sampling : ``"uniform"`` (default) or ``"frequency"``: the rule that draws the
+        negatives (:class:`~xmc_engine.output_layer.FrequencyProposal` from ``Y``'s label counts)
     seed : int; seed of the negatives' random stream (give replicas different seeds). The
         stream is not part of checkpoints: a resumed sampled run draws other negatives than an
         uninterrupted one would (the same distribution).
@@ -128,13 +130,17 @@ class MLPReplica:
 
     def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None,
                  optimizer: str = "sgd", output: str = "exact",
-                 negatives: int = TrainConfig.negatives, seed: int = 0):
+                 negatives: int = TrainConfig.negatives,
+                 negative_sampling: str = TrainConfig.negative_sampling, seed: int = 0):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if output not in ("exact", "sampled"):  # "auto" is resolved before (make_replica)
             raise ValueError(f"output={output!r}: choose exact or sampled")
         if negatives < 0:
             raise ValueError(f"negatives={negatives!r}: must be >= 0")
+        if negative_sampling not in NEGATIVE_SAMPLING:
+            raise ValueError(f"negative_sampling={negative_sampling!r}: choose one of "
+                             f"{', '.join(NEGATIVE_SAMPLING)}")
         self.backend = backend
         self.X = X
         self.Y = Y
@@ -145,6 +151,8 @@ class MLPReplica:
         self.optimizer = optimizer
         self.output = output
         self.negatives = int(negatives)
+        self._proposal = (FrequencyProposal(np.bincount(Y.indices, minlength=Y.shape[1]))
+                          if output == "sampled" and negative_sampling == "frequency" else None)
         self._rng = np.random.default_rng(seed)
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         self.n_dense = (len(self._params) - 4) // 2
@@ -285,13 +293,14 @@ class MLPReplica:
         if self.output == "exact":
             return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
         return sampled_grad_step(self.backend, self._params, Xb, Yb, self.negatives,
-                                 self._rng)
+                                 self._rng, self._proposal)
 
     def _sampled_step(self, Xb, Yb, lr: float) -> float:
         """A step with the sampled output layer: ``W1`` on its touched rows, ``W2`` / ``b2``
         on the candidate columns, the dense layers in full (SGD or Adagrad)."""
         be, params = self.backend, self._params
-        loss, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng)
+        loss, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng,
+                                        self._proposal)
         if self._changed_cols is not None:
             self._changed_cols[grads[-1][0]] = True
         if self._acc is not None:
@@ -403,18 +412,20 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
         return be.to_float(loss), [*grads, dW2, db2]  # synchronize!
 
 
-def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng) -> tuple[float, list]:
+def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng,
+                      proposal: FrequencyProposal | None = None) -> tuple[float, list]:
     """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads)``.
 
     The candidate labels ``cols`` (int64, on the backend) are the batch's positives plus
-    ``negatives`` uniform draws from ``rng``
+    ``negatives`` draws from ``rng`` (uniform, or from ``proposal``)
     (:func:`xmc_engine.output_layer.sample_candidates`); ``grads`` is in the
     :meth:`MLPReplica.grad_batch` layout, its last two entries column-sparse:
     ``(cols, dW2[:, cols])`` (n_hidden, m) and ``(cols, db2[cols])`` (m,) (backend workspaces,
     valid until the next sampled step).
     """
     W2, b2 = params[-2], params[-1]
-    cols, local_y, n_pos, log_weight = sample_candidates(Yb.indices, W2.shape[1], negatives, rng)
+    cols, local_y, n_pos, log_weight = sample_candidates(Yb.indices, W2.shape[1], negatives, rng,
+                                                         proposal)
     Yl = CSRBatch(Yb.indptr, local_y, local_y, (Yb.shape[0], len(cols)))
     with be.activate():
         x_parts, (y_indptr, y_local) = _upload_batch(be, Xb, Yl)

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["output_layer_grad", "output_layer_step", "predict_scores_topk", "sample_candidates",
-           "sampled_output_grad"]
+__all__ = ["FrequencyProposal", "output_layer_grad", "output_layer_step",
+           "predict_scores_topk", "sample_candidates", "sampled_output_grad"]
 
 _F32 = np.float32
 
@@ -168,7 +168,45 @@ def predict_scores_topk(backend, H, W2, b2, k: int, *, label_chunk: int | None =
     return idx, val
 
 
-def sample_candidates(y_indices, n_labels: int, negatives: int, rng) -> tuple:
+class FrequencyProposal:
+    """Negatives drawn in proportion to a power of the labels' training frequency.
+
+    ``q_j ∝ (n_j + 1) ** power`` with ``n_j`` the rows that hold label ``j`` (``power=0.75``,
+    word2vec's unigram rule, by default; ``+1`` so that labels never seen in training can be
+    drawn). Frequent labels have large logits, so drawing them more often than uniformly lowers
+    the variance of the sampled estimate of the partition sum (Bengio & Senecal 2008).
+
+    Parameters
+    ----------
+    counts : (n_labels,) int array, the rows per label (``np.bincount(Y.indices)``)
+    power : float >= 0 (0: the uniform rule, drawn with replacement)
+    """
+
+    def __init__(self, counts, power: float = 0.75):
+        counts = np.asarray(counts, dtype=np.float64)
+        if counts.ndim != 1 or counts.size < 2 or (counts < 0).any():
+            raise ValueError("FrequencyProposal: need a count >= 0 for each of >= 2 labels")
+        q = (counts + 1.0) ** float(power)
+        self.q = q / q.sum()
+        self._cdf = np.cumsum(self.q)
+        self.power = float(power)
+
+    @property
+    def n_labels(self) -> int:
+        return self.q.size
+
+    def draw(self, rng, k: int) -> np.ndarray:
+        """``k`` labels drawn with replacement from ``q`` (int64)."""
+        u = rng.random(int(k)) * self._cdf[-1]
+        return np.minimum(np.searchsorted(self._cdf, u, side="right"), self.q.size - 1)
+
+    def inclusion(self, labels, k: int) -> np.ndarray:
+        """``P(label in k draws) = 1 - (1 - q) ** k`` for each of ``labels``."""
+        return -np.expm1(int(k) * np.log1p(-self.q[labels]))
+
+
+def sample_candidates(y_indices, n_labels: int, negatives: int, rng,
+                      proposal: FrequencyProposal | None = None) -> tuple:
     """The candidate labels of a sampled step: the batch's positives plus ``negatives`` others.
 
     The negatives are a uniform random subset of the labels that no row of the batch has (the
@@ -185,12 +223,19 @@ def sample_candidates(y_indices, n_labels: int, negatives: int, rng) -> tuple:
     positives do not get it). When ``negatives`` covers every other label, ``log_weight`` is 0
     and the step is the exact softmax.
 
+    With a ``proposal`` (:class:`FrequencyProposal`) the negatives are the distinct labels
+    of ``negatives`` draws from it, less the batch's positives, and each negative ``j`` gets
+    its own weight ``1 / P(j drawn)`` (the Horvitz-Thompson estimate of the partition sum over
+    the labels that are not positives, unbiased like the uniform rule's): ``log_weight`` is
+    then an array, one entry per negative.
+
     Parameters
     ----------
     y_indices : (n_pos_total,) int array, host
         Label ids of the batch rows (CSR ``indices``; unique within a row).
     n_labels, negatives : int
     rng : numpy.random.Generator
+    proposal : FrequencyProposal or None (uniform)
 
     Returns
     -------
@@ -200,11 +245,21 @@ def sample_candidates(y_indices, n_labels: int, negatives: int, rng) -> tuple:
         ``y_indices`` renumbered as positions in ``cols``.
     n_pos : int
         Distinct positives (the first ``n_pos`` entries of ``cols``).
-    log_weight : float
-        ``log((n_labels - n_pos) / n_neg)`` (0 without negatives).
+    log_weight : float, or (m - n_pos,) float32 array with a ``proposal``
+        ``log((n_labels - n_pos) / n_neg)`` (0 without negatives); with a proposal
+        ``-log P(j drawn)`` per negative ``j``.
     """
     pos = np.unique(np.asarray(y_indices, dtype=np.int64))
     local_y = np.searchsorted(pos, y_indices).astype(np.int32)
+    if proposal is not None:
+        if proposal.n_labels != n_labels:
+            raise ValueError(f"proposal over {proposal.n_labels} labels for {n_labels} labels")
+        if negatives <= 0:
+            return pos, local_y, len(pos), 0.0
+        neg = np.unique(proposal.draw(rng, negatives))
+        neg = neg[~np.isin(neg, pos, assume_unique=True)]
+        log_weight = (-np.log(proposal.inclusion(neg, negatives))).astype(_F32)
+        return np.concatenate([pos, neg]), local_y, len(pos), log_weight
     free = n_labels - len(pos)
     k = min(int(negatives), free)
     if k <= 0:
@@ -235,7 +290,8 @@ def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float,
     ----------
     backend, H, W2, b2 : as in :func:`output_layer_grad` (``W2``, ``b2`` are only read)
     cols : (m,) int64 on the backend, unique label ids
-    n_pos, log_weight : from :func:`sample_candidates`
+    n_pos, log_weight : from :func:`sample_candidates` (``log_weight`` a float, or a host array
+        of one weight per negative)
     y_indptr : (B + 1,) int on the backend
     local_y : (n_pos_total,) int32 on the backend, label positions in ``cols``
 
@@ -251,7 +307,9 @@ def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float,
     W2s = be.workspace("W2s", (nh, m))
     b2s = be.workspace("b2s", (m,))
     be.gather_columns(W2, b2, cols, W2s, b2s)
-    if log_weight and m > n_pos:
+    if m > n_pos and np.ndim(log_weight):  # a weight per negative (a non-uniform proposal)
+        b2s[n_pos:] += be.asarray(np.asarray(log_weight, dtype=_F32))
+    elif m > n_pos and log_weight:
         b2s[n_pos:] += _F32(log_weight)
     dH = be.empty((B, nh))
     dW2s = be.workspace("dW2s", (nh, m))

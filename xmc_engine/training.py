@@ -169,7 +169,8 @@ def make_replica(cfg: TrainConfig, device, X, Y, params, index: int) -> MLPRepli
     be = get_backend(device.kind, device.index, threads=cfg.threads or device.threads)
     return MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer,
                       output=cfg.output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1)),
-                      negatives=cfg.negatives, seed=cfg.seed + index)
+                      negatives=cfg.negatives, negative_sampling=cfg.negative_sampling,
+                      seed=cfg.seed + index)
 
 
 def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
