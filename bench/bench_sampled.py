@@ -119,6 +119,14 @@ def without_correction() -> None:
     model.sample_candidates = uncorrected
 
 
+def with_frequency_power(power: float) -> None:
+    """Study: ``negative_sampling="frequency"`` draws from ``(count + 1) ** power`` in this
+    process instead of the engine's exponent."""
+    from xmc_engine import output_layer
+
+    output_layer.FrequencyProposal.__init__.__defaults__ = (float(power),)
+
+
 def run_one(spec: dict) -> dict:
     """Train one configuration (in this process); returns its record."""
     from xmc_engine import XMCClassifier
@@ -126,6 +134,8 @@ def run_one(spec: dict) -> dict:
 
     if not spec.get("correction", True):
         without_correction()
+    if spec.get("frequency_power") is not None:
+        with_frequency_power(spec["frequency_power"])
 
     Xtr, Ytr, Xte, Yte = load_data(spec["data"])
     shape = {"n_train": Xtr.shape[0], "n_features": Xtr.shape[1], "n_labels": Ytr.shape[1],
@@ -174,6 +184,9 @@ def main(argv=None) -> None:
     p.add_argument("--negative-sampling", nargs="+", default=["uniform"],
                    choices=["uniform", "frequency"],
                    help="rules that draw the negatives; each K runs with each")
+    p.add_argument("--frequency-powers", type=float, nargs="+", default=[None],
+                   help="study: exponents of the frequency rule's (count + 1) ** power, each "
+                        "run (default: the engine's)")
     p.add_argument("--steps", type=int, default=0,
                    help="time this many steps per configuration instead of training epochs")
     p.add_argument("--project-rows", type=int, default=0,
@@ -209,8 +222,10 @@ def main(argv=None) -> None:
             specs.append({**base, "seed": seed, "output": "exact", "negatives": 0,
                           "epochs": args.exact_epochs or args.epochs})
         specs += [{**base, "seed": seed, "output": "sampled", "negatives": k,
-                   "negative_sampling": rule, "epochs": args.epochs, "correction": corr}
+                   "negative_sampling": rule, "epochs": args.epochs, "correction": corr,
+                   "frequency_power": power if rule == "frequency" else None}
                   for k in args.negatives for rule in args.negative_sampling
+                  for power in (args.frequency_powers if rule == "frequency" else [None])
                   for corr in ((True, False) if args.ablate_correction else (True,))]
     runs = []
     for spec in specs:
@@ -246,6 +261,8 @@ def label(r: dict) -> str:
     if r["output"] == "exact":
         return "exact"
     tag = "" if r.get("correction", True) else " no-logQ"
+    if r.get("frequency_power") is not None:
+        tag = f" power={r['frequency_power']:g}" + tag
     return f"sampled K={r['negatives']} {r.get('negative_sampling', 'uniform')}{tag}"
 
 

@@ -1,7 +1,7 @@
 """The engine with its defaults against the same network in PyTorch with Adam at its best
 learning rate, at equal epochs, in one run (issue "Defaults that win out of the box").
 
-Per dataset, one seed, one process, every run after the other (nothing else on the CPU):
+Per dataset and seed, one process, every run after the other (nothing else on the CPU):
 
 * **engine**: ``XMCClassifier(epochs=E, seed=s)``, nothing else set: what a user gets (thread
   budget calibrated, output layer, optimizer and learning rate resolved by the engine); and the
@@ -13,12 +13,16 @@ Per dataset, one seed, one process, every run after the other (nothing else on t
   threads; the best of them by final P@1 is the competitor.
 
 Both evaluate on the whole test set after ``E`` epochs only (evaluation is not training time).
-Printed per dataset: P@1 / P@3 / P@5 and training seconds of the defaults, of the engine's best
-learning rate and of PyTorch's best, the P@1 differences and the time ratio (PyTorch's best /
-the engine's defaults: above 1 means the engine is faster). Results (every run) in
-``--out``. The committed run::
+With several ``--seeds`` (initialisation and batch order) every run is repeated per seed and
+each configuration is scored by its mean over the seeds: PyTorch's best is the configuration
+with the best mean P@1 (not the best run of each seed). Printed per dataset: P@1 / P@3 / P@5
+and training seconds of the defaults, of the engine's best learning rate and of PyTorch's best,
+the P@1 differences (per seed too) and the time ratio (PyTorch's best / the engine's defaults:
+above 1 means the engine is faster). Results (every run) in ``--out``. The committed runs::
 
     python bench/bench_torch_adam.py --out bench/results/torch_adam.json
+    python bench/bench_torch_adam.py --seeds 0 1 2 --datasets stackex_cooking stackex_cs \
+        rcv1sub1 imdb --out bench/results/torch_adam_seeds.json
 
 Needs ``pip install torch==2.13.0`` (the CPU build); without it the script says so and exits 0.
 """
@@ -47,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--datasets", nargs="+", default=list(DATASETS))
     p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--lrs", type=float, nargs="+", default=list(ADAM_LRS),
                    help="Adam learning rates of the PyTorch grid")
     p.add_argument("--engine-lrs", type=float, nargs="*", default=list(ENGINE_LRS),
@@ -75,15 +79,23 @@ def run_engine(data, epochs: int, seed: int, lr: float | None = None) -> dict:
             "resolved": r["resolved"]}
 
 
-def run_torch(data, args, optimizer: str, lr: float) -> dict:
+def run_torch(data, args, optimizer: str, lr: float, seed: int) -> dict:
     X, Y, Xt, Yt = data
     res = torch_baseline.train_torch(X, Y, Xt, Yt, lr=lr, epochs=args.epochs,
                                      batch_size=args.torch_batch, threads=args.torch_threads,
-                                     seed=args.seed, eval_every=float(args.epochs),
+                                     seed=seed, eval_every=float(args.epochs),
                                      optimizer=optimizer)
     last = res["curve"][-1]
     return {"optimizer": optimizer, "lr": lr, **{k: last[k] for k in METRICS},
             "train_time": res["train_time"]}
+
+
+def mean_over_seeds(runs: list[dict]) -> dict:
+    """One configuration's runs (one per seed) as one record: the mean of the metrics and of
+    the training time, the first run's other fields, the per-seed P@1 under ``per_seed``."""
+    return {**runs[0], **{k: sum(r[k] for r in runs) / len(runs) for k in (*METRICS,
+                                                                          "train_time")},
+            "per_seed": [r["P@1"] for r in runs]}
 
 
 def _fmt(r: dict) -> str:
@@ -96,7 +108,7 @@ def main(argv=None) -> int:
         print(f"SKIP: {torch_baseline.TORCH_HINT}")
         return 0
     payload = {**_common.result_metadata(), "benchmark": "torch_adam", "epochs": args.epochs,
-               "seed": args.seed, "torch_batch": args.torch_batch,
+               "seeds": args.seeds, "torch_batch": args.torch_batch,
                "torch_threads": args.torch_threads, "rows": []}
     for name in args.datasets:
         try:
@@ -105,29 +117,44 @@ def main(argv=None) -> int:
             print(f"SKIP {name}: {e}")
             continue
         data = (X, Y, Xt, Yt)
-        run_engine(data, 1, args.seed)  # compile (or load Numba's cache) before the timed run
-        engine = run_engine(data, args.epochs, args.seed)
-        print(f"{name}: engine defaults {_fmt(engine)} {engine['resolved']}", flush=True)
-        engine_grid = []
-        for lr in args.engine_lrs:  # the default lr's run is the defaults' run
-            same = lr == engine["resolved"]["lr"]
-            engine_grid.append(engine if same else run_engine(data, args.epochs, args.seed, lr))
-            print(f"{name}: engine lr={lr:g} {_fmt(engine_grid[-1])}", flush=True)
+        run_engine(data, 1, args.seeds[0])  # compile (or load Numba's cache) before timing
+        engines, engine_grids, grids = [], [], []
+        for seed in args.seeds:
+            engine = run_engine(data, args.epochs, seed)
+            print(f"{name} seed {seed}: engine defaults {_fmt(engine)} {engine['resolved']}",
+                  flush=True)
+            engine_grid = []
+            for lr in args.engine_lrs:  # the default lr's run is the defaults' run
+                same = lr == engine["resolved"]["lr"]
+                engine_grid.append(engine if same else run_engine(data, args.epochs, seed, lr))
+                print(f"{name} seed {seed}: engine lr={lr:g} {_fmt(engine_grid[-1])}",
+                      flush=True)
+            grid = []
+            for opt in args.optimizers:
+                for lr in args.lrs:
+                    grid.append(run_torch(data, args, opt, lr, seed))
+                    print(f"{name} seed {seed}: torch {opt} lr={lr:g} {_fmt(grid[-1])}",
+                          flush=True)
+            engines.append(engine)
+            engine_grids.append(engine_grid)
+            grids.append(grid)
+        engine = mean_over_seeds(engines)
+        engine_grid = [mean_over_seeds(list(runs)) for runs in zip(*engine_grids, strict=True)]
+        grid = [mean_over_seeds(list(runs)) for runs in zip(*grids, strict=True)]
         engine_best = max([engine, *engine_grid], key=lambda r: r["P@1"])
-        grid = []
-        for opt in args.optimizers:
-            for lr in args.lrs:
-                grid.append(run_torch(data, args, opt, lr))
-                print(f"{name}: torch {opt} lr={lr:g} {_fmt(grid[-1])}", flush=True)
         best = max(grid, key=lambda r: r["P@1"])
-        row = {"dataset": name, "note": note, "engine": engine, "engine_grid": engine_grid,
-               "engine_best": engine_best, "torch": grid, "torch_best": best,
-               "P@1_diff": engine["P@1"] - best["P@1"],
+        row = {"dataset": name, "note": note, "seeds": args.seeds, "engine": engine,
+               "engine_grid": engine_grid, "engine_best": engine_best, "torch": grid,
+               "torch_best": best, "P@1_diff": engine["P@1"] - best["P@1"],
                "best_P@1_diff": engine_best["P@1"] - best["P@1"],
+               "P@1_diff_per_seed": [e - t for e, t in zip(engine["per_seed"],
+                                                            best["per_seed"], strict=True)],
                "time_ratio": best["train_time"] / engine["train_time"]}
         payload["rows"].append(row)
         print(f"{name}: engine defaults - torch best ({best['optimizer']} lr={best['lr']:g}) "
-              f"P@1 {row['P@1_diff']:+.4f}, engine best lr ({engine_best['resolved']['lr']:g}) "
+              f"P@1 {row['P@1_diff']:+.4f} (per seed "
+              + ", ".join(f"{d:+.4f}" for d in row["P@1_diff_per_seed"])
+              + f"), engine best lr ({engine_best['resolved']['lr']:g}) "
               f"- torch best {row['best_P@1_diff']:+.4f}; torch / engine training time "
               f"{row['time_ratio']:.2f}x", flush=True)
         _common.write_result(args.out, payload)
