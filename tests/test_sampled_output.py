@@ -424,13 +424,66 @@ def test_memory_plan_knows_the_sampled_mode():
         == P
 
 
-def test_thread_calibration_of_a_sampled_replica_builds_no_full_logits():
-    _, rep = _replicas("sgd", L=200, negatives=3)
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_thread_calibration_leaves_the_replica_as_it_was(optimizer):
+    """Calibration times the replica's own step (sampled here: no full logits are built) at
+    lr 0, and restores what those steps touch: the optimizer state, the negatives' random
+    stream and the records of changed rows / columns / labels."""
+    _, rep = _replicas(optimizer, L=200, negatives=3)
+    rep.track_labels()
+    rep.train_batch(np.arange(5), 0.1)  # some state to keep: accumulators, marks
     before = [np.array(p) for p in rep.params()]
+    acc = [np.array(a) for a in rep.accumulators()]
+    marks = [np.array(m) for m in (rep.changed_rows(), rep.changed_columns(), rep.seen_labels())]
+    rng = dict(rep.rng_state())
     assert rep.calibrate_threads(32, 2) in (1, 2)
+    assert rep.backend.threads in (1, 2)
     assert "Z" not in rep.backend._ws and "Zs" in rep.backend._ws  # the sampled path only
     for a, b in zip(before, rep.params(), strict=True):
         np.testing.assert_array_equal(a, b)
+    for a, b in zip(acc, rep.accumulators(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(marks, (rep.changed_rows(), rep.changed_columns(), rep.seen_labels()),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert rep.rng_state() == rng
+    # a fresh replica's zero accumulators are zero again afterwards
+    _, fresh = _replicas(optimizer, L=200, negatives=3)
+    fresh.calibrate_threads(32, 2)
+    assert not any(a.any() for a in fresh.accumulators())
+    assert not fresh.changed_rows().any() and not fresh.changed_columns().any()
+
+
+def test_thread_calibration_times_steps_in_a_fresh_thread_and_needs_a_margin():
+    import threading
+    import time
+
+    import numba
+
+    from xmc_engine import model
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here: no budget to choose")
+    be = CPUBackend(threads=2)
+    seen = []
+
+    def step_taking(ms_one, ms_two):  # the step's time under each budget
+        def step():
+            seen.append(threading.current_thread())
+            time.sleep(1e-3 * (ms_one if numba.get_num_threads() == 1 else ms_two))
+        return step
+
+    assert model.calibrate_threads(be, step_taking(4, 2), 2) == 2
+    assert seen and all(t is not threading.main_thread() for t in seen)
+    assert model.calibrate_threads(be, step_taking(2, 4), 2) == 1
+    assert model.calibrate_threads(be, step_taking(4, 3.8), 2) == 1  # within the margin
+    assert model.calibrate_threads(be, step_taking(1, 1), 1) == 1  # nothing to choose
+
+    def fail():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        model.calibrate_threads(be, fail, 2)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
