@@ -32,6 +32,9 @@ runs (each then repeated with ``--resume`` once the defaults were fixed)::
     python bench/bench_defaults.py --datasets debian_builddeps synth10k \
         --out bench/results/defaults_heavy.json
     python bench/bench_defaults.py --warmup-study --out bench/results/defaults_warmup.json
+    python bench/bench_defaults.py --width-study --datasets bibtex delicious corel5k \
+        stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags synth1k \
+        --out bench/results/defaults_width.json
 
 The synthetic shapes come from :func:`xmc_engine.datasets.make_synthetic` (power-law label
 popularity, exponent 0.9): ``synth1k`` 10,000 train / 2,500 test rows, 5,000 features, 1,000
@@ -97,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "otherwise) on --datasets, evaluated at each --epochs")
     d.add_argument("--decay-lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
     d.add_argument("--decays", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    h = p.add_argument_group("width study (--width-study: instead of the grid)")
+    h.add_argument("--width-study", action="store_true",
+                   help="the defaults at each --widths hidden width on --datasets, evaluated "
+                   "at each --epochs")
+    h.add_argument("--widths", type=int, nargs="+", default=list(HIDDENS))
     w = p.add_argument_group("warm-up study (--warmup-study: instead of the grid)")
     w.add_argument("--warmup-study", action="store_true")
     w.add_argument("--warmups", type=float, nargs="+", default=[0.0, 0.05, 0.25, 1.0])
@@ -278,17 +286,33 @@ def print_table(summary: list[dict], napkin: dict) -> None:
 
 def decay_study(args, meta) -> int:
     """P@1 of the defaults' optimizer at each learning rate x learning-rate decay
-    (``lr / (1 + decay x epoch)``), everything else at the defaults, on every dataset at each
-    of ``--epochs`` (one run of ``max(--epochs)`` epochs per configuration and seed, evaluated
-    every ``min(--epochs)``: the decay depends on the epoch reached, not on the run's length).
-    Prints per dataset and epoch count the mean P@1 over seeds of every configuration, then
-    each configuration's mean over datasets and its largest shortfall against a dataset's best
-    configuration."""
+    (``lr / (1 + decay x epoch)``), everything else at the defaults (:func:`config_study`)."""
     from xmc_engine.config import TrainConfig
 
     d = TrainConfig()
     configs = [{"lr": lr, "lr_decay": dec} for lr in args.decay_lrs for dec in args.decays]
-    rows, table = [], {}
+    return config_study(args, meta, configs, _decay_label,
+                        _decay_label({"lr": d.learning_rate, "lr_decay": d.learning_rate_decay}),
+                        "defaults_decay")
+
+
+def width_study(args, meta) -> int:
+    """The defaults at each hidden width of ``--widths`` (:func:`config_study`)."""
+    from xmc_engine.config import TrainConfig
+
+    configs = [{"hidden": [h]} for h in args.widths]
+    return config_study(args, meta, configs, _width_label,
+                        _width_label({"hidden": TrainConfig().hidden}), "defaults_width")
+
+
+def config_study(args, meta, configs: list[dict], label, default: str, benchmark: str) -> int:
+    """Each of ``configs`` (``XMCClassifier`` keywords; the defaults otherwise) on every dataset
+    at each of ``--epochs`` (one run of ``max(--epochs)`` epochs per configuration and seed,
+    evaluated every ``min(--epochs)``: the schedule depends on the epoch reached, not on the
+    run's length). Prints per dataset and epoch count the mean P@1 over seeds of every
+    configuration, then each configuration's mean P@1 / P@5 / training time over datasets and
+    its largest P@1 shortfall against a dataset's best configuration."""
+    rows, table, extra = [], {}, {}
     for name in args.datasets:
         X, Y, Xt, Yt, note = load(name, args.max_train)
         heavy = name in args.heavy
@@ -301,28 +325,36 @@ def decay_study(args, meta) -> int:
                 r.update(dataset=name, epochs=epochs)
                 rows.append(r)
                 for e in epochs:
-                    table.setdefault((name, e), {}).setdefault(_decay_label(c), []).append(
-                        r["at"][str(e)]["P@1"])
-                print(f"  {_decay_label(c):22s} seed {seed}: " + ", ".join(
-                    f"P@1@{e} {r['at'][str(e)]['P@1']:.4f} ({r['at'][str(e)]['train_time']:.1f}"
-                    " s)" for e in epochs), flush=True)
-        summary = print_decay_table(table, [_decay_label(c) for c in configs],
-                                    _decay_label({"lr": d.learning_rate,
-                                                  "lr_decay": d.learning_rate_decay}))
-        _common.write_result(args.out, {**meta, "benchmark": "defaults_decay",
+                    at = r["at"][str(e)]
+                    table.setdefault((name, e), {}).setdefault(label(c), []).append(at["P@1"])
+                    extra.setdefault((name, e), {}).setdefault(label(c), []).append(
+                        (at["P@5"], at["train_time"]))
+                print(f"  {label(c):22s} seed {seed}: " + ", ".join(
+                    f"P@1/3/5@{e} {r['at'][str(e)]['P@1']:.4f} / {r['at'][str(e)]['P@3']:.4f} "
+                    f"/ {r['at'][str(e)]['P@5']:.4f} ({r['at'][str(e)]['train_time']:.1f} s)"
+                    for e in epochs), flush=True)
+        summary = print_decay_table(table, [label(c) for c in configs], default, extra)
+        _common.write_result(args.out, {**meta, "benchmark": benchmark,
                                         "configs": configs, "summary": summary, "rows": rows})
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _width_label(c: dict) -> str:
+    return "hidden=" + "x".join(str(h) for h in c["hidden"])
 
 
 def _decay_label(c: dict) -> str:
     return f"lr={c['lr']:g} decay={c['lr_decay']:g}"
 
 
-def print_decay_table(table: dict, labels: list[str], default: str) -> list[dict]:
+def print_decay_table(table: dict, labels: list[str], default: str,
+                      extra: dict | None = None) -> list[dict]:
     """Markdown: a row per (dataset, epochs), a column per configuration (mean P@1 over seeds,
     the row's best in bold); then per epoch count each configuration's mean over the datasets
-    and its worst shortfall against the row's best. Returns those per-configuration figures."""
+    and its worst shortfall against the row's best. With ``extra`` (the same keys, a list of
+    ``(P@5, train_time)`` per run) also the mean P@5 and the total training time. Returns
+    those per-configuration figures."""
     print("\n| data | epochs | " + " | ".join(labels) + " |")
     print("|---|---:|" + "---:|" * len(labels))
     means = {(k, lab): float(np.mean(v)) for k, runs in table.items() for lab, v in runs.items()}
@@ -340,10 +372,17 @@ def print_decay_table(table: dict, labels: list[str], default: str) -> list[dict
             summary.append({"epochs": e, "config": lab, "datasets": len(keys),
                             "mean_P@1": float(np.mean(vals)) if vals else None,
                             "worst_gap": float(max(gaps)) if gaps else None})
+            if extra is not None and keys:
+                summary[-1]["mean_P@5"] = float(np.mean(
+                    [np.mean([p5 for p5, _ in extra[k][lab]]) for k in keys]))
+                summary[-1]["train_s"] = float(np.sum(
+                    [np.mean([t for _, t in extra[k][lab]]) for k in keys]))
         print(f"\n{e} epochs, {len(keys)} datasets (default: {default}):")
         for s in (x for x in summary if x["epochs"] == e and x["mean_P@1"] is not None):
+            more = (f", mean P@5 {s['mean_P@5']:.4f}, training {s['train_s']:.1f} s in all"
+                    if "mean_P@5" in s else "")
             print(f"  {s['config']:22s} mean P@1 {s['mean_P@1']:.4f}, worst shortfall "
-                  f"{s['worst_gap']:.4f}")
+                  f"{s['worst_gap']:.4f}{more}")
     return summary
 
 
@@ -404,6 +443,8 @@ def main(argv=None) -> int:
         return warmup_study(args, meta)
     if args.decay_study:
         return decay_study(args, meta)
+    if args.width_study:
+        return width_study(args, meta)
     out = Path(args.out)
     previous, napkin = {}, {}
     for path in [out, *args.previous] if args.resume else []:

@@ -1,0 +1,73 @@
+"""Does the thread calibration pick the faster budget? One device, the defaults, trained with one
+thread, with every core, and with the budget left to the engine (``threads=None``: the replica
+times its own step under 1 and all threads, :func:`xmc_engine.model.calibrate_threads`), in one
+process, one run after the other, alternating over ``--repeats``.
+
+Printed per dataset: the training seconds of each (median over the repeats), the budget the
+calibration chose in each repeat, and the calibrated run's time over the faster fixed budget's
+(1.00: it found the faster one; above 1: it lost time). Results in ``--out``::
+
+    python bench/bench_threads.py --out bench/results/threads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+import bench_defaults  # noqa: E402
+
+DATASETS = ("bibtex", "delicious", "rcv1sub1", "imdb", "debian_debtags", "debian_builddeps",
+            "synth10k")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-train", type=int, default=30_000)
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / "threads.json"))
+    args = p.parse_args(argv)
+    cores = os.cpu_count() or 1
+    budgets = {"1 thread": 1, f"{cores} threads": cores, "calibrated": None}
+    payload = {**_common.result_metadata(), "benchmark": "threads", "epochs": args.epochs,
+               "cores": cores, "rows": []}
+    for name in args.datasets:
+        try:
+            X, Y, Xt, Yt, note = bench_defaults.load(name, args.max_train)
+        except _common.SkipBenchmark as e:
+            print(f"SKIP {name}: {e}")
+            continue
+        data = (X, Y, Xt, Yt)
+        bench_defaults.run_one(data, {}, 0, [1], 1)  # compile / load the cache first
+        runs = {k: [] for k in budgets}
+        for rep in range(args.repeats):
+            for label, threads in budgets.items():
+                r = bench_defaults.run_one(data, {}, rep, [args.epochs], threads)
+                runs[label].append({"train_time": r["at"][str(args.epochs)]["train_time"],
+                                    "threads": r["resolved"]["threads"],
+                                    "P@1": r["at"][str(args.epochs)]["P@1"]})
+        med = {k: float(np.median([r["train_time"] for r in v])) for k, v in runs.items()}
+        fixed = min(med[k] for k in budgets if budgets[k] is not None)
+        row = {"dataset": name, "note": note, "runs": runs, "median_train_s": med,
+               "chosen": [r["threads"] for r in runs["calibrated"]],
+               "calibrated_over_best": med["calibrated"] / fixed}
+        payload["rows"].append(row)
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items())
+              + f"; calibration chose {row['chosen']}; calibrated / faster fixed "
+              f"{row['calibrated_over_best']:.2f}", flush=True)
+        _common.write_result(args.out, payload)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
