@@ -526,17 +526,18 @@ THREADS_MARGIN = 0.9
 
 
 def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
-                      seconds: float = 0.01) -> int:
+                      seconds: float = 0.05) -> int:
     """The thread budget (1 or ``max_threads``) under which ``step()`` (a training step that
     leaves the model as it is) runs faster on backend ``be``.
 
-    Timed as training runs it: in a fresh thread, the caller's thread blocked meanwhile (the
-    scheduler's device workers are such threads; timed on the calling thread instead, the
-    imdb shape's 0.17 ms step took as long with two threads as with one, and in a worker
-    thread 0.63 ms with two). Each budget is timed in ``rounds`` alternating rounds of about
-    ``seconds`` of steps (one round where a step takes longer than 0.1 s) and scored by its
-    fastest round, so that one interruption cannot decide; ``max_threads`` wins only when it is
-    faster by :data:`THREADS_MARGIN`. On the 2-core machine this engine is developed on one
+    Timed as training runs it: each round of a budget in a fresh thread that enters the budget
+    once and runs the steps while the caller's thread waits (the scheduler's device workers are
+    such threads; timed on the calling thread, or switching budgets inside one thread, the
+    imdb shape's 0.17 ms step took as long with two threads as with one, while a worker thread
+    took 0.63 ms with two). The budgets alternate over ``rounds`` rounds of about ``seconds`` of
+    steps each (one round where a step takes longer than 0.1 s), each scored by its fastest
+    round, so that one interruption cannot decide; ``max_threads`` wins only when it is faster
+    by :data:`THREADS_MARGIN`. On the 2-core machine this engine is developed on one
     thread beat two on the small shared datasets (numba's OpenMP workers and OpenBLAS's both
     spin-wait, and fight over the cores) and two beat one on the large synthetic shapes; a
     many-core server gains more from threads: so it is measured, not assumed.
@@ -548,30 +549,38 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
         return max(1, int(max_threads))
     budgets = (1, int(max_threads))
     best = {n: float("inf") for n in budgets}
+    steps = {n: 1 for n in budgets}  # per round, set from the first round's warm-up
     failure: list[BaseException] = []
 
-    def timed(n: int, k: int) -> float:
-        with be.thread_budget(n):
-            t0 = time.perf_counter()
-            for _ in range(k):
-                step()
-            return (time.perf_counter() - t0) / k
-
-    def measure() -> None:
+    def run(n: int, warm: bool) -> None:
+        """One round of budget ``n`` in a fresh thread that enters the budget once, as a
+        device worker does: warm-up steps (workspaces, first touch, thread pools), then
+        ``steps[n]`` timed ones."""
         try:
-            first = max(timed(n, 1) for n in budgets)  # warm-up (workspaces, thread pools)
-            k = max(1, min(50, int(seconds / max(first, 1e-6))))
-            for _ in range(rounds if first < 0.1 else 1):
-                for n in budgets:
-                    best[n] = min(best[n], timed(n, k))
+            with be.thread_budget(n):
+                for _ in range(2 if warm else 1):
+                    t0 = time.perf_counter()
+                    step()
+                    first = time.perf_counter() - t0
+                if warm:
+                    steps[n] = max(1, min(200, int(seconds / max(first, 1e-6))))
+                t0 = time.perf_counter()
+                for _ in range(steps[n]):
+                    step()
+                best[n] = min(best[n], (time.perf_counter() - t0) / steps[n])
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(e)
 
-    worker = threading.Thread(target=measure, name="xmc-calibrate-threads")
-    worker.start()
-    worker.join()
-    if failure:
-        raise failure[0]
+    for r in range(rounds):
+        for n in budgets:
+            worker = threading.Thread(target=run, args=(n, r == 0),
+                                      name=f"xmc-calibrate-threads-{n}")
+            worker.start()
+            worker.join()
+            if failure:
+                raise failure[0]
+        if max(best.values()) > 0.1:  # slow steps: one round is enough (and all we can afford)
+            break
     logger.debug("thread calibration: %s ms/step", {n: round(1e3 * t, 3) for n, t in best.items()})
     return budgets[1] if best[budgets[1]] < THREADS_MARGIN * best[1] else 1
 
