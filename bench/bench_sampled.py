@@ -182,7 +182,7 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0],
                    help="seeds; every configuration runs with each")
     p.add_argument("--negative-sampling", nargs="+", default=["uniform"],
-                   choices=["uniform", "frequency"],
+                   choices=["uniform", "frequency", "lsh"],
                    help="rules that draw the negatives; each K runs with each")
     p.add_argument("--frequency-powers", type=float, nargs="+", default=[None],
                    help="study: exponents of the frequency rule's (count + 1) ** power, each "

@@ -15,7 +15,7 @@ from xmc_engine.backends.cpu import CPUBackend
 from xmc_engine.config import ALGORITHMS, TrainConfig
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import MLPReplica, ModelShape, init_params
-from xmc_engine.output_layer import FrequencyProposal, sample_candidates
+from xmc_engine.output_layer import FrequencyProposal, LSHProposal, sample_candidates
 
 F32 = np.float32
 # (n_hidden, n_labels, m): m = 0, one column, and sizes that are not multiples of a block
@@ -138,6 +138,50 @@ def test_sample_candidates_with_a_frequency_proposal(rng, negatives):
         sample_candidates(y, 61, negatives, rng, p)
 
 
+def _lsh(rng, L=300, h=8, **kw):
+    W2 = rng.standard_normal((h, L)).astype(F32)
+    p = LSHProposal(L, h, **kw)
+    p.before_step(CPUBackend(threads=1), W2)
+    return p, W2
+
+
+def test_lsh_proposal_buckets_labels_by_the_signs_of_their_projected_columns(rng):
+    p, W2 = _lsh(rng, bits=5)
+    codes = ((W2.T @ p.planes) > 0) @ (1 << np.arange(5))
+    pos = np.array([3, 17, 200])
+    want = np.flatnonzero(np.isin(codes, codes[pos]))
+    np.testing.assert_array_equal(p.bucket_mates(pos), want)
+    assert np.isin(pos, want).all()
+    assert len(p.bucket_mates(np.empty(0, np.int64))) == 0
+    # W2 is hashed again every refresh_steps steps, and only then
+    q = LSHProposal(300, 8, refresh_steps=3)
+    with pytest.raises(RuntimeError, match="refresh"):
+        q.bucket_mates(pos)
+    seen, refresh = [], q.refresh
+    q.refresh = lambda W: (seen.append(1), refresh(W))
+    for _ in range(7):
+        q.before_step(CPUBackend(threads=1), W2)
+    assert len(seen) == 3  # steps 0, 3 and 6
+    with pytest.raises(ValueError, match="0 <= mix <= 1"):
+        LSHProposal(300, 8, mix=1.5)
+
+
+@pytest.mark.parametrize("negatives", [1, 40, 3000])
+def test_sample_candidates_with_an_lsh_proposal(rng, negatives):
+    p, _ = _lsh(rng)
+    _, y = _labels(rng, 9, 300)
+    cols, local_y, n_pos, log_weight = sample_candidates(y, 300, negatives, rng, p)
+    pos = np.unique(y)
+    assert np.array_equal(cols[:n_pos], pos) and np.array_equal(cols[local_y], y)
+    neg = cols[n_pos:]
+    assert len(np.unique(cols)) == len(cols) and not np.isin(neg, pos).any()
+    U = p.bucket_mates(pos)
+    q = 0.5 / 300 + np.where(np.isin(neg, U), 0.5 / len(U), 0.0)
+    np.testing.assert_allclose(log_weight, -np.log(1 - (1 - q) ** negatives), rtol=1e-5)
+    if negatives == 3000:  # the hard half covers the positives' buckets
+        assert np.isin(np.setdiff1d(U, pos), neg).all()
+
+
 def test_frequency_weights_estimate_the_partition_sum_without_bias():
     """The weighted negatives' ``sum exp(z + log_weight)`` averages to the sum of ``exp(z)``
     over every label that is not a positive (what the exact softmax's denominator holds)."""
@@ -157,6 +201,14 @@ def test_frequency_weights_estimate_the_partition_sum_without_bias():
     se = np.std(est) / np.sqrt(len(est))
     assert abs(np.mean(est) - want) < 4 * se, (np.mean(est), want, se)
     assert abs(np.mean(flat) - want) > 10 * np.std(flat) / np.sqrt(len(flat)), np.mean(flat)
+    # the LSH rule's weights too (a batch-dependent proposal)
+    lsh, _ = _lsh(rng, L=L, h=4, bits=3)
+    est = []
+    for _ in range(4000):
+        cols, _, n_pos, log_weight = sample_candidates(y, L, 6, rng, lsh)
+        est.append(np.exp(z[cols[n_pos:]] + log_weight).sum())
+    se = np.std(est) / np.sqrt(len(est))
+    assert abs(np.mean(est) - want) < 4 * se, (np.mean(est), want, se)
 
 
 @pytest.mark.parametrize("B", [0, 1, 7])
@@ -276,7 +328,7 @@ def test_config_output_and_negatives():
     with pytest.raises(ValueError, match="negatives=-2"):
         MLPReplica(CPUBackend(threads=1), X, Y, params, output="sampled", negatives=-2)
     assert TrainConfig().negative_sampling == "uniform"
-    with pytest.raises(ConfigError, match="negative_sampling='popular'.*uniform, frequency"):
+    with pytest.raises(ConfigError, match="negative_sampling='popular'.*uniform, frequency, lsh"):
         TrainConfig(negative_sampling="popular")
     with pytest.raises(ValueError, match="negative_sampling='hard'"):
         MLPReplica(CPUBackend(threads=1), X, Y, params, output="sampled",
@@ -305,10 +357,11 @@ def test_frequency_sampled_training_learns_and_draws_frequent_labels_more(toy):
     Xtr, Ytr, Xte, Yte = toy
     kw = dict(hidden=32, epochs=6, batch_size=32, output="sampled", negatives=8, threads=1,
               eval_every=0, seed=0)
-    m = XMCClassifier(**kw, negative_sampling="frequency").fit(Xtr, Ytr, eval_set=(Xte, Yte))
     popular = int(np.asarray(Ytr.sum(0)).argmax())
-    assert m.metrics_["P@1"] > float(Yte[:, popular].mean()) + 0.1, m.metrics_
-    assert m.get_config().negative_sampling == "frequency"
+    for rule in ("frequency", "lsh"):
+        m = XMCClassifier(**kw, negative_sampling=rule).fit(Xtr, Ytr, eval_set=(Xte, Yte))
+        assert m.metrics_["P@1"] > float(Yte[:, popular].mean()) + 0.1, (rule, m.metrics_)
+        assert m.get_config().negative_sampling == rule
     params = init_params(ModelShape(Xtr.shape[1], Ytr.shape[1], (4,)))
     rep = MLPReplica(CPUBackend(threads=1), Xtr, Ytr, params, output="sampled", negatives=4,
                      negative_sampling="frequency")

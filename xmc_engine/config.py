@@ -53,7 +53,7 @@ OPTIMIZERS = ("sgd", "adagrad")
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
 OUTPUTS = ("exact", "sampled", "auto")
 #: How a sampled step draws its negatives (:class:`TrainConfig` ``negative_sampling``).
-NEGATIVE_SAMPLING = ("uniform", "frequency")
+NEGATIVE_SAMPLING = ("uniform", "frequency", "lsh")
 #: ``output="auto"`` (the default) trains the sampled output layer when the label space is at
 #: least this many times a sampled step's output width (the base batch's expected positive labels
 #: plus ``negatives``), the exact softmax otherwise (:meth:`TrainConfig.output_for`). Chosen by
@@ -518,11 +518,13 @@ class TrainConfig(ConfigMixin):
     negatives : int
         ``K``, the negatives drawn per batch when ``output="sampled"`` (0: the other rows'
         positives only). Measured: ``bench/RESULTS.md``, "Sampled output layer".
-    negative_sampling : {'uniform', 'frequency'}
+    negative_sampling : {'uniform', 'frequency', 'lsh'}
         How ``output="sampled"`` draws its negatives: ``K`` distinct labels uniformly
-        (the default), or ``K`` draws in proportion to the training frequency of each label to
-        the power 0.75 (:class:`xmc_engine.output_layer.FrequencyProposal`), each weighted by
-        the inverse of its probability of being drawn. Measured: ``bench/RESULTS.md``,
+        (the default); ``K`` draws in proportion to the training frequency of each label to
+        the power 0.75 (:class:`xmc_engine.output_layer.FrequencyProposal`); or ``K`` draws
+        half uniform, half from the labels whose ``W2`` column shares a SimHash bucket with a
+        positive's (:class:`xmc_engine.output_layer.LSHProposal`). Each non-uniform draw is
+        weighted by the inverse of its probability of being drawn. Measured: ``bench/RESULTS.md``,
         "Sampled output layer".
     devices : str
         Device spec (:func:`~xmc_engine.devices.parse_devices`).

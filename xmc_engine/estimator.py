@@ -118,8 +118,9 @@ class XMCClassifier:
         from the data's shape (:meth:`xmc_engine.config.TrainConfig.output_for`).
     negatives : int
         Negatives per batch of ``output="sampled"``.
-    negative_sampling : {"uniform", "frequency"}
-        How ``output="sampled"`` draws them: uniformly (the default) or by label frequency.
+    negative_sampling : {"uniform", "frequency", "lsh"}
+        How ``output="sampled"`` draws them: uniformly (the default), by label frequency, or
+        half from the labels whose ``W2`` column hashes near a positive's.
     devices : str
         Device spec, e.g. ``"cpu"``, ``"cpu,cpu@0.5"``, ``"cuda:0,cuda:0"``, ``"auto"``.
     algorithm : str

@@ -28,7 +28,7 @@ import scipy.sparse as sp
 
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
 from xmc_engine.config import EVAL_ROWS, NEGATIVE_SAMPLING, OPTIMIZERS, TrainConfig
-from xmc_engine.output_layer import FrequencyProposal, sample_candidates
+from xmc_engine.output_layer import FrequencyProposal, LSHProposal, sample_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +121,9 @@ class MLPReplica:
         the backend tracks rows the replica also records the columns its steps changed
         (:meth:`changed_columns`), and a merge reads and writes only those.
     negatives : int; ``K`` of the sampled mode
-    negative_sampling : ``"uniform"`` (default) or ``"frequency"``: the rule that draws the
-        negatives (:class:`~xmc_engine.output_layer.FrequencyProposal` from ``Y``'s label counts)
+    negative_sampling : ``"uniform"`` (default), ``"frequency"`` or ``"lsh"``: the rule that
+        draws the negatives (:class:`~xmc_engine.output_layer.FrequencyProposal` from ``Y``'s
+        label counts, :class:`~xmc_engine.output_layer.LSHProposal` from this replica's ``W2``)
     seed : int; seed of the negatives' random stream (give replicas different seeds). The
         stream is not part of checkpoints: a resumed sampled run draws other negatives than an
         uninterrupted one would (the same distribution).
@@ -151,8 +152,11 @@ class MLPReplica:
         self.optimizer = optimizer
         self.output = output
         self.negatives = int(negatives)
-        self._proposal = (FrequencyProposal(np.bincount(Y.indices, minlength=Y.shape[1]))
-                          if output == "sampled" and negative_sampling == "frequency" else None)
+        self._proposal = None  # the negatives' rule when not uniform (output_layer)
+        if output == "sampled" and negative_sampling == "frequency":
+            self._proposal = FrequencyProposal(np.bincount(Y.indices, minlength=Y.shape[1]))
+        elif output == "sampled" and negative_sampling == "lsh":
+            self._proposal = LSHProposal(Y.shape[1], int(np.shape(params[-2])[0]), seed=seed)
         self._rng = np.random.default_rng(seed)
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         self.n_dense = (len(self._params) - 4) // 2
@@ -431,17 +435,20 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
 
 
 def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng,
-                      proposal: FrequencyProposal | None = None) -> tuple[float, list]:
+                      proposal=None) -> tuple[float, list]:
     """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads)``.
 
     The candidate labels ``cols`` (int64, on the backend) are the batch's positives plus
-    ``negatives`` draws from ``rng`` (uniform, or from ``proposal``)
+    ``negatives`` draws from ``rng`` (uniform, or from ``proposal``, whose
+    ``before_step`` sees the current ``W2`` first)
     (:func:`xmc_engine.output_layer.sample_candidates`); ``grads`` is in the
     :meth:`MLPReplica.grad_batch` layout, its last two entries column-sparse:
     ``(cols, dW2[:, cols])`` (n_hidden, m) and ``(cols, db2[cols])`` (m,) (backend workspaces,
     valid until the next sampled step).
     """
     W2, b2 = params[-2], params[-1]
+    if proposal is not None:
+        proposal.before_step(be, W2)
     cols, local_y, n_pos, log_weight = sample_candidates(Yb.indices, W2.shape[1], negatives, rng,
                                                          proposal)
     Yl = CSRBatch(Yb.indptr, local_y, local_y, (Yb.shape[0], len(cols)))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FrequencyProposal", "output_layer_grad", "output_layer_step",
+__all__ = ["FrequencyProposal", "LSHProposal", "output_layer_grad", "output_layer_step",
            "predict_scores_topk", "sample_candidates", "sampled_output_grad"]
 
 _F32 = np.float32
@@ -204,9 +204,100 @@ class FrequencyProposal:
         """``P(label in k draws) = 1 - (1 - q) ** k`` for each of ``labels``."""
         return -np.expm1(int(k) * np.log1p(-self.q[labels]))
 
+    def before_step(self, backend, W2) -> None:
+        """Nothing to refresh: the counts do not change."""
+
+    def negatives(self, pos, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct labels of ``k`` draws that are not in ``pos`` (sorted int64, distinct),
+        and ``-log P(drawn)`` of each (float32): :func:`sample_candidates`' proposal protocol."""
+        neg = np.unique(self.draw(rng, k))
+        neg = neg[~np.isin(neg, pos, assume_unique=True)]
+        return neg, _inverse_log(-np.expm1(int(k) * np.log1p(-self.q[neg])))
+
+
+def _inverse_log(p) -> np.ndarray:
+    """``-log p`` as float32 (the log-weight of a negative drawn with probability ``p``)."""
+    return (-np.log(p)).astype(_F32)
+
+
+class LSHProposal:
+    """Negatives half uniform, half "hard": labels whose ``W2`` column hashes to the bucket of
+    one of the batch's positives (SimHash, Charikar 2002: the signs of ``bits`` random
+    projections of a column; SLIDE, Chen et al. 2020, samples output neurons the same way).
+    Labels whose columns point the same way as a positive's score high where the positive
+    does, so they are the negatives that cost the most probability mass.
+
+    Each of the ``k`` draws (with replacement) comes from the union ``U`` of the positives'
+    buckets with probability ``mix``, else uniformly from all labels, so a label's chance per
+    draw is ``q = (1 - mix) / L + mix [j in U] / |U|``; each distinct drawn negative gets the
+    weight ``1 / (1 - (1 - q) ** k)`` (unbiased, as :class:`FrequencyProposal`'s). The hash
+    table is rebuilt from the current ``W2`` every ``refresh_steps`` steps
+    (:meth:`before_step`), and on the first.
+
+    Parameters
+    ----------
+    n_labels, n_hidden : int, the shape of ``W2`` is (n_hidden, n_labels)
+    bits : int or None; SimHash bits (None: about 8 labels per bucket, ``log2(L / 8)``, 4-20)
+    mix, refresh_steps, seed : float in [0, 1], int >= 1, int (the random projections)
+    """
+
+    def __init__(self, n_labels: int, n_hidden: int, *, bits: int | None = None,
+                 mix: float = 0.5, refresh_steps: int = 100, seed: int = 0):
+        if n_labels < 2 or n_hidden < 1 or not 0.0 <= mix <= 1.0 or refresh_steps < 1:
+            raise ValueError("LSHProposal: need n_labels >= 2, n_hidden >= 1, 0 <= mix <= 1, "
+                             "refresh_steps >= 1")
+        self.n_labels = int(n_labels)
+        bits = bits or int(np.clip(round(np.log2(n_labels / 8)), 4, 20))
+        self.planes = np.random.default_rng(seed).standard_normal((n_hidden, int(bits)))
+        self.planes = self.planes.astype(_F32)
+        self.mix = float(mix)
+        self.refresh_steps = int(refresh_steps)
+        self._steps = 0
+        self._codes = None      # (L,) int64 bucket of each label
+        self._order = None      # labels sorted by bucket
+        self._sorted = None     # their buckets
+
+    def refresh(self, W2_host) -> None:
+        """Rebuild the buckets from ``W2`` (host array, (n_hidden, n_labels))."""
+        signs = (np.asarray(W2_host, dtype=_F32).T @ self.planes) > 0
+        self._codes = signs @ (1 << np.arange(signs.shape[1], dtype=np.int64))
+        self._order = np.argsort(self._codes, kind="stable")
+        self._sorted = self._codes[self._order]
+
+    def before_step(self, backend, W2) -> None:
+        """Rebuild the buckets every ``refresh_steps`` steps (and before the first)."""
+        if self._codes is None or self._steps % self.refresh_steps == 0:
+            self.refresh(backend.to_host(W2))
+        self._steps += 1
+
+    def bucket_mates(self, pos) -> np.ndarray:
+        """``U``: every label in the bucket of one of ``pos`` (sorted, distinct, int64)."""
+        if self._codes is None:
+            raise RuntimeError("LSHProposal: refresh(W2) before drawing")
+        codes = np.unique(self._codes[pos])
+        lo = np.searchsorted(self._sorted, codes, side="left")
+        hi = np.searchsorted(self._sorted, codes, side="right")
+        if not len(codes):
+            return np.empty(0, np.int64)
+        return np.sort(np.concatenate([self._order[a:b] for a, b in zip(lo, hi, strict=True)]))
+
+    def negatives(self, pos, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`sample_candidates`' proposal protocol (:meth:`FrequencyProposal.negatives`)."""
+        U = self.bucket_mates(pos)
+        mix = self.mix if len(U) else 0.0
+        n_hard = int(rng.binomial(int(k), mix))
+        draws = np.concatenate([U[rng.integers(0, len(U), n_hard)] if n_hard else
+                                np.empty(0, np.int64),
+                                rng.integers(0, self.n_labels, int(k) - n_hard)])
+        neg = np.unique(draws)
+        neg = neg[~np.isin(neg, pos, assume_unique=True)]
+        q = (1.0 - mix) / self.n_labels + np.where(np.isin(neg, U, assume_unique=True),
+                                                   mix / max(len(U), 1), 0.0)
+        return neg, _inverse_log(-np.expm1(int(k) * np.log1p(-q)))
+
 
 def sample_candidates(y_indices, n_labels: int, negatives: int, rng,
-                      proposal: FrequencyProposal | None = None) -> tuple:
+                      proposal=None) -> tuple:
     """The candidate labels of a sampled step: the batch's positives plus ``negatives`` others.
 
     The negatives are a uniform random subset of the labels that no row of the batch has (the
@@ -223,11 +314,11 @@ def sample_candidates(y_indices, n_labels: int, negatives: int, rng,
     positives do not get it). When ``negatives`` covers every other label, ``log_weight`` is 0
     and the step is the exact softmax.
 
-    With a ``proposal`` (:class:`FrequencyProposal`) the negatives are the distinct labels
-    of ``negatives`` draws from it, less the batch's positives, and each negative ``j`` gets
-    its own weight ``1 / P(j drawn)`` (the Horvitz-Thompson estimate of the partition sum over
-    the labels that are not positives, unbiased like the uniform rule's): ``log_weight`` is
-    then an array, one entry per negative.
+    With a ``proposal`` (:class:`FrequencyProposal`, :class:`LSHProposal`) the negatives are
+    the distinct labels of ``negatives`` draws from it, less the batch's positives, and each
+    negative ``j`` gets its own weight ``1 / P(j drawn)`` (the Horvitz-Thompson estimate of the
+    partition sum over the labels that are not positives, unbiased like the uniform rule's):
+    ``log_weight`` is then an array, one entry per negative.
 
     Parameters
     ----------
@@ -235,7 +326,7 @@ def sample_candidates(y_indices, n_labels: int, negatives: int, rng,
         Label ids of the batch rows (CSR ``indices``; unique within a row).
     n_labels, negatives : int
     rng : numpy.random.Generator
-    proposal : FrequencyProposal or None (uniform)
+    proposal : FrequencyProposal, LSHProposal or None (uniform)
 
     Returns
     -------
@@ -256,9 +347,7 @@ def sample_candidates(y_indices, n_labels: int, negatives: int, rng,
             raise ValueError(f"proposal over {proposal.n_labels} labels for {n_labels} labels")
         if negatives <= 0:
             return pos, local_y, len(pos), 0.0
-        neg = np.unique(proposal.draw(rng, negatives))
-        neg = neg[~np.isin(neg, pos, assume_unique=True)]
-        log_weight = (-np.log(proposal.inclusion(neg, negatives))).astype(_F32)
+        neg, log_weight = proposal.negatives(pos, negatives, rng)
         return np.concatenate([pos, neg]), local_y, len(pos), log_weight
     free = n_labels - len(pos)
     k = min(int(negatives), free)
