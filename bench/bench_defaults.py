@@ -32,6 +32,9 @@ runs (each then repeated with ``--resume`` once the defaults were fixed)::
     python bench/bench_defaults.py --datasets debian_builddeps synth10k \
         --out bench/results/defaults_heavy.json
     python bench/bench_defaults.py --warmup-study --out bench/results/defaults_warmup.json
+    python bench/bench_defaults.py --normalize-study --datasets bibtex delicious corel5k \
+        stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags debian_builddeps synth1k \
+        --out bench/results/defaults_normalize.json
     python bench/bench_defaults.py --width-study --datasets bibtex delicious corel5k \
         stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags synth1k \
         --out bench/results/defaults_width.json
@@ -100,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "otherwise) on --datasets, evaluated at each --epochs")
     d.add_argument("--decay-lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
     d.add_argument("--decays", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    p.add_argument("--normalize-study", action="store_true",
+                   help="instead of the grid: the defaults with each feature-row normalisation "
+                   "on --datasets, evaluated at each --epochs")
     h = p.add_argument_group("width study (--width-study: instead of the grid)")
     h.add_argument("--width-study", action="store_true",
                    help="the defaults at each --widths hidden width on --datasets, evaluated "
@@ -296,6 +302,20 @@ def decay_study(args, meta) -> int:
                         "defaults_decay")
 
 
+def normalize_study(args, meta) -> int:
+    """The defaults with each feature-row normalisation (:func:`config_study`)."""
+    from xmc_engine.config import NORMALIZE, TrainConfig
+
+    configs = [{"normalize": how} for how in NORMALIZE]
+    return config_study(args, meta, configs, _normalize_label,
+                        _normalize_label({"normalize": TrainConfig().normalize}),
+                        "defaults_normalize")
+
+
+def _normalize_label(c: dict) -> str:
+    return f"normalize={c['normalize']}"
+
+
 def width_study(args, meta) -> int:
     """The defaults at each hidden width of ``--widths`` (:func:`config_study`)."""
     from xmc_engine.config import TrainConfig
@@ -445,6 +465,8 @@ def main(argv=None) -> int:
         return decay_study(args, meta)
     if args.width_study:
         return width_study(args, meta)
+    if args.normalize_study:
+        return normalize_study(args, meta)
     out = Path(args.out)
     previous, napkin = {}, {}
     for path in [out, *args.previous] if args.resume else []:

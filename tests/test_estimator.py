@@ -71,7 +71,7 @@ def test_seed_repeats_exactly(toy):
 def test_two_hidden_layers_and_label_chunk(toy):
     Xtr, Ytr, Xte, Yte = toy
     m = XMCClassifier(hidden=[32, 16], epochs=6, batch_size=32, lr=0.5, optimizer="sgd",
-                      label_chunk=7)
+                      label_chunk=7, normalize="none")  # the rate suits the raw toy rows
     m.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     assert [p.shape for p in m.params_] == [(60, 32), (32,), (32, 16), (16,), (16, 25), (25,)]
     assert m.metrics_["P@1"] > 0.4
@@ -271,3 +271,56 @@ def test_tiny_training_sets(toy):
         assert "P@1" in metrics and "PSP@1" not in metrics
     m = XMCClassifier(hidden=4, epochs=1, threads=1).fit(Xtr[:3], Ytr[:3])
     assert "PSP@1" in m.evaluate(Xte, Yte)
+
+
+# -- feature rows normalised (TrainConfig.normalize) -------------------------------------------
+def test_normalize_rows_scales_each_row_to_unit_norm_and_leaves_the_input_alone():
+    from xmc_engine.validation import normalize_rows
+
+    X = sp.csr_matrix(np.array([[3, 4, 0], [0, 0, 0], [0, 2, 0], [1, 1, 1]], np.float32))
+    before = X.copy()
+    N = normalize_rows(X, "l2")
+    np.testing.assert_allclose(np.sqrt(np.asarray(N.multiply(N).sum(1)).ravel()), [1, 0, 1, 1],
+                               rtol=1e-6)
+    np.testing.assert_allclose(N.toarray()[0], [0.6, 0.8, 0], rtol=1e-6)
+    assert N.dtype == np.float32 and N.nnz == X.nnz
+    assert (X != before).nnz == 0  # the caller's matrix is not modified
+    assert normalize_rows(X, "none") is X
+    assert normalize_rows(N, "l2") is N  # already unit rows (tf-idf data): nothing to do
+    empty = sp.csr_matrix((5, 3), dtype=np.float32)
+    assert normalize_rows(empty, "l2") is empty
+    trailing_empty = sp.csr_matrix(np.array([[2, 0], [0, 0], [0, 0]], np.float32))
+    np.testing.assert_allclose(normalize_rows(trailing_empty, "l2").toarray(),
+                               [[1, 0], [0, 0], [0, 0]])
+    with pytest.raises(ValueError, match="normalize='max'"):
+        normalize_rows(X, "max")
+    with pytest.raises(ConfigError, match="normalize='max'.*l2, none"):
+        XMCClassifier(normalize="max").get_config()
+
+
+def test_l2_normalised_model_ignores_the_scale_of_a_row(toy):
+    Xtr, Ytr, Xte, Yte = toy
+    m = XMCClassifier(hidden=16, epochs=2, threads=1, seed=0).fit(Xtr, Ytr)
+    assert m.get_config().normalize == "l2"
+    scaled = sp.diags(np.linspace(0.5, 7.0, Xte.shape[0]).astype(np.float32)) @ Xte
+    np.testing.assert_array_equal(m.predict_topk(scaled, 3)[0], m.predict_topk(Xte, 3)[0])
+    assert m.evaluate(scaled, Yte) == m.evaluate(Xte, Yte)
+    # trained on rows scaled 3x: the same model as on the rows themselves
+    m3 = XMCClassifier(hidden=16, epochs=2, threads=1, seed=0).fit(3 * Xtr, Ytr)
+    for a, b in zip(m.params_, m3.params_, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    raw = XMCClassifier(hidden=16, epochs=2, threads=1, seed=0, normalize="none").fit(Xtr, Ytr)
+    assert not np.allclose(raw.params_[0], m.params_[0])
+
+
+def test_a_model_saved_before_normalize_existed_loads_as_unnormalised(toy, tmp_path):
+    Xtr, Ytr, Xte, _ = toy
+    m = XMCClassifier(hidden=8, epochs=1, threads=1, normalize="none").fit(Xtr, Ytr)
+    m.save(tmp_path / "m")
+    cfg_path = tmp_path / "m" / "config.json"
+    config = json.loads(cfg_path.read_text())
+    del config["train_config"]["normalize"]
+    cfg_path.write_text(json.dumps(config))
+    back = XMCClassifier.load(tmp_path / "m")
+    assert back.get_config().normalize == "none"
+    np.testing.assert_array_equal(back.predict_topk(Xte, 3)[0], m.predict_topk(Xte, 3)[0])

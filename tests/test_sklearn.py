@@ -118,8 +118,8 @@ def test_clone_round_trips_every_parameter():
     assert copy.get_params(deep=True) == est.get_params(deep=True)
     assert copy.algorithm_params is not est.algorithm_params  # a deep copy
     # every parameter set to a non-default value survives
-    custom = {"hidden": [32, 16], "epochs": 3, "max_train_seconds": 60.0, "batch_size": 64,
-              "lr": 0.5,
+    custom = {"normalize": "none", "hidden": [32, 16], "epochs": 3, "max_train_seconds": 60.0,
+              "batch_size": 64, "lr": 0.5,
               "lr_warmup_epochs": 0.5, "lr_decay": 0.1, "label_chunk": 7,
               "optimizer": "adagrad", "output": "sampled", "negatives": 64,
               "negative_sampling": "frequency",

@@ -28,7 +28,7 @@ import scipy.sparse as sp
 from xmc_engine.config import ALGORITHMS, EVAL_ROWS, TrainConfig
 from xmc_engine.errors import CheckpointError, ConfigError
 from xmc_engine.model import ModelShape, predict_topk
-from xmc_engine.validation import check_k, check_X, check_Y, parse_every
+from xmc_engine.validation import check_k, check_X, check_Y, normalize_rows, parse_every
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class XMCClassifier:
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks
         from the data's shape (:meth:`xmc_engine.config.TrainConfig.output_for`).
+    normalize : {"l2", "none"}
+        Feature rows scaled to unit Euclidean norm before training and prediction (the
+        default), or taken as given.
     negatives : int
         Negatives per batch of ``output="sampled"``.
     negative_sampling : {"uniform", "frequency", "lsh"}
@@ -337,6 +340,11 @@ class XMCClassifier:
         params = [be.asarray(p) for p in self.params_]
         return predict_topk(be, params, X, k, row_chunk=row_chunk, label_chunk=self.label_chunk)
 
+    def _features(self, X) -> sp.csr_matrix:
+        """``X`` validated against the fitted model and normalised as in training
+        (``normalize``): the rows the model computes on."""
+        return normalize_rows(check_X(X, self.n_features_), self.normalize)
+
     def predict_topk(self, X, k: int = 5, *, row_chunk: int = EVAL_ROWS):
         """Top-``k`` labels and scores per row.
 
@@ -356,7 +364,7 @@ class XMCClassifier:
         self._check_fitted()
         k = check_k(k)
         row_chunk = check_k(row_chunk, "row_chunk")
-        return self._topk(check_X(X, self.n_features_), k, row_chunk)
+        return self._topk(self._features(X), k, row_chunk)
 
     def _log_normaliser(self, X: sp.csr_matrix) -> np.ndarray:
         """``log sum_l exp(z_l)`` per row of validated ``X`` (float64, host).
@@ -416,7 +424,7 @@ class XMCClassifier:
         """
         self._check_fitted()
         k = self._k_or_eval_k(k)
-        X = check_X(X, self.n_features_)
+        X = self._features(X)
         labels, scores = self._topk(X, k)
         probs = np.exp(scores - self._log_normaliser(X)[:, None]).astype(np.float32)
         return _rows_matrix(labels, probs, self.n_labels_)
@@ -498,7 +506,7 @@ class XMCClassifier:
         ks = tuple(check_k(k, "ks") for k in ks)
         if not ks:
             raise ValueError("ks must hold at least one cut-off")
-        X = check_X(X, self.n_features_)
+        X = self._features(X)
         Y = check_Y(Y, X.shape[0], self.n_labels_)
         prop = None
         if self.n_train_ >= 3:
@@ -557,7 +565,10 @@ class XMCClassifier:
             raise CheckpointError(f"{path}/config.json: format {config.get('format')!r} is not "
                                   f"{MODEL_FORMAT!r}")
         try:
-            cfg = TrainConfig.from_dict(config["train_config"], source=f"{path}/config.json")
+            saved = dict(config["train_config"])
+            # a model saved before `normalize` existed was trained on the rows as given
+            saved.setdefault("normalize", "none")
+            cfg = TrainConfig.from_dict(saved, source=f"{path}/config.json")
             shape = ModelShape(int(config["n_features"]), int(config["n_labels"]),
                                tuple(cfg.hidden))
             params = [np.asarray(arrays[n], dtype=np.float32) for n in shape.param_names]

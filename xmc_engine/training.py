@@ -28,6 +28,7 @@ from xmc_engine.model import (
     init_params_for_data,
     predict_topk,
 )
+from xmc_engine.validation import normalize_rows
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ def _short(metrics: dict) -> str:
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
               resume: bool = False, simulate=None) -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
-    (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation).
+    (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation). The
+    feature rows of ``X`` and of ``eval_set`` are normalised first (``cfg.normalize``).
 
     ``simulate``, a function ``(device index, rows) -> seconds``, runs the devices one after
     another on a virtual clock instead of in threads (the trainer's ``"simulated"`` mode): device
@@ -81,6 +83,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     from xmc_engine.memory import check_memory
 
     check_memory(cfg, X, Y, eval_set)  # MemoryPlanError now rather than out of memory later
+    X = normalize_rows(X, cfg.normalize)  # the rows the model computes on (its inputs)
+    if eval_set is not None:
+        eval_set = (normalize_rows(eval_set[0], cfg.normalize), eval_set[1])
     n_samples = X.shape[0]
     shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
     params = init_params_for_data(shape, X, cfg.seed)

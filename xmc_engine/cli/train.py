@@ -22,6 +22,7 @@ RUN_FILE = "run.json"  # in a run folder: the config and the data it was trained
 # CLI option -> TrainConfig field, with the type argparse converts to.
 _CONFIG_OPTIONS = {
     "hidden": ("--hidden", int_list, "hidden widths, comma-separated (default 128)"),
+    "normalize": ("--normalize", str, "feature rows: l2 (default: unit norm) or none"),
     "epochs": ("--epochs", finite_float, "training epochs (default 10)"),
     "max_train_seconds": ("--max-train-seconds", finite_float,
                           "stop after this much training time (evaluation excluded)"),
@@ -212,7 +213,10 @@ def _read_run_file(run_dir: Path):
         raise ConfigError(f"{path}: invalid JSON ({exc.msg}); this run cannot be resumed") from None
     if not isinstance(run, dict) or not isinstance(run.get("data"), str):
         raise ConfigError(f"{path}: not a run file (no 'data' entry); this run cannot be resumed")
-    cfg = TrainConfig.from_dict(run.get("config"), source=str(path))
+    saved = run.get("config")
+    if isinstance(saved, dict):  # a run started before `normalize` existed trained on raw rows
+        saved = {"normalize": "none", **saved}
+    cfg = TrainConfig.from_dict(saved, source=str(path))
     return cfg, run["data"], run.get("test"), run.get("checkpoint_every")
 
 
