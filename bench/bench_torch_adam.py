@@ -8,9 +8,10 @@ Per dataset and seed, one process, every run after the other (nothing else on th
   same with each learning rate of ``--engine-lrs`` (the default optimizer's), so that the table
   separates the engine from its default learning rate;
 * **PyTorch**: :func:`torch_baseline.train_torch` (same network, initialisation and batch
-  order), Adam on a dense ``W1`` gradient (``adam``) and lazy Adam (``sparse_adam``: SparseAdam
-  on ``W1``), each at every learning rate of ``--lrs``, batch ``--torch-batch``, ``--torch-threads``
-  threads; the best of them by final P@1 is the competitor.
+  order, and the same inputs: the feature rows as the engine's default ``normalize`` makes
+  them), Adam on a dense ``W1`` gradient (``adam``) and lazy Adam (``sparse_adam``: SparseAdam
+  on ``W1``), each at every learning rate of ``--lrs``, batch ``--torch-batch``,
+  ``--torch-threads`` threads; the best of them by final P@1 is the competitor.
 
 Both evaluate on the whole test set after ``E`` epochs only (evaluation is not training time).
 With several ``--seeds`` (initialisation and batch order) every run is repeated per seed and
@@ -38,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import bench_defaults  # noqa: E402
 import torch_baseline  # noqa: E402
+
+from xmc_engine.config import TrainConfig  # noqa: E402
+from xmc_engine.validation import normalize_rows  # noqa: E402
 
 DATASETS = ("bibtex", "delicious", "corel5k", "stackex_cooking", "stackex_cs", "rcv1sub1",
             "imdb", "debian_debtags", "debian_builddeps")
@@ -117,6 +121,8 @@ def main(argv=None) -> int:
             print(f"SKIP {name}: {e}")
             continue
         data = (X, Y, Xt, Yt)
+        how = TrainConfig().normalize  # what the engine does to the rows by default
+        torch_data = (normalize_rows(X, how), Y, normalize_rows(Xt, how), Yt)
         run_engine(data, 1, args.seeds[0])  # compile (or load Numba's cache) before timing
         engines, engine_grids, grids = [], [], []
         for seed in args.seeds:
@@ -132,7 +138,7 @@ def main(argv=None) -> int:
             grid = []
             for opt in args.optimizers:
                 for lr in args.lrs:
-                    grid.append(run_torch(data, args, opt, lr, seed))
+                    grid.append(run_torch(torch_data, args, opt, lr, seed))
                     print(f"{name} seed {seed}: torch {opt} lr={lr:g} {_fmt(grid[-1])}",
                           flush=True)
             engines.append(engine)
