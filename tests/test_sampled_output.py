@@ -530,7 +530,7 @@ def test_thread_calibration_times_steps_in_a_fresh_thread_and_needs_a_margin():
     assert model.calibrate_threads(be, step_taking(4, 2), 2) == 2
     assert seen and all(t is not threading.main_thread() for t in seen)
     assert model.calibrate_threads(be, step_taking(2, 4), 2) == 1
-    assert model.calibrate_threads(be, step_taking(4, 3.8), 2) == 1  # within the margin
+    assert model.calibrate_threads(be, step_taking(4, 3.9), 2) == 1  # within the margin
     assert model.calibrate_threads(be, step_taking(1, 1), 1) == 1  # nothing to choose
 
     def fail():

@@ -529,7 +529,7 @@ def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -
 #: :func:`calibrate_threads` takes ``max_threads`` only when its step is at least this much
 #: faster than one thread's (ties go to one thread: it leaves the other cores free and its
 #: workers do not spin-wait).
-THREADS_MARGIN = 0.9
+THREADS_MARGIN = 0.95
 
 
 def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
