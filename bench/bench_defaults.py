@@ -144,6 +144,16 @@ def load(name: str, max_train: int):
     return X, Y, Xt, Yt, note
 
 
+def datasets_present(names, max_train: int):
+    """``(name, X, Y, X_test, Y_test, note)`` of each of ``names`` (:func:`load`), a line saying
+    so in place of each that is not here (a shared dataset absent from this machine)."""
+    for name in names:
+        try:
+            yield (name, *load(name, max_train))
+        except _common.SkipBenchmark as e:
+            print(f"SKIP {name}: {e}")
+
+
 def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | None) -> dict:
     """Train ``config`` (``XMCClassifier`` keywords; empty: the defaults) once for
     ``max(epochs)`` epochs; returns the metrics and training time at each of ``epochs``, and

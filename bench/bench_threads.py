@@ -40,12 +40,8 @@ def main(argv=None) -> int:
     budgets = {"1 thread": 1, f"{cores} threads": cores, "calibrated": None}
     payload = {**_common.result_metadata(), "benchmark": "threads", "epochs": args.epochs,
                "cores": cores, "rows": []}
-    for name in args.datasets:
-        try:
-            X, Y, Xt, Yt, note = bench_defaults.load(name, args.max_train)
-        except _common.SkipBenchmark as e:
-            print(f"SKIP {name}: {e}")
-            continue
+    for name, X, Y, Xt, Yt, note in bench_defaults.datasets_present(args.datasets,
+                                                                      args.max_train):
         data = (X, Y, Xt, Yt)
         bench_defaults.run_one(data, {}, 0, [1], 1)  # compile / load the cache first
         runs = {k: [] for k in budgets}

@@ -114,12 +114,8 @@ def main(argv=None) -> int:
     payload = {**_common.result_metadata(), "benchmark": "torch_adam", "epochs": args.epochs,
                "seeds": args.seeds, "torch_batch": args.torch_batch,
                "torch_threads": args.torch_threads, "rows": []}
-    for name in args.datasets:
-        try:
-            X, Y, Xt, Yt, note = bench_defaults.load(name, args.max_train)
-        except _common.SkipBenchmark as e:
-            print(f"SKIP {name}: {e}")
-            continue
+    for name, X, Y, Xt, Yt, note in bench_defaults.datasets_present(args.datasets,
+                                                                      args.max_train):
         data = (X, Y, Xt, Yt)
         how = TrainConfig().normalize  # what the engine does to the rows by default
         torch_data = (normalize_rows(X, how), Y, normalize_rows(Xt, how), Yt)
