@@ -28,8 +28,10 @@ On device 0 (where the central model lives and evaluation runs):
   label_chunk``), when a held-out set is evaluated.
 
 On the host, shared by every device: the data (CSR ``X`` and ``Y`` of the training set and of the
-held-out set: 4-byte values and indices, 8-byte ``indptr``) and two host copies of the parameters
-(the initial model, and the copy taken for checkpoints and the result).
+held-out set: 4-byte values and indices, 8-byte ``indptr``), with ``normalize="l2"`` a second
+copy of the feature values (made only where some row's norm is not 1; counted always), and two
+host copies of the parameters (the initial model, and the copy taken for checkpoints and the
+result).
 
 Available memory: ``MemAvailable`` of ``/proc/meminfo`` for the host, free memory of each GPU from
 CuPy, each taken at 90 % (headroom for fragmentation and the rest of the process); a budget
@@ -265,6 +267,8 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     if n_test:
         add(host, "held-out data (CSR X, Y)",
             _csr_bytes(n_test, test_nnz) + _csr_bytes(n_test, test_label_nnz))
+    if cfg.normalize == "l2":  # at most: nothing is copied when every row has norm 1
+        add(host, "normalised row values (at most)", int((nnz + test_nnz) * F32))
     add(host, "host parameter copies (2 x P)", 2 * P)
     settings = {"n_samples": int(n_samples), "n_features": int(n_features),
                 "n_labels": int(n_labels), "hidden": list(cfg.hidden), "devices": cfg.devices,
