@@ -673,6 +673,15 @@ class TrainConfig(ConfigMixin):
         return super().from_dict(d, source=source)
 
     @classmethod
+    def from_saved(cls, d: dict[str, Any], *, source: str = "config") -> TrainConfig:
+        """:meth:`from_dict` for a config the engine wrote itself (a saved model, a run
+        folder): keys added since are given the value that reproduces the old behaviour, not
+        today's default (``normalize``: ``"none"``, the rows as given, as they were trained)."""
+        if isinstance(d, dict):
+            d = {"normalize": "none", **d}
+        return cls.from_dict(d, source=source)
+
+    @classmethod
     def from_json_file(cls, path: str | Path) -> TrainConfig:
         path = Path(path)
         try:

@@ -565,10 +565,7 @@ class XMCClassifier:
             raise CheckpointError(f"{path}/config.json: format {config.get('format')!r} is not "
                                   f"{MODEL_FORMAT!r}")
         try:
-            saved = dict(config["train_config"])
-            # a model saved before `normalize` existed was trained on the rows as given
-            saved.setdefault("normalize", "none")
-            cfg = TrainConfig.from_dict(saved, source=f"{path}/config.json")
+            cfg = TrainConfig.from_saved(config["train_config"], source=f"{path}/config.json")
             shape = ModelShape(int(config["n_features"]), int(config["n_labels"]),
                                tuple(cfg.hidden))
             params = [np.asarray(arrays[n], dtype=np.float32) for n in shape.param_names]

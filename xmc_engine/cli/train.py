@@ -213,10 +213,7 @@ def _read_run_file(run_dir: Path):
         raise ConfigError(f"{path}: invalid JSON ({exc.msg}); this run cannot be resumed") from None
     if not isinstance(run, dict) or not isinstance(run.get("data"), str):
         raise ConfigError(f"{path}: not a run file (no 'data' entry); this run cannot be resumed")
-    saved = run.get("config")
-    if isinstance(saved, dict):  # a run started before `normalize` existed trained on raw rows
-        saved = {"normalize": "none", **saved}
-    cfg = TrainConfig.from_dict(saved, source=str(path))
+    cfg = TrainConfig.from_saved(run.get("config"), source=str(path))
     return cfg, run["data"], run.get("test"), run.get("checkpoint_every")
 
 
