@@ -202,7 +202,7 @@ class FrequencyProposal:
 
     def inclusion(self, labels, k: int) -> np.ndarray:
         """``P(label in k draws) = 1 - (1 - q) ** k`` for each of ``labels``."""
-        return -np.expm1(int(k) * np.log1p(-self.q[labels]))
+        return _inclusion(self.q[labels], k)
 
     def before_step(self, backend, W2) -> None:
         """Nothing to refresh: the counts do not change."""
@@ -212,12 +212,19 @@ class FrequencyProposal:
         and ``-log P(drawn)`` of each (float32): :func:`sample_candidates`' proposal protocol."""
         neg = np.unique(self.draw(rng, k))
         neg = neg[~np.isin(neg, pos, assume_unique=True)]
-        return neg, _inverse_log(-np.expm1(int(k) * np.log1p(-self.q[neg])))
+        return neg, _log_weight(self.q[neg], k)
 
 
-def _inverse_log(p) -> np.ndarray:
-    """``-log p`` as float32 (the log-weight of a negative drawn with probability ``p``)."""
-    return (-np.log(p)).astype(_F32)
+def _inclusion(q, k: int) -> np.ndarray:
+    """``1 - (1 - q) ** k``: the chance that an item of per-draw probability ``q`` is among
+    ``k`` draws with replacement (computed without cancellation for small ``q``)."""
+    return -np.expm1(int(k) * np.log1p(-q))
+
+
+def _log_weight(q, k: int) -> np.ndarray:
+    """The log-weight of negatives of per-draw probability ``q`` in ``k`` draws:
+    ``-log P(drawn)`` (Horvitz-Thompson), float32."""
+    return (-np.log(_inclusion(q, k))).astype(_F32)
 
 
 class LSHProposal:
@@ -293,7 +300,7 @@ class LSHProposal:
         neg = neg[~np.isin(neg, pos, assume_unique=True)]
         q = (1.0 - mix) / self.n_labels + np.where(np.isin(neg, U, assume_unique=True),
                                                    mix / max(len(U), 1), 0.0)
-        return neg, _inverse_log(-np.expm1(int(k) * np.log1p(-q)))
+        return neg, _log_weight(q, k)
 
 
 def sample_candidates(y_indices, n_labels: int, negatives: int, rng,
