@@ -508,6 +508,14 @@ def test_thread_calibration_leaves_the_replica_as_it_was(optimizer):
     assert not fresh.changed_rows().any() and not fresh.changed_columns().any()
 
 
+def test_thread_calibration_leaves_the_lsh_proposal_as_it_was():
+    _, rep = _replicas("adagrad", L=200, negatives=3, negative_sampling="lsh")
+    rep.train_batch(np.arange(5), 0.1)
+    steps, codes = rep._proposal._steps, rep._proposal._codes
+    rep.calibrate_threads(32, 2)
+    assert rep._proposal._steps == steps and rep._proposal._codes is codes
+
+
 def test_thread_calibration_times_steps_in_a_fresh_thread_and_needs_a_margin():
     import threading
     import time

@@ -20,6 +20,7 @@ updated on those columns only.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -179,26 +180,25 @@ class MLPReplica:
         and batch gather) and return it; other backends are left as they are.
 
         The timed steps run at learning rate 0 on one batch and with a throwaway random stream
-        for the negatives; afterwards the optimizer state, the random stream and the records of
-        changed rows, columns and labels are what they were, so a calibrated run trains as an
-        uncalibrated one would."""
+        for the negatives; afterwards the optimizer state, the random stream, the negatives'
+        proposal and the records of changed rows, columns and labels are what they were, so a
+        calibrated run trains as an uncalibrated one would."""
         be = self.backend
         if be.name != "cpu" or max_threads <= 1:
             return be.threads if be.name == "cpu" else max_threads
         rows = np.random.default_rng(0).permutation(self.X.shape[0])[:batch_size]
-        rng = self._rng
+        rng, proposal = self._rng, copy.copy(self._proposal)  # LSH: its refresh count, buckets
         acc = None if self._acc is None else [a.copy() if a.any() else None for a in self._acc]
-        marks = [m.copy() for m in (self._changed, self._changed_cols, self._seen)
-                 if m is not None]
+        marks = [m for m in (self._changed, self._changed_cols, self._seen) if m is not None]
+        saved_marks = [m.copy() for m in marks]
         self._rng = np.random.default_rng(0)
         try:
             be.threads = calibrate_threads(be, lambda: self.train_batch(rows, 0.0), max_threads)
         finally:
-            self._rng = rng
+            self._rng, self._proposal = rng, proposal
             for a, saved in zip(self._acc or [], acc or [], strict=True):
                 a[...] = 0 if saved is None else saved
-            for m, saved in zip([m for m in (self._changed, self._changed_cols, self._seen)
-                                 if m is not None], marks, strict=True):
+            for m, saved in zip(marks, saved_marks, strict=True):
                 m[...] = saved
         return be.threads
 
