@@ -342,7 +342,7 @@ def config_study(args, meta, configs: list[dict], label, default: str, benchmark
     run's length). Prints per dataset and epoch count the mean P@1 over seeds of every
     configuration, then each configuration's mean P@1 / P@5 / training time over datasets and
     its largest P@1 shortfall against a dataset's best configuration."""
-    rows, table, extra = [], {}, {}
+    rows, table = [], {}
     for name in args.datasets:
         X, Y, Xt, Yt, note = load(name, args.max_train)
         heavy = name in args.heavy
@@ -355,15 +355,13 @@ def config_study(args, meta, configs: list[dict], label, default: str, benchmark
                 r.update(dataset=name, epochs=epochs)
                 rows.append(r)
                 for e in epochs:
-                    at = r["at"][str(e)]
-                    table.setdefault((name, e), {}).setdefault(label(c), []).append(at["P@1"])
-                    extra.setdefault((name, e), {}).setdefault(label(c), []).append(
-                        (at["P@5"], at["train_time"]))
+                    table.setdefault((name, e), {}).setdefault(label(c), []).append(
+                        r["at"][str(e)])
                 print(f"  {label(c):22s} seed {seed}: " + ", ".join(
                     f"P@1/3/5@{e} {r['at'][str(e)]['P@1']:.4f} / {r['at'][str(e)]['P@3']:.4f} "
                     f"/ {r['at'][str(e)]['P@5']:.4f} ({r['at'][str(e)]['train_time']:.1f} s)"
                     for e in epochs), flush=True)
-        summary = print_decay_table(table, [label(c) for c in configs], default, extra)
+        summary = print_study_table(table, [label(c) for c in configs], default)
         _common.write_result(args.out, {**meta, "benchmark": benchmark,
                                         "configs": configs, "summary": summary, "rows": rows})
     print(f"\nwrote {args.out}")
@@ -378,16 +376,18 @@ def _decay_label(c: dict) -> str:
     return f"lr={c['lr']:g} decay={c['lr_decay']:g}"
 
 
-def print_decay_table(table: dict, labels: list[str], default: str,
-                      extra: dict | None = None) -> list[dict]:
+def print_study_table(table: dict, labels: list[str], default: str) -> list[dict]:
     """Markdown: a row per (dataset, epochs), a column per configuration (mean P@1 over seeds,
-    the row's best in bold); then per epoch count each configuration's mean over the datasets
-    and its worst shortfall against the row's best. With ``extra`` (the same keys, a list of
-    ``(P@5, train_time)`` per run) also the mean P@5 and the total training time. Returns
-    those per-configuration figures."""
+    the row's best in bold); then per epoch count each configuration's mean P@1 over the
+    datasets, its worst shortfall against the row's best, its mean P@5 and its total training
+    time. ``table[(dataset, epochs)][label]`` holds each seed's metrics at those epochs (the
+    ``at`` entries of :func:`run_one`). Returns the per-configuration figures."""
+    def mean(k, lab, metric):
+        return float(np.mean([at[metric] for at in table[k][lab]]))
+
     print("\n| data | epochs | " + " | ".join(labels) + " |")
     print("|---|---:|" + "---:|" * len(labels))
-    means = {(k, lab): float(np.mean(v)) for k, runs in table.items() for lab, v in runs.items()}
+    means = {(k, lab): mean(k, lab, "P@1") for k, runs in table.items() for lab in runs}
     for (name, e), runs in table.items():
         best = max(means[(name, e), lab] for lab in runs)
         cells = [f"**{means[(name, e), lab]:.4f}**" if means[(name, e), lab] == best
@@ -402,17 +402,15 @@ def print_decay_table(table: dict, labels: list[str], default: str,
             summary.append({"epochs": e, "config": lab, "datasets": len(keys),
                             "mean_P@1": float(np.mean(vals)) if vals else None,
                             "worst_gap": float(max(gaps)) if gaps else None})
-            if extra is not None and keys:
-                summary[-1]["mean_P@5"] = float(np.mean(
-                    [np.mean([p5 for p5, _ in extra[k][lab]]) for k in keys]))
-                summary[-1]["train_s"] = float(np.sum(
-                    [np.mean([t for _, t in extra[k][lab]]) for k in keys]))
+            if keys:
+                summary[-1]["mean_P@5"] = float(np.mean([mean(k, lab, "P@5") for k in keys]))
+                summary[-1]["train_s"] = float(np.sum([mean(k, lab, "train_time")
+                                                       for k in keys]))
         print(f"\n{e} epochs, {len(keys)} datasets (default: {default}):")
         for s in (x for x in summary if x["epochs"] == e and x["mean_P@1"] is not None):
-            more = (f", mean P@5 {s['mean_P@5']:.4f}, training {s['train_s']:.1f} s in all"
-                    if "mean_P@5" in s else "")
             print(f"  {s['config']:22s} mean P@1 {s['mean_P@1']:.4f}, worst shortfall "
-                  f"{s['worst_gap']:.4f}{more}")
+                  f"{s['worst_gap']:.4f}, mean P@5 {s['mean_P@5']:.4f}, training "
+                  f"{s['train_s']:.1f} s in all")
     return summary
 
 
