@@ -37,6 +37,16 @@ class CSRBatch(NamedTuple):
 
 
 @njit(nogil=True, cache=True)
+def first_out_of_range(rows, n_rows):
+    """Position of the first entry of ``rows`` outside ``[0, n_rows)``, or -1 (one pass
+    without the GIL; ``rows.min()`` and ``rows.max()`` are two passes holding it)."""
+    for i in range(rows.shape[0]):
+        if rows[i] < 0 or rows[i] >= n_rows:
+            return i
+    return -1
+
+
+@njit(nogil=True, cache=True)
 def take_rows(indptr, indices, data, rows):
     """CSR rows ``rows`` (in that order, repeats allowed) of ``(indptr, indices, data)``:
     returns ``(indptr_out int64, indices_out, data_out)``. Rows must be in range (checked by
@@ -99,9 +109,9 @@ class RowGather:
         if rows.dtype.kind not in "iu":
             raise TypeError(f"row numbers must be integers, got dtype {rows.dtype}")
         rows = rows.astype(np.int64, copy=False).ravel()
-        if rows.size and (rows.min() < 0 or rows.max() >= self.shape[0]):
-            bad = rows[(rows < 0) | (rows >= self.shape[0])][0]
-            raise IndexError(f"row {int(bad)} is out of range for a matrix of "
+        bad = first_out_of_range(rows, self.shape[0])
+        if bad >= 0:
+            raise IndexError(f"row {int(rows[bad])} is out of range for a matrix of "
                              f"{self.shape[0]} rows")
         indptr, indices, data = take_rows(self.indptr, self.indices, self.data, rows)
         return CSRBatch(indptr, indices, data, (int(rows.size), self.shape[1]))

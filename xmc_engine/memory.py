@@ -16,7 +16,9 @@ Per device (its own memory: host RAM for CPU devices, the GPU for ``cuda:N``):
   label_chunk`` gradient block when chunked), the ``db2`` buffer (``n_labels``); with
   ``output="sampled"`` instead the ``m = min(n_labels, b x labels per row + negatives)``
   candidate columns: logits ``b x m``, the gathered block and its gradient ``2 x hidden x m``
-  (plus a dense ``dW2``, ``db2`` for ``sync``, whose gradients are reduced densely);
+  (plus a dense ``dW2``, ``db2`` for ``sync``, whose gradients are reduced densely); with the
+  exact output layer a whole ``dW2`` (``hidden x n_labels``) where a step holds one: Adagrad's
+  gradient, and the fused CPU step's (one hidden layer, no label chunk);
 - ``optimizer state``: the Adagrad accumulators, ``P`` (``optimizer="adagrad"``);
 
 On device 0 (where the central model lives and evaluation runs):
@@ -231,6 +233,14 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
         act = 2 * b * h_sum * F32 + b * C * F32 + n_labels * F32
         if C < n_labels:
             act += h_last * C * F32 + b * h_last * F32  # dW2 chunk, dH chunk
+
+    def dense_dW2(dev) -> int:
+        """A whole ``dW2`` held during a step: Adagrad's gradient with the exact output layer,
+        and the fused CPU step's (one hidden layer, one label chunk; kernels/train_step.py)."""
+        if output == "sampled":
+            return 0
+        fused = dev.kind == "cpu" and len(cfg.hidden) == 1 and C == n_labels
+        return h_last * n_labels * F32 if cfg.optimizer == "adagrad" or fused else 0
     pools: dict[str, PoolPlan] = {}
 
     def pool(dev) -> PoolPlan:
@@ -252,7 +262,7 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     for i, d in enumerate(devs):
         p = pool(d)
         add(p, f"replica {i} ({d})", P)
-        add(p, f"activations+logits {i} (b={b})", act)
+        add(p, f"activations+logits {i} (b={b})", act + dense_dW2(d))
         if cfg.optimizer == "adagrad":
             add(p, f"optimizer state {i} (Adagrad, P)", P)
     p0 = pool(devs[0])

@@ -128,12 +128,18 @@ class MLPReplica:
     seed : int; seed of the negatives' random stream (give replicas different seeds). The
         stream is not part of checkpoints: a resumed sampled run draws other negatives than an
         uninterrupted one would (the same distribution).
+    fused : bool; ``True`` (default): where the backend has ``fused_train_step`` (the CPU) and
+        the network is the default shape (one hidden layer, the exact softmax in one label
+        chunk), :meth:`train_batch` is one ``nogil`` call
+        (:mod:`xmc_engine.kernels.train_step`); ``False``: the host-level step through the
+        backend's kernels, the fused step's reference (``bench/bench_fused_step.py`` times both)
     """
 
     def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None,
                  optimizer: str = "sgd", output: str = "exact",
                  negatives: int = TrainConfig.negatives,
-                 negative_sampling: str = TrainConfig.negative_sampling, seed: int = 0):
+                 negative_sampling: str = TrainConfig.negative_sampling, seed: int = 0,
+                 fused: bool = True):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if output not in ("exact", "sampled"):  # "auto" is resolved before (make_replica)
@@ -170,6 +176,11 @@ class MLPReplica:
         # where every step changes all of them (the exact softmax) or merges are dense.
         self._changed_cols = (np.zeros(Y.shape[1], dtype=np.bool_)
                               if backend.tracks_rows and output == "sampled" else None)
+        # One nogil call per step where the backend has it and the network is the default
+        # shape: one hidden layer, the exact softmax in one label chunk (kernels/train_step.py).
+        self._fused = (fused and hasattr(backend, "fused_train_step") and output == "exact"
+                       and self.n_dense == 0
+                       and (not label_chunk or label_chunk >= Y.shape[1]))
         # labels that were a positive of a batch row since the last set_params, once
         # track_labels() asked for them (AdaptiveConfig.label_weights='positives')
         self._seen = None
@@ -283,12 +294,16 @@ class MLPReplica:
     def train_batch(self, rows: np.ndarray, lr: float) -> float:
         """One optimiser step on training rows ``rows`` (int64, host); returns the summed loss."""
         Xb = self._take_x(rows)
-        if self._changed is not None:
+        if self._changed is not None and not self._fused:  # the fused step marks them itself
             self._changed[Xb.indices] = True
         if self._seen is not None:
             mark_columns(self.Y.indptr, self.Y.indices, np.asarray(rows, np.int64), self._seen)
         if self.output == "sampled":
             return self._sampled_step(Xb, self._take_y(rows), lr)
+        if self._fused:
+            return self.backend.fused_train_step(self._params, self._acc, Xb,
+                                                 self._take_y(rows), lr, ADAGRAD_EPS,
+                                                 self._changed)
         if self._acc is not None:
             loss, grads = grad_step(self.backend, self._params, Xb, self._take_y(rows),
                                     label_chunk=self.label_chunk)

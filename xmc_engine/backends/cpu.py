@@ -10,6 +10,7 @@ truly in parallel (numba ``omp`` threading layer); each thread sets its own budg
 from __future__ import annotations
 
 import ctypes
+import math
 from contextlib import contextmanager, nullcontext
 
 import numba
@@ -26,11 +27,15 @@ from xmc_engine.kernels import (
     sparse_backward,
     sparse_forward,
     topk,
+    train_step,
 )
 
 _F32 = np.float32
 _PARALLEL_COPY_MIN = 1 << 16  # elements: below this np.copyto beats waking the numba threads
 _SGEMM = None
+_EMPTY_1D = np.zeros(0, _F32)  # the accumulators of train_step_cpu when the step is SGD
+_EMPTY_2D = np.zeros((0, 0), _F32)
+_NO_ROWS = np.zeros(0, np.bool_)  # "mark no changed rows"
 
 
 def _blas_operand(a):
@@ -137,7 +142,7 @@ class CPUBackend:
         return np.zeros(shape, dtype)
 
     def workspace(self, name, shape, dtype=_F32):
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         buf = self._ws.get(name)
         if buf is None or buf.size < n or buf.dtype != dtype:
             buf = self._ws[name] = np.empty(n, dtype)
@@ -301,6 +306,29 @@ class CPUBackend:
 
     def predict_scores_topk(self, H, W2, b2, k, *, label_chunk=None):
         return host_output_layer.predict_scores_topk(self, H, W2, b2, k, label_chunk=label_chunk)
+
+    def fused_train_step(self, params, acc, Xb, Yb, lr: float, eps: float, changed) -> float:
+        """One SGD (``acc is None``) or Adagrad step of the default network (one hidden layer,
+        the exact softmax in one label chunk) in one ``nogil`` call
+        (:func:`xmc_engine.kernels.train_step.train_step_cpu`); returns the summed loss.
+
+        ``params`` = ``[W1, b1, W2, b2]``, ``acc`` their accumulators; ``Xb``, ``Yb`` host CSR
+        batches; ``changed`` the bool mask of changed ``W1`` rows to mark, or ``None``. The
+        scratch arrays are the output layer's workspaces (``Z``, ``db2``, ...), so the step adds
+        ``dW2`` (``n_hidden x L``) to what the host-level path keeps.
+        """
+        W1, b1, W2, b2 = params
+        B, nh, L = Xb.shape[0], W1.shape[1], W2.shape[1]
+        adagrad = acc is not None
+        acc = acc if adagrad else (_EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D)
+        return float(train_step.train_step_cpu(
+            Xb.indptr, Xb.indices, np.asarray(Xb.data, _F32), Yb.indptr, Yb.indices,
+            W1, b1, W2, b2, *acc, adagrad, float(lr), float(eps),
+            self.workspace("H", (B, nh)), self.workspace("Z", (B, L)),
+            self.workspace("dH", (B, nh)), self.workspace("dW2", (nh, L)),
+            self.workspace("db2", (L,)), self.workspace("loss_rows", (B,), np.float64),
+            self.workspace("colsum_parts", (self._n_parts(B), L)),
+            _NO_ROWS if changed is None else changed))
 
     # ------------------------------------------------------------------ kernels
     @staticmethod

@@ -1,0 +1,86 @@
+"""A whole training step of the default network on the CPU in one ``nogil`` call.
+
+The default model (one hidden layer, the exact softmax in one label chunk) trained with SGD or
+Adagrad takes, step by step through the backend, some fifteen kernel and BLAS calls with Python
+in between. Each call releases the GIL and must take it back; with several CPU devices in one
+process (the scheduler's worker threads) a worker then waits for the others' Python glue, and
+measured on a 2-core machine each of two devices ran 1.3-1.45x slower per sample than one device
+alone (``bench/bench_contention.py``). Here the same kernels and GEMMs run from one ``@njit``
+function, which holds no GIL from the first kernel to the loss.
+
+``train_step_cpu`` composes the modules' own kernels in the order of the host-level step
+(:func:`xmc_engine.model.grad_step` then :func:`xmc_engine.model.apply_adagrad`, or
+:func:`xmc_engine.model.train_step` for SGD), so its reference is that path: the tests compare
+the two on the same batches. The GEMMs are ``np.dot`` inside numba (SciPy's BLAS).
+
+Arrays
+------
+indptr, indices, data : CSR of the batch X (B, n_features); int32/int64, int32/int64, float32
+y_indptr, y_indices : CSR pattern of the batch's labels (B, L) (values unused)
+W1 (n_features, n_hidden), b1 (n_hidden,), W2 (n_hidden, L), b2 (L,) : float32, C order,
+    updated in place
+acc_W1, acc_b1, acc_W2, acc_b2 : Adagrad accumulators of the same shapes (read and written only
+    with ``adagrad``; any float32 arrays of the right dimensions otherwise)
+H, dH : (B, n_hidden) float32 scratch; Z : (B, L) scratch (logits, then dZ); dW2 (n_hidden, L),
+    db2 (L,) scratch; loss_rows (B,) float64; colsum_parts (n_parts, L) float32, n_parts >= 1
+changed : (n_features,) bool; ``changed[f] = True`` for the batch's features (the row-sparse
+    merge's record), or a length-0 array for none
+
+Versions
+--------
+CPU only. On a GPU the calls are queued on a stream without waiting, so the Python between them
+overlaps the device's work; the CUDA backend keeps the host-level step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from xmc_engine.kernels.adagrad import adagrad_dense_cpu, adagrad_rows_cpu
+from xmc_engine.kernels.output_layer import (
+    axpy_parallel_cpu,
+    axpy_serial_cpu,
+    softmax_xent_fused_cpu,
+    sum_parts_cpu,
+)
+from xmc_engine.kernels.sparse_backward import (
+    relu_backward_cpu,
+    sparse_backward_update_cpu,
+    sparse_grad_cpu,
+)
+from xmc_engine.kernels.sparse_forward import sparse_forward_cpu
+
+
+@njit(nogil=True, cache=True)
+def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+                   acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
+                   H, Z, dH, dW2, db2, loss_rows, colsum_parts, changed):
+    """One step on the batch; returns the loss summed over its rows (rows without labels: 0).
+
+    ``dH`` is taken with ``W2`` before its update, as in the host-level step."""
+    B = indptr.shape[0] - 1
+    if changed.shape[0] > 0:
+        for p in range(indices.shape[0]):
+            changed[indices[p]] = True
+    if B == 0:
+        return 0.0
+    scale = 1.0 / B
+    sparse_forward_cpu(indptr, indices, data, W1, b1, H)
+    np.dot(H, W2, Z)                                        # GEMM 1: logits
+    softmax_xent_fused_cpu(Z, b2, True, y_indptr, y_indices, scale, loss_rows, colsum_parts)
+    sum_parts_cpu(colsum_parts, db2, 1.0, 0.0)              # db2 = dZ.sum(0)
+    np.dot(Z, W2.T, dH)                                     # GEMM 2: dH with the old W2
+    np.dot(H.T, Z, dW2)                                     # GEMM 3: dW2
+    relu_backward_cpu(dH, H)
+    if adagrad:
+        rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
+        if rows.shape[0] > 0:
+            adagrad_rows_cpu(W1, rows, grad_rows, acc_W1, lr, eps)
+        adagrad_dense_cpu(b1, grad_b1, acc_b1, lr, eps)
+        adagrad_dense_cpu(W2, dW2, acc_W2, lr, eps)
+        adagrad_dense_cpu(b2, db2, acc_b2, lr, eps)
+    else:
+        sparse_backward_update_cpu(indptr, indices, data, dH, W1, b1, lr)
+        axpy_parallel_cpu(W2, dW2, -lr)
+        axpy_serial_cpu(b2, db2, -lr)
+    return loss_rows.sum()
