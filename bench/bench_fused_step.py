@@ -10,7 +10,9 @@ batches, ``--rounds`` times:
   alone);
 - **two threads**: two replicas of the same kind at once, each on its own thread with a
   1-thread budget (two CPU devices of one process, as the scheduler runs them), both fused or
-  both host-level.
+  both host-level;
+- **gradient alone**: one replica's ``grad_batch`` (the gradient without the update, what
+  ``sync`` computes on each device), one thread.
 
 Reported: median microseconds per step over the rounds, the host-level time over the fused time
 (above 1: fused faster), and each kind's two-thread time over its one-thread time (the cost of
@@ -50,9 +52,10 @@ def replicas(name: str, n: int, fused: bool):
                        fused=fused) for _ in range(n)]
 
 
-def run_threads(reps, steps: int, seed: int) -> list[float]:
-    """Each replica ``steps`` steps on its own fresh thread (1-thread budget), all at once;
-    microseconds per step of each."""
+def run_threads(reps, steps: int, seed: int, grad: bool = False) -> list[float]:
+    """Each replica ``steps`` steps (``grad``: gradients without the update, as ``sync``
+    computes them) on its own fresh thread (1-thread budget), all at once; microseconds per
+    step of each."""
     out = [0.0] * len(reps)
     n_rows = reps[0].X.shape[0]
 
@@ -62,7 +65,10 @@ def run_threads(reps, steps: int, seed: int) -> list[float]:
         with reps[i].backend.thread_budget(1):
             t0 = time.perf_counter()
             for rows in batches:
-                reps[i].train_batch(rows, 0.05)
+                if grad:
+                    reps[i].grad_batch(rows)
+                else:
+                    reps[i].train_batch(rows, 0.05)
             out[i] = (time.perf_counter() - t0) / steps * 1e6
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(reps))]
@@ -82,22 +88,28 @@ def measure(name: str, steps: int, rounds: int) -> dict:
                for a, b in zip(kinds["fused"][0].params(), kinds["host"][0].params(), strict=True))
     one = {k: [] for k in kinds}
     two = {k: [] for k in kinds}
+    grad = {k: [] for k in kinds}
     for r in range(rounds):
         for k, reps in kinds.items():
             one[k].append(run_threads(reps[:1], steps, 100 + r)[0])
             two[k].append(max(run_threads(reps, steps, 200 + r)))
+            grad[k].append(run_threads(reps[:1], steps, 300 + r, grad=True)[0])
     row = {"data": name, "steps": steps, "rounds": rounds, "max_param_diff": diff,
            "one_thread_us": {k: statistics.median(v) for k, v in one.items()},
            "two_threads_us": {k: statistics.median(v) for k, v in two.items()},
-           "runs": {"one": one, "two": two}}
+           "grad_one_thread_us": {k: statistics.median(v) for k, v in grad.items()},
+           "runs": {"one": one, "two": two, "grad": grad}}
     row["speedup_one"] = row["one_thread_us"]["host"] / row["one_thread_us"]["fused"]
     row["speedup_two"] = row["two_threads_us"]["host"] / row["two_threads_us"]["fused"]
     row["sharing_cost"] = {k: row["two_threads_us"][k] / row["one_thread_us"][k] for k in kinds}
+    row["speedup_grad"] = row["grad_one_thread_us"]["host"] / row["grad_one_thread_us"]["fused"]
     print(f"{name:16s} one thread: host {row['one_thread_us']['host']:7.0f} us, fused "
           f"{row['one_thread_us']['fused']:7.0f} us ({row['speedup_one']:.2f}x) | two threads: "
           f"host {row['two_threads_us']['host']:7.0f} us, fused "
           f"{row['two_threads_us']['fused']:7.0f} us ({row['speedup_two']:.2f}x) | sharing "
           f"cost host {row['sharing_cost']['host']:.2f}x, fused {row['sharing_cost']['fused']:.2f}x"
+          f" | gradient alone: host {row['grad_one_thread_us']['host']:7.0f} us, fused "
+          f"{row['grad_one_thread_us']['fused']:7.0f} us ({row['speedup_grad']:.2f}x)"
           f" | max param diff {diff:.1e}", flush=True)
     return row
 

@@ -10,8 +10,10 @@ function, which holds no GIL from the first kernel to the loss.
 
 ``train_step_cpu`` composes the modules' own kernels in the order of the host-level step
 (:func:`xmc_engine.model.grad_step` then :func:`xmc_engine.model.apply_adagrad`, or
-:func:`xmc_engine.model.train_step` for SGD), so its reference is that path: the tests compare
-the two on the same batches. The GEMMs are ``np.dot`` inside numba (SciPy's BLAS).
+:func:`xmc_engine.model.train_step` for SGD), and ``grad_step_cpu`` the gradient alone
+(:func:`xmc_engine.model.grad_step`, what ``sync`` computes on each device), so their reference
+is that path: the tests compare the two on the same batches. The GEMMs are ``np.dot`` inside
+numba (SciPy's BLAS).
 
 Arrays
 ------
@@ -52,19 +54,12 @@ from xmc_engine.kernels.sparse_forward import sparse_forward_cpu
 
 
 @njit(nogil=True, cache=True)
-def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
-                   acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
-                   H, Z, dH, dW2, db2, loss_rows, colsum_parts, changed):
-    """One step on the batch; returns the loss summed over its rows (rows without labels: 0).
-
-    ``dH`` is taken with ``W2`` before its update, as in the host-level step."""
-    B = indptr.shape[0] - 1
-    if changed.shape[0] > 0:
-        for p in range(indices.shape[0]):
-            changed[indices[p]] = True
-    if B == 0:
-        return 0.0
-    scale = 1.0 / B
+def _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+                      H, Z, dH, dW2, db2, loss_rows, colsum_parts):
+    """Forward, loss and the output layer's backward of a non-empty batch into the scratch
+    arrays: ``Z`` holds dZ, ``db2`` and ``dW2`` the output layer's gradients, ``dH`` the
+    gradient of the hidden pre-activation (with ``W2`` as given). Returns the summed loss."""
+    scale = 1.0 / (indptr.shape[0] - 1)
     sparse_forward_cpu(indptr, indices, data, W1, b1, H)
     np.dot(H, W2, Z)                                        # GEMM 1: logits
     softmax_xent_fused_cpu(Z, b2, True, y_indptr, y_indices, scale, loss_rows, colsum_parts)
@@ -72,6 +67,23 @@ def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
     np.dot(Z, W2.T, dH)                                     # GEMM 2: dH with the old W2
     np.dot(H.T, Z, dW2)                                     # GEMM 3: dW2
     relu_backward_cpu(dH, H)
+    return loss_rows.sum()
+
+
+@njit(nogil=True, cache=True)
+def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+                   acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
+                   H, Z, dH, dW2, db2, loss_rows, colsum_parts, changed):
+    """One step on the batch; returns the loss summed over its rows (rows without labels: 0).
+
+    ``dH`` is taken with ``W2`` before its update, as in the host-level step."""
+    if changed.shape[0] > 0:
+        for p in range(indices.shape[0]):
+            changed[indices[p]] = True
+    if indptr.shape[0] <= 1:
+        return 0.0
+    loss = _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+                             H, Z, dH, dW2, db2, loss_rows, colsum_parts)
     if adagrad:
         rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
         if rows.shape[0] > 0:
@@ -83,4 +95,21 @@ def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
         sparse_backward_update_cpu(indptr, indices, data, dH, W1, b1, lr)
         axpy_parallel_cpu(W2, dW2, -lr)
         axpy_serial_cpu(b2, db2, -lr)
-    return loss_rows.sum()
+    return loss
+
+
+@njit(nogil=True, cache=True)
+def grad_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+                  H, Z, dH, dW2, db2, loss_rows, colsum_parts):
+    """The step's gradients without an update (``sync``): returns ``(loss, rows, grad_rows,
+    grad_b1)`` (``W1``'s row-sparse gradient as ``sparse_grad_cpu`` gives it), with ``dW2`` and
+    ``db2`` in their scratch arrays; an empty batch gives zeros."""
+    if indptr.shape[0] <= 1:
+        dW2[...] = 0
+        db2[...] = 0
+        rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH[:0])
+        return 0.0, rows, grad_rows, grad_b1
+    loss = _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+                             H, Z, dH, dW2, db2, loss_rows, colsum_parts)
+    rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
+    return loss, rows, grad_rows, grad_b1

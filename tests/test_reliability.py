@@ -199,7 +199,10 @@ def files(tmp_path_factory):
     return write_tiny_xc(tmp_path_factory.mktemp("data"), n=1200, n_train=1000)
 
 
-TRAIN = ("--hidden", 32, "--epochs", 6, "--batch-size", 32, "--lr", 0.5, "--eval-every", 0,
+# 20 epochs of 1,000 rows, a checkpoint every 400 samples: a kill after the 4th checkpoint lands
+# with most of the run still to go (with 6 epochs a fast step let the run finish first)
+EPOCHS = 20
+TRAIN = ("--hidden", 32, "--epochs", EPOCHS, "--batch-size", 32, "--lr", 0.5, "--eval-every", 0,
          "--checkpoint-every", 400)
 
 
@@ -247,7 +250,7 @@ def test_sigkill_after_the_kth_checkpoint_then_resume_continues_from_it(files, t
     log = read_log(run)
     (resumed,) = [r for r in log if r["event"] == "start" and r["resumed"]]
     assert resumed["samples"] == newest["samples"] and resumed["epoch"] == newest["epoch"]
-    assert log[-1]["event"] == "final" and log[-1]["samples"] == 6 * 1000
+    assert log[-1]["event"] == "final" and log[-1]["samples"] == EPOCHS * 1000
     assert (run / "model" / "config.json").exists() and (run / "model" / "params.npz").exists()
     assert abs(p_at_1(out) - ref_p1) <= 0.03, (k, p_at_1(out), ref_p1)
 

@@ -82,3 +82,24 @@ def test_other_shapes_keep_the_host_level_step(kw):
     fused, _ = _pair(X, Y, "adagrad", hidden=hidden, **kw)
     assert not fused._fused
     assert np.isfinite(fused.train_batch(np.arange(8), 0.1))
+
+
+def test_fused_gradient_equals_the_host_level_gradient():
+    """grad_batch (what sync computes on each device) through the fused kernel."""
+    X, Y = _data_with_edge_rows()
+    fused, host = _pair(X, Y, "adagrad")
+    rng = np.random.default_rng(1)
+    for rows in (rng.integers(0, X.shape[0], 7), np.array([3, 50, 51]), np.array([12]),
+                 np.zeros(0, np.int64)):
+        lf, gf = fused.grad_batch(rows)
+        lh, gh = host.grad_batch(rows)
+        assert lf == pytest.approx(lh, rel=1e-5, abs=1e-6)
+        np.testing.assert_array_equal(gf[0][0], gh[0][0])  # the same W1 rows
+        np.testing.assert_allclose(gf[0][1], gh[0][1], rtol=1e-5, atol=1e-7)
+        for a, b in zip(gf[1:], gh[1:], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        # and the step made from it equals the host-level replica's
+        fused.apply_grads(gf, 0.1)
+        host.apply_grads(gh, 0.1)
+        for a, b in zip(fused.params(), host.params(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -130,7 +130,7 @@ class MLPReplica:
         uninterrupted one would (the same distribution).
     fused : bool; ``True`` (default): where the backend has ``fused_train_step`` (the CPU) and
         the network is the default shape (one hidden layer, the exact softmax in one label
-        chunk), :meth:`train_batch` is one ``nogil`` call
+        chunk), :meth:`train_batch` and :meth:`grad_batch` are one ``nogil`` call each
         (:mod:`xmc_engine.kernels.train_step`); ``False``: the host-level step through the
         backend's kernels, the fused step's reference (``bench/bench_fused_step.py`` times both)
     """
@@ -322,11 +322,14 @@ class MLPReplica:
         ``output="sampled"`` the last two (``W2``, ``b2``) are column-sparse, ``(cols int64
         (m,) the candidate labels, dW2 float32 (hidden[-1], m))`` and ``(cols, db2 (m,))``;
         every other entry is a dense float32 array of its parameter's shape. All live on this
-        replica's device (the sampled ones in workspaces, valid until its next step) and are
+        replica's device (the sampled ones, and ``dW2`` and ``db2`` of the fused CPU step, in
+        workspaces, valid until its next step) and are
         already scaled as the mean over the batch (``apply_grads(grads, lr)`` is the step
         ``train_batch(rows, lr)`` makes). ``loss_sum`` is summed over the rows.
         """
         Xb, Yb = self._take_x(rows), self._take_y(rows)
+        if self._fused:
+            return self.backend.fused_grad_step(self._params, Xb, Yb)
         if self.output == "exact":
             return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
         return sampled_grad_step(self.backend, self._params, Xb, Yb, self.negatives,

@@ -317,18 +317,33 @@ class CPUBackend:
         scratch arrays are the output layer's workspaces (``Z``, ``db2``, ...), so the step adds
         ``dW2`` (``n_hidden x L``) to what the host-level path keeps.
         """
-        W1, b1, W2, b2 = params
-        B, nh, L = Xb.shape[0], W1.shape[1], W2.shape[1]
         adagrad = acc is not None
         acc = acc if adagrad else (_EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D)
+        x, y, scratch = self._fused_args(params, Xb, Yb)
         return float(train_step.train_step_cpu(
-            Xb.indptr, Xb.indices, np.asarray(Xb.data, _F32), Yb.indptr, Yb.indices,
-            W1, b1, W2, b2, *acc, adagrad, float(lr), float(eps),
-            self.workspace("H", (B, nh)), self.workspace("Z", (B, L)),
-            self.workspace("dH", (B, nh)), self.workspace("dW2", (nh, L)),
-            self.workspace("db2", (L,)), self.workspace("loss_rows", (B,), np.float64),
-            self.workspace("colsum_parts", (self._n_parts(B), L)),
+            *x, *y, *params, *acc, adagrad, float(lr), float(eps), *scratch,
             _NO_ROWS if changed is None else changed))
+
+    def fused_grad_step(self, params, Xb, Yb):
+        """The gradient of :meth:`fused_train_step` without the update
+        (:func:`xmc_engine.kernels.train_step.grad_step_cpu`): ``(loss_sum, grads)`` in the
+        layout of :meth:`xmc_engine.model.MLPReplica.grad_batch`; ``dW2``, ``db2`` are this
+        backend's workspaces, valid until its next step."""
+        x, y, scratch = self._fused_args(params, Xb, Yb)
+        loss, rows, grad_rows, grad_b1 = train_step.grad_step_cpu(*x, *y, *params, *scratch)
+        dW2, db2 = scratch[3], scratch[4]
+        return float(loss), [(rows, grad_rows), grad_b1, dW2, db2]
+
+    def _fused_args(self, params, Xb, Yb) -> tuple:
+        """The batch's arrays and the scratch arrays of the fused kernels: ``(X parts, Y parts,
+        (H, Z, dH, dW2, db2, loss_rows, colsum_parts))``."""
+        B, nh, L = Xb.shape[0], params[0].shape[1], params[2].shape[1]
+        scratch = (self.workspace("H", (B, nh)), self.workspace("Z", (B, L)),
+                   self.workspace("dH", (B, nh)), self.workspace("dW2", (nh, L)),
+                   self.workspace("db2", (L,)), self.workspace("loss_rows", (B,), np.float64),
+                   self.workspace("colsum_parts", (self._n_parts(B), L)))
+        return ((Xb.indptr, Xb.indices, np.asarray(Xb.data, _F32)), (Yb.indptr, Yb.indices),
+                scratch)
 
     # ------------------------------------------------------------------ kernels
     @staticmethod
