@@ -9,7 +9,7 @@ from xmc_engine.kernels import _cuda, reference
 from xmc_engine.kernels import sampled_output as so
 
 from tests.test_estimator import tiny_data
-from xmc_engine import XMCClassifier
+from xmc_engine import XMCClassifier, output_layer
 from xmc_engine.backends import cuda_available
 from xmc_engine.backends.cpu import CPUBackend
 from xmc_engine.config import ALGORITHMS, TrainConfig
@@ -85,6 +85,34 @@ def test_sample_candidates(rng, negatives):
     assert log_weight == pytest.approx(expect)
     if negatives >= L:  # every label: the exact softmax
         assert sorted(cols) == list(range(L)) and log_weight == 0.0
+
+
+def _negatives_by_numpy(pos, n_labels, k, rng):
+    """The uniform negatives as first written with NumPy set operations (the specification of
+    ``output_layer._first_distinct``): the first ``k`` distinct draws that are not positives."""
+    neg = np.empty(0, dtype=np.int64)
+    while len(neg) < k:
+        draw = rng.integers(0, n_labels, size=2 * k + len(pos))
+        draw = np.concatenate([neg, draw[~np.isin(draw, pos)]])
+        _, first = np.unique(draw, return_index=True)
+        neg = draw[np.sort(first)][:k]
+    return neg
+
+
+@pytest.mark.parametrize("L, k", [(60, 5), (60, 40), (200, 150), (5000, 1024), (40, 30)])
+def test_uniform_negatives_equal_the_numpy_specification(L, k):
+    """Same draws, same negatives in the same order (several rounds where k is close to the
+    free labels), and the scratch mask is left all False for the next call."""
+    for seed in range(20):
+        y = _labels(np.random.default_rng(seed), 9, L)[1]
+        pos = np.unique(y.astype(np.int64))
+        kk = min(k, L - len(pos))
+        if kk in (0, L - len(pos)):
+            continue
+        cols, _, n_pos, _ = sample_candidates(y, L, k, np.random.default_rng(100 + seed))
+        want = _negatives_by_numpy(pos, L, kk, np.random.default_rng(100 + seed))
+        np.testing.assert_array_equal(cols[n_pos:], want)
+        assert not output_layer._label_mask(L).any()
 
 
 def test_sampled_negatives_are_uniform():

@@ -22,7 +22,10 @@ Loss and gradient: :mod:`xmc_engine.kernels.output_layer` (mean over the ``B`` r
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+from numba import njit
 
 __all__ = ["FrequencyProposal", "LSHProposal", "output_layer_grad", "output_layer_step",
            "predict_scores_topk", "sample_candidates", "sampled_output_grad"]
@@ -363,14 +366,52 @@ def sample_candidates(y_indices, n_labels: int, negatives: int, rng,
     if k == free:
         neg = np.setdiff1d(np.arange(n_labels, dtype=np.int64), pos, assume_unique=True)
     else:
-        neg = np.empty(0, dtype=np.int64)
-        while len(neg) < k:  # one round almost always: 2k + n_pos draws for k distinct
+        neg = np.empty(k, dtype=np.int64)
+        seen = _label_mask(n_labels)
+        n = 0
+        while n < k:  # one round almost always: 2k + n_pos draws for k distinct
             draw = rng.integers(0, n_labels, size=2 * k + len(pos))
-            draw = np.concatenate([neg, draw[~np.isin(draw, pos)]])
-            _, first = np.unique(draw, return_index=True)
-            neg = draw[np.sort(first)][:k]
+            n = _first_distinct(draw, pos, neg, n, seen)
     log_weight = float(np.log(free / len(neg)))
     return np.concatenate([pos, neg]), local_y, len(pos), log_weight
+
+
+_MASKS = threading.local()  # one scratch mask per thread (each device's worker draws its own)
+
+
+def _label_mask(n_labels: int) -> np.ndarray:
+    """This thread's all-False bool mask of ``n_labels`` entries (``_first_distinct`` leaves it
+    all-False again)."""
+    mask = getattr(_MASKS, "mask", None)
+    if mask is None or mask.size != n_labels:
+        mask = _MASKS.mask = np.zeros(n_labels, dtype=np.bool_)
+    return mask
+
+
+@njit(nogil=True, cache=True)
+def _first_distinct(draw, pos, neg, n, seen):
+    """Append to ``neg[:n]`` the draws, in order, that are neither a positive (``pos``) nor
+    already taken, until ``neg`` is full; returns the new count. ``seen`` (bool, one per label)
+    must be all False on entry and is again on return. The same labels as ``np.isin`` and
+    ``np.unique(return_index=True)`` over ``[neg[:n], draws]`` would keep, without the GIL."""
+    k = neg.shape[0]
+    for i in range(pos.shape[0]):
+        seen[pos[i]] = True
+    for i in range(n):
+        seen[neg[i]] = True
+    for i in range(draw.shape[0]):
+        if n == k:
+            break
+        x = draw[i]
+        if not seen[x]:
+            seen[x] = True
+            neg[n] = x
+            n += 1
+    for i in range(pos.shape[0]):
+        seen[pos[i]] = False
+    for i in range(n):
+        seen[neg[i]] = False
+    return n
 
 
 def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float, y_indptr,
