@@ -39,6 +39,7 @@ def by_numpy(y_indices, n_labels, k, rng):
 
 def main(argv=None) -> int:
     from xmc_engine.datasets import load_dataset
+
     from xmc_engine.output_layer import sample_candidates
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
