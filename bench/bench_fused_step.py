@@ -2,9 +2,10 @@
 host-level step it replaces (some fifteen backend calls with Python between them).
 
 Per dataset, in one process: two replicas of the engine's default network (hidden 128, Adagrad
-lr 0.05, batch 64, rows scaled to unit norm) from the same start, one with the fused step and
-one without (``MLPReplica(fused=False)``), step in alternating blocks of ``--steps`` random
-batches, ``--rounds`` times:
+lr 0.05, batch 64, rows scaled to unit norm, the output layer ``output="auto"`` picks: exact, or
+sampled with ``K = 1024`` uniform negatives on large label spaces) from the same start, one
+with the fused step and one without (``MLPReplica(fused=False)``), step in alternating blocks
+of ``--steps`` random batches, ``--rounds`` times:
 
 - **one thread**: one replica at a time on a fresh thread with a 1-thread budget (a device
   alone);
@@ -12,7 +13,8 @@ batches, ``--rounds`` times:
   1-thread budget (two CPU devices of one process, as the scheduler runs them), both fused or
   both host-level;
 - **gradient alone**: one replica's ``grad_batch`` (the gradient without the update, what
-  ``sync`` computes on each device), one thread.
+  ``sync`` computes on each device), one thread; exact output layer only (the sampled layer's
+  gradient keeps the host-level path).
 
 Reported: median microseconds per step over the rounds, the host-level time over the fused time
 (above 1: fused faster), and each kind's two-thread time over its one-thread time (the cost of
@@ -20,7 +22,7 @@ sharing the process; 1.0 on two idle cores would be no cost). The two kinds' par
 the first block are compared too (they must agree to float rounding). Results in
 ``bench/results/fused_step.json``::
 
-    python bench/bench_fused_step.py --data delicious debian_debtags bibtex
+    python bench/bench_fused_step.py --data delicious debian_debtags bibtex debian_builddeps
 """
 
 from __future__ import annotations
@@ -40,16 +42,20 @@ import _common  # noqa: E402
 import _tta  # noqa: E402
 
 
-def replicas(name: str, n: int, fused: bool):
+def replicas(name: str, n: int, fused: bool, output: str = "auto"):
+    """``n`` replicas of the default network on ``name`` (the output layer the engine's
+    ``output="auto"`` picks for the data unless ``output`` says otherwise), same start."""
     from xmc_engine.backends import get_backend
+    from xmc_engine.config import TrainConfig
     from xmc_engine.model import MLPReplica, ModelShape, init_params_for_data
     from xmc_engine.validation import normalize_rows
 
     X, Y = _tta.load_data(name)[:2]
     X = normalize_rows(X, "l2")
     params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], (128,)), X, 0)
+    output = TrainConfig(output=output).output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1))
     return [MLPReplica(get_backend("cpu", threads=1), X, Y, params, optimizer="adagrad",
-                       fused=fused) for _ in range(n)]
+                       output=output, fused=fused) for _ in range(n)]
 
 
 def run_threads(reps, steps: int, seed: int, grad: bool = False) -> list[float]:
@@ -81,6 +87,7 @@ def run_threads(reps, steps: int, seed: int, grad: bool = False) -> list[float]:
 
 def measure(name: str, steps: int, rounds: int) -> dict:
     kinds = {"fused": replicas(name, 2, True), "host": replicas(name, 2, False)}
+    output = kinds["fused"][0].output
     # the same batches from the same start: the two steps must agree
     run_threads(kinds["fused"][:1], 20, 0)
     run_threads(kinds["host"][:1], 20, 0)
@@ -93,24 +100,27 @@ def measure(name: str, steps: int, rounds: int) -> dict:
         for k, reps in kinds.items():
             one[k].append(run_threads(reps[:1], steps, 100 + r)[0])
             two[k].append(max(run_threads(reps, steps, 200 + r)))
-            grad[k].append(run_threads(reps[:1], steps, 300 + r, grad=True)[0])
-    row = {"data": name, "steps": steps, "rounds": rounds, "max_param_diff": diff,
+            if output == "exact":  # sync's gradient is fused for the exact output layer
+                grad[k].append(run_threads(reps[:1], steps, 300 + r, grad=True)[0])
+    row = {"data": name, "output": output, "steps": steps, "rounds": rounds,
+           "max_param_diff": diff,
            "one_thread_us": {k: statistics.median(v) for k, v in one.items()},
            "two_threads_us": {k: statistics.median(v) for k, v in two.items()},
-           "grad_one_thread_us": {k: statistics.median(v) for k, v in grad.items()},
+           "grad_one_thread_us": {k: statistics.median(v) for k, v in grad.items() if v},
            "runs": {"one": one, "two": two, "grad": grad}}
     row["speedup_one"] = row["one_thread_us"]["host"] / row["one_thread_us"]["fused"]
     row["speedup_two"] = row["two_threads_us"]["host"] / row["two_threads_us"]["fused"]
     row["sharing_cost"] = {k: row["two_threads_us"][k] / row["one_thread_us"][k] for k in kinds}
-    row["speedup_grad"] = row["grad_one_thread_us"]["host"] / row["grad_one_thread_us"]["fused"]
-    print(f"{name:16s} one thread: host {row['one_thread_us']['host']:7.0f} us, fused "
+    g = row["grad_one_thread_us"]
+    row["speedup_grad"] = g["host"] / g["fused"] if g else None
+    grad_text = (f" | gradient alone: host {g['host']:7.0f} us, fused {g['fused']:7.0f} us "
+                 f"({row['speedup_grad']:.2f}x)" if g else "")
+    print(f"{name:16s} ({output}) one thread: host {row['one_thread_us']['host']:7.0f} us, fused "
           f"{row['one_thread_us']['fused']:7.0f} us ({row['speedup_one']:.2f}x) | two threads: "
           f"host {row['two_threads_us']['host']:7.0f} us, fused "
           f"{row['two_threads_us']['fused']:7.0f} us ({row['speedup_two']:.2f}x) | sharing "
           f"cost host {row['sharing_cost']['host']:.2f}x, fused {row['sharing_cost']['fused']:.2f}x"
-          f" | gradient alone: host {row['grad_one_thread_us']['host']:7.0f} us, fused "
-          f"{row['grad_one_thread_us']['fused']:7.0f} us ({row['speedup_grad']:.2f}x)"
-          f" | max param diff {diff:.1e}", flush=True)
+          f"{grad_text} | max param diff {diff:.1e}", flush=True)
     return row
 
 

@@ -45,6 +45,11 @@ from xmc_engine.kernels.output_layer import (
     softmax_xent_fused_cpu,
     sum_parts_cpu,
 )
+from xmc_engine.kernels.sampled_output import (
+    adagrad_columns_cpu,
+    gather_columns_cpu,
+    scatter_add_columns_cpu,
+)
 from xmc_engine.kernels.sparse_backward import (
     relu_backward_cpu,
     sparse_backward_update_cpu,
@@ -113,3 +118,44 @@ def grad_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
                              H, Z, dH, dW2, db2, loss_rows, colsum_parts)
     rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
     return loss, rows, grad_rows, grad_b1
+
+
+@njit(nogil=True, cache=True)
+def sampled_train_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos, neg_weight,
+                           W1, b1, W2, b2, acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
+                           H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows, colsum_parts, changed,
+                           changed_cols):
+    """One step with the sampled output layer on the candidate labels ``cols`` (the batch's
+    ``n_pos`` distinct positives, then the negatives; ``local_y`` the labels' positions in
+    ``cols``); ``neg_weight`` (one per negative) is added to the negatives' logits (the
+    sampled-softmax correction, :func:`xmc_engine.output_layer.sample_candidates`). ``W2``,
+    ``b2`` (and their accumulators) change on the columns ``cols`` only; ``changed_cols``
+    (length 0: none) records them. Scratch: ``W2s``, ``dW2s`` (n_hidden, m), ``b2s``,
+    ``db2s`` (m,), ``Zs`` (B, m), ``colsum_parts`` (n_parts, m). Returns the summed loss.
+
+    Reference: :meth:`xmc_engine.model.MLPReplica` without ``fused`` (``sampled_grad_step``,
+    then ``apply_adagrad`` or ``apply_grads``)."""
+    if changed.shape[0] > 0:
+        for p in range(indices.shape[0]):
+            changed[indices[p]] = True
+    m = cols.shape[0]
+    if changed_cols.shape[0] > 0:
+        for j in range(m):
+            changed_cols[cols[j]] = True
+    if indptr.shape[0] <= 1 or m == 0:
+        return 0.0
+    gather_columns_cpu(W2, b2, cols, W2s, b2s)
+    for j in range(n_pos, m):
+        b2s[j] += neg_weight[j - n_pos]
+    loss = _forward_backward(indptr, indices, data, y_indptr, local_y, W1, b1, W2s, b2s,
+                             H, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)
+    if adagrad:
+        rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
+        if rows.shape[0] > 0:
+            adagrad_rows_cpu(W1, rows, grad_rows, acc_W1, lr, eps)
+        adagrad_dense_cpu(b1, grad_b1, acc_b1, lr, eps)
+        adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)
+    else:
+        sparse_backward_update_cpu(indptr, indices, data, dH, W1, b1, lr)
+        scatter_add_columns_cpu(W2, b2, cols, dW2s, db2s, -lr)
+    return loss

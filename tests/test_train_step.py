@@ -73,10 +73,11 @@ def test_fused_step_learns():
     assert np.mean(losses[-30:]) < 0.6 * np.mean(losses[:30])
 
 
-@pytest.mark.parametrize("kw", [{"hidden": (16, 8)}, {"label_chunk": 7}, {"output": "sampled"}])
+@pytest.mark.parametrize("kw", [{"hidden": (16, 8)}, {"label_chunk": 7},
+                                {"hidden": (16, 8), "output": "sampled"}])
 def test_other_shapes_keep_the_host_level_step(kw):
-    """Two hidden layers, a label chunk narrower than the labels, the sampled output layer: the
-    fused step does not cover them, so the replica keeps the step through the backend."""
+    """Two hidden layers, a label chunk narrower than the labels: the fused step does not cover
+    them, so the replica keeps the step through the backend."""
     X, Y = tiny_data(n=50)[:2]
     hidden = kw.pop("hidden", (16,))
     fused, _ = _pair(X, Y, "adagrad", hidden=hidden, **kw)
@@ -102,4 +103,30 @@ def test_fused_gradient_equals_the_host_level_gradient():
         fused.apply_grads(gf, 0.1)
         host.apply_grads(gh, 0.1)
         for a, b in zip(fused.params(), host.params(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
+@pytest.mark.parametrize("rule", ["uniform", "frequency", "lsh"])
+def test_fused_sampled_step_equals_the_host_level_step(optimizer, rule):
+    """The sampled output layer: the same candidates (same seed), the same step on W1's rows and
+    W2's candidate columns, the same record of changed rows and columns."""
+    X, Y = _data_with_edge_rows()
+    fused, host = _pair(X, Y, optimizer, output="sampled", negatives=6, negative_sampling=rule)
+    assert fused._fused and not host._fused
+    rng = np.random.default_rng(2)
+    for step in range(25):
+        rows = rng.integers(0, X.shape[0], 1 + step % 7)
+        if step == 3:
+            rows = np.array([3, 50, 51])  # no labels (51: no features either)
+        lf, lh = fused.train_batch(rows, 0.1), host.train_batch(rows, 0.1)
+        assert lf == pytest.approx(lh, rel=1e-5, abs=1e-6)
+        np.testing.assert_array_equal(fused.changed_rows(), host.changed_rows())
+        np.testing.assert_array_equal(fused.changed_columns(), host.changed_columns())
+        if step == 0:
+            assert 0 < fused.changed_columns().sum() < Y.shape[1]
+    for a, b in zip(fused.params(), host.params(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if optimizer == "adagrad":
+        for a, b in zip(fused.optimizer_state(), host.optimizer_state(), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

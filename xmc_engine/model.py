@@ -129,10 +129,11 @@ class MLPReplica:
         stream is not part of checkpoints: a resumed sampled run draws other negatives than an
         uninterrupted one would (the same distribution).
     fused : bool; ``True`` (default): where the backend has ``fused_train_step`` (the CPU) and
-        the network is the default shape (one hidden layer, the exact softmax in one label
-        chunk), :meth:`train_batch` and :meth:`grad_batch` are one ``nogil`` call each
-        (:mod:`xmc_engine.kernels.train_step`); ``False``: the host-level step through the
-        backend's kernels, the fused step's reference (``bench/bench_fused_step.py`` times both)
+        the network has one hidden layer, :meth:`train_batch` is one ``nogil`` call
+        (:mod:`xmc_engine.kernels.train_step`) with the sampled output layer and with the exact
+        softmax in one label chunk, and so is :meth:`grad_batch` with the latter; ``False``: the
+        host-level step through the backend's kernels, the fused step's reference
+        (``bench/bench_fused_step.py`` times both)
     """
 
     def __init__(self, backend, X, Y, params, *, label_chunk: int | None = None,
@@ -178,9 +179,9 @@ class MLPReplica:
                               if backend.tracks_rows and output == "sampled" else None)
         # One nogil call per step where the backend has it and the network is the default
         # shape: one hidden layer, the exact softmax in one label chunk (kernels/train_step.py).
-        self._fused = (fused and hasattr(backend, "fused_train_step") and output == "exact"
-                       and self.n_dense == 0
-                       and (not label_chunk or label_chunk >= Y.shape[1]))
+        self._fused = (fused and hasattr(backend, "fused_train_step") and self.n_dense == 0
+                       and (output == "sampled" or not label_chunk
+                            or label_chunk >= Y.shape[1]))
         # labels that were a positive of a batch row since the last set_params, once
         # track_labels() asked for them (AdaptiveConfig.label_weights='positives')
         self._seen = None
@@ -328,7 +329,7 @@ class MLPReplica:
         ``train_batch(rows, lr)`` makes). ``loss_sum`` is summed over the rows.
         """
         Xb, Yb = self._take_x(rows), self._take_y(rows)
-        if self._fused:
+        if self._fused and self.output == "exact":
             return self.backend.fused_grad_step(self._params, Xb, Yb)
         if self.output == "exact":
             return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
@@ -339,6 +340,14 @@ class MLPReplica:
         """A step with the sampled output layer: ``W1`` on its touched rows, ``W2`` / ``b2``
         on the candidate columns, the dense layers in full (SGD or Adagrad)."""
         be, params = self.backend, self._params
+        if self._fused:
+            if self._proposal is not None:
+                self._proposal.before_step(be, params[-2])
+            cols, local_y, n_pos, log_weight = sample_candidates(
+                Yb.indices, params[-2].shape[1], self.negatives, self._rng, self._proposal)
+            return be.fused_sampled_step(params, self._acc, Xb, Yb.indptr, local_y, cols, n_pos,
+                                         log_weight, lr, ADAGRAD_EPS, self._changed,
+                                         self._changed_cols)
         loss, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng,
                                         self._proposal)
         if self._changed_cols is not None:

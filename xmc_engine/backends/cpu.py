@@ -324,6 +324,29 @@ class CPUBackend:
             *x, *y, *params, *acc, adagrad, float(lr), float(eps), *scratch,
             _NO_ROWS if changed is None else changed))
 
+    def fused_sampled_step(self, params, acc, Xb, y_indptr, local_y, cols, n_pos: int,
+                           log_weight, lr: float, eps: float, changed, changed_cols) -> float:
+        """:meth:`fused_train_step` with the sampled output layer on the candidate labels
+        ``cols`` (:func:`xmc_engine.output_layer.sample_candidates`' ``cols``, ``local_y``,
+        ``n_pos``, ``log_weight``: a float, or one per negative)
+        (:func:`xmc_engine.kernels.train_step.sampled_train_step_cpu`); ``changed_cols`` the
+        bool mask of changed ``W2`` columns to mark, or ``None``. Returns the summed loss."""
+        adagrad = acc is not None
+        acc = acc if adagrad else (_EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D)
+        B, nh, m = Xb.shape[0], params[0].shape[1], len(cols)
+        neg_weight = np.broadcast_to(np.asarray(log_weight, _F32), (m - n_pos,))
+        scratch = (self.workspace("H", (B, nh)), self.workspace("W2s", (nh, m)),
+                   self.workspace("b2s", (m,)), self.workspace("Zs", (B, m)),
+                   self.workspace("dH", (B, nh)), self.workspace("dW2s", (nh, m)),
+                   self.workspace("db2s", (m,)), self.workspace("loss_rows", (B,), np.float64),
+                   self.workspace("colsum_parts", (self._n_parts(B), m)))
+        return float(train_step.sampled_train_step_cpu(
+            Xb.indptr, Xb.indices, np.asarray(Xb.data, _F32), y_indptr, local_y,
+            np.asarray(cols, np.int64), int(n_pos), np.ascontiguousarray(neg_weight),
+            *params, *acc, adagrad, float(lr), float(eps), *scratch,
+            _NO_ROWS if changed is None else changed,
+            _NO_ROWS if changed_cols is None else changed_cols))
+
     def fused_grad_step(self, params, Xb, Yb):
         """The gradient of :meth:`fused_train_step` without the update
         (:func:`xmc_engine.kernels.train_step.grad_step_cpu`): ``(loss_sum, grads)`` in the
