@@ -41,17 +41,6 @@ def test_step_rule_deadband_and_warmup():
     assert c.update(2.0, [43, 37], [1, 1], [1, 1]) == [128, 32]
 
 
-def test_balance_rule_moves_in_proportion_to_the_imbalance():
-    c = BatchSizeController(2, 64, b_min=8, b_max=1024, rule="balance")
-    # 2:1 update counts: sqrt(4/3) and sqrt(2/3) of the batch
-    assert c.update(1.0, [40, 20], [1, 1], [1, 1]) == [74, 52]
-    assert c.update(1.0, [30, 30], [1, 1], [1, 1]) == [74, 52]  # balanced: no move
-    assert c.update(1.0, [33, 31], [1, 1], [1, 1]) == [75, 51]  # a small imbalance, a small move
-    assert c.update(1.0, [0, 31], [1, 1], [1, 1]) == [75, 51]   # a device sat out: keep
-    c2 = BatchSizeController(2, 64, b_min=32, b_max=80, rule="balance")
-    assert c2.update(1.0, [90, 10], [1, 1], [1, 1]) == [80, 32]  # clipped
-
-
 def test_proportional_rule_keeps_total_and_scales_with_speed():
     c = BatchSizeController(3, 100, b_min=1, b_max=1000, rule="proportional")
     new = c.update(1.0, [1, 1, 1], [300, 200, 100], [1.0, 1.0, 1.0])

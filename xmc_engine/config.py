@@ -80,7 +80,7 @@ DEFAULT_LR = {"sgd": 2.0, "adagrad": 0.05}
 #: decay, which overfits on the small sets). SGD (the paper's, not in that study) keeps none.
 DEFAULT_LR_DECAY = {"sgd": 0.0, "adagrad": 0.5}
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
-BATCH_RULES = ("step", "balance", "proportional", "fixed")
+BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
 #: merge weights of a W1 row (AdaptiveConfig.row_weights)
@@ -256,10 +256,9 @@ class AdaptiveConfig(AlgorithmConfig):
         ``S``, samples per merge period ("mega-batch").
     b_min, b_max, delta_b : int
         Batch-size bounds and step (the paper's 32, 1024, 32).
-    rule : {'step', 'balance', 'proportional', 'fixed'}
+    rule : {'step', 'proportional', 'fixed'}
         Batch-size adaptation (:class:`~xmc_engine.scheduler.controller.BatchSizeController`):
-        the paper's step rule, ``b_i`` scaled by the square root of its update count over the
-        mean, ``b_i`` proportional to the measured speed, or none.
+        the paper's step rule, ``b_i`` proportional to the measured speed, or none.
     deadband : float
         Step rule: leave a device alone while its update count is within this fraction of the
         mean (at least half an update; 0 = the paper's strict rule, which oscillates between two

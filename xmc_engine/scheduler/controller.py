@@ -66,7 +66,7 @@ class BatchSizeController:
         ``B``, the base batch size; every device uses it during warm-up.
     b_min, b_max, delta_b : int
         Bounds and step of the adaptation (paper: 32, 1024, 32).
-    rule : {'step', 'balance', 'proportional', 'fixed'}
+    rule : {'step', 'proportional', 'fixed'}
         ``step`` — the paper's rule (arXiv 2110.07029 §III-C): ``b_i -= Δb`` if ``p_i < 1/n``,
         ``b_i += Δb`` if ``p_i > 1/n``, clipped to ``[b_min, b_max]``. Since
         ``p_i - 1/n = (c_i - c̄)/Σc`` this compares ``c_i`` with the mean ``c̄``; a device with
@@ -74,11 +74,6 @@ class BatchSizeController:
         strict rule, which keeps oscillating between the two ``Δb`` grid points around the
         steady state (e.g. 18 % apart in update counts for ``B = 128, Δb = 16`` and a 2:1 speed
         ratio); the default 5 % stops at the first grid point close enough to it.
-        ``balance`` — ``b_i <- b_i sqrt(c_i / c̄)``, rounded and clipped: the step rule's
-        direction (towards equal update counts ``c_i``) with a move in proportion to the
-        imbalance instead of ``±Δb``, damped by the square root, so a device far from the
-        steady state gets there in a few periods and one near it (or on two equal devices, whose
-        counts differ by chance) moves little; no dead band.
         ``proportional`` — ``b_i = n B v_i / Σ_j v_j`` with ``v_i`` = samples per busy second
         measured in the period (busy time includes the emulated slow-down, excludes barrier
         waits): every device then needs the same time per update, which is the steady state
@@ -145,13 +140,6 @@ class BatchSizeController:
                 new.append(int(min(max(b, self.b_min), self.b_max)))
             self.batch_sizes = new
             return new
-        if self.rule == "balance":
-            if np.any(c <= 0):
-                return self.batch_sizes  # a device sat out the period: keep the sizes
-            scale = np.sqrt(c / c.mean())
-            self.batch_sizes = [int(min(max(round(b * f), self.b_min), self.b_max))
-                                for b, f in zip(self.batch_sizes, scale, strict=True)]
-            return self.batch_sizes
         s = np.asarray(samples, dtype=np.float64)
         t = np.asarray(busy_s, dtype=np.float64)
         if np.any(s <= 0) or np.any(t <= 0):
