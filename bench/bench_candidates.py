@@ -1,7 +1,7 @@
 """Drawing a sampled step's candidates: ``output_layer.sample_candidates`` (uniform negatives
 taken by a numba function without the GIL) against the same draws filtered with NumPy's set
-operations (``np.isin``, ``np.unique``; the engine's way before, and the specification in
-``tests/test_sampled_output.py``), on debian_builddeps' label rows, both in one process.
+operations (``np.isin``, ``np.unique``; the engine's way before, and the specification,
+``kernels/reference.py: uniform_negatives``), on debian_builddeps' label rows, both in one process.
 
 Batches of 64 training rows; ``K = 1024`` negatives (the default); label spaces of the data
 (20,837) and of Amazon-670K (670,091, the same rows' labels). Median of ``--rounds`` rounds of
@@ -26,15 +26,11 @@ import _common  # noqa: E402
 
 
 def by_numpy(y_indices, n_labels, k, rng):
-    """The NumPy version: positives, then the first ``k`` distinct non-positive draws."""
+    """The NumPy version: the positives, then ``reference.uniform_negatives``."""
+    from xmc_engine.kernels import reference
+
     pos = np.unique(np.asarray(y_indices, dtype=np.int64))
-    neg = np.empty(0, dtype=np.int64)
-    while len(neg) < k:
-        draw = rng.integers(0, n_labels, size=2 * k + len(pos))
-        draw = np.concatenate([neg, draw[~np.isin(draw, pos)]])
-        _, first = np.unique(draw, return_index=True)
-        neg = draw[np.sort(first)][:k]
-    return np.concatenate([pos, neg])
+    return np.concatenate([pos, reference.uniform_negatives(pos, n_labels, k, rng)])
 
 
 def main(argv=None) -> int:

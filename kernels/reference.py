@@ -189,3 +189,16 @@ def sampled_output_grad(H, W2, b2, y_indptr, y_indices, cols, log_weight):
     dW2[:, cols] = H.T @ dZs
     db2[cols] = dZs.sum(axis=0)
     return loss, dW2, db2, dZs @ W2[:, cols].T
+
+
+def uniform_negatives(pos, n_labels, k, rng):
+    """The uniform negatives of a sampled step (``output_layer.sample_candidates``): rounds of
+    ``2 k + len(pos)`` draws from ``rng``, keeping in draw order the first ``k`` distinct labels
+    that are not in ``pos`` (sorted positives), with NumPy's set operations."""
+    neg = np.empty(0, dtype=np.int64)
+    while len(neg) < k:
+        draw = rng.integers(0, n_labels, size=2 * k + len(pos))
+        draw = np.concatenate([neg, draw[~np.isin(draw, pos)]])
+        _, first = np.unique(draw, return_index=True)
+        neg = draw[np.sort(first)][:k]
+    return neg

@@ -76,28 +76,42 @@ def _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2
 
 
 @njit(nogil=True, cache=True)
+def _mark(changed, idx):
+    """``changed[idx[p]] = True`` for every ``p`` (a ``changed`` of length 0: nothing)."""
+    if changed.shape[0] > 0:
+        for p in range(idx.shape[0]):
+            changed[idx[p]] = True
+
+
+@njit(nogil=True, cache=True)
+def _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagrad, lr, eps):
+    """The step of ``W1`` (the batch's feature rows) and ``b1`` from ``dH``: Adagrad, or SGD."""
+    if adagrad:
+        rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
+        if rows.shape[0] > 0:
+            adagrad_rows_cpu(W1, rows, grad_rows, acc_W1, lr, eps)
+        adagrad_dense_cpu(b1, grad_b1, acc_b1, lr, eps)
+    else:
+        sparse_backward_update_cpu(indptr, indices, data, dH, W1, b1, lr)
+
+
+@njit(nogil=True, cache=True)
 def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
                    acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
                    H, Z, dH, dW2, db2, loss_rows, colsum_parts, changed):
     """One step on the batch; returns the loss summed over its rows (rows without labels: 0).
 
     ``dH`` is taken with ``W2`` before its update, as in the host-level step."""
-    if changed.shape[0] > 0:
-        for p in range(indices.shape[0]):
-            changed[indices[p]] = True
+    _mark(changed, indices)
     if indptr.shape[0] <= 1:
         return 0.0
     loss = _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
                              H, Z, dH, dW2, db2, loss_rows, colsum_parts)
+    _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagrad, lr, eps)
     if adagrad:
-        rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
-        if rows.shape[0] > 0:
-            adagrad_rows_cpu(W1, rows, grad_rows, acc_W1, lr, eps)
-        adagrad_dense_cpu(b1, grad_b1, acc_b1, lr, eps)
         adagrad_dense_cpu(W2, dW2, acc_W2, lr, eps)
         adagrad_dense_cpu(b2, db2, acc_b2, lr, eps)
     else:
-        sparse_backward_update_cpu(indptr, indices, data, dH, W1, b1, lr)
         axpy_parallel_cpu(W2, dW2, -lr)
         axpy_serial_cpu(b2, db2, -lr)
     return loss
@@ -135,13 +149,9 @@ def sampled_train_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos
 
     Reference: :meth:`xmc_engine.model.MLPReplica` without ``fused`` (``sampled_grad_step``,
     then ``apply_adagrad`` or ``apply_grads``)."""
-    if changed.shape[0] > 0:
-        for p in range(indices.shape[0]):
-            changed[indices[p]] = True
+    _mark(changed, indices)
+    _mark(changed_cols, cols)
     m = cols.shape[0]
-    if changed_cols.shape[0] > 0:
-        for j in range(m):
-            changed_cols[cols[j]] = True
     if indptr.shape[0] <= 1 or m == 0:
         return 0.0
     gather_columns_cpu(W2, b2, cols, W2s, b2s)
@@ -149,13 +159,9 @@ def sampled_train_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos
         b2s[j] += neg_weight[j - n_pos]
     loss = _forward_backward(indptr, indices, data, y_indptr, local_y, W1, b1, W2s, b2s,
                              H, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)
+    _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagrad, lr, eps)
     if adagrad:
-        rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
-        if rows.shape[0] > 0:
-            adagrad_rows_cpu(W1, rows, grad_rows, acc_W1, lr, eps)
-        adagrad_dense_cpu(b1, grad_b1, acc_b1, lr, eps)
         adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)
     else:
-        sparse_backward_update_cpu(indptr, indices, data, dH, W1, b1, lr)
         scatter_add_columns_cpu(W2, b2, cols, dW2s, db2s, -lr)
     return loss

@@ -87,18 +87,6 @@ def test_sample_candidates(rng, negatives):
         assert sorted(cols) == list(range(L)) and log_weight == 0.0
 
 
-def _negatives_by_numpy(pos, n_labels, k, rng):
-    """The uniform negatives as first written with NumPy set operations (the specification of
-    ``output_layer._first_distinct``): the first ``k`` distinct draws that are not positives."""
-    neg = np.empty(0, dtype=np.int64)
-    while len(neg) < k:
-        draw = rng.integers(0, n_labels, size=2 * k + len(pos))
-        draw = np.concatenate([neg, draw[~np.isin(draw, pos)]])
-        _, first = np.unique(draw, return_index=True)
-        neg = draw[np.sort(first)][:k]
-    return neg
-
-
 @pytest.mark.parametrize("L, k", [(60, 5), (60, 40), (200, 150), (5000, 1024), (40, 30)])
 def test_uniform_negatives_equal_the_numpy_specification(L, k):
     """Same draws, same negatives in the same order (several rounds where k is close to the
@@ -110,7 +98,7 @@ def test_uniform_negatives_equal_the_numpy_specification(L, k):
         if kk in (0, L - len(pos)):
             continue
         cols, _, n_pos, _ = sample_candidates(y, L, k, np.random.default_rng(100 + seed))
-        want = _negatives_by_numpy(pos, L, kk, np.random.default_rng(100 + seed))
+        want = reference.uniform_negatives(pos, L, kk, np.random.default_rng(100 + seed))
         np.testing.assert_array_equal(cols[n_pos:], want)
         assert not output_layer._label_mask(L).any()
 
