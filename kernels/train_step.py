@@ -135,6 +135,38 @@ def grad_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
 
 
 @njit(nogil=True, cache=True)
+def _sampled_forward_backward(indptr, indices, data, y_indptr, local_y, cols, n_pos, neg_weight,
+                              W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows,
+                              colsum_parts):
+    """:func:`_forward_backward` on the candidate columns ``cols`` of ``W2``, ``b2`` (gathered
+    into ``W2s``, ``b2s``, with ``neg_weight`` added to the negatives' biases)."""
+    gather_columns_cpu(W2, b2, cols, W2s, b2s)
+    for j in range(n_pos, cols.shape[0]):
+        b2s[j] += neg_weight[j - n_pos]
+    return _forward_backward(indptr, indices, data, y_indptr, local_y, W1, b1, W2s, b2s,
+                             H, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)
+
+
+@njit(nogil=True, cache=True)
+def sampled_grad_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos, neg_weight,
+                          W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows,
+                          colsum_parts):
+    """The gradient of :func:`sampled_train_step_cpu` without the update (``sync``): returns
+    ``(loss, rows, grad_rows, grad_b1)``, with the candidate columns' ``dW2s``, ``db2s`` in their
+    scratch arrays; an empty batch or no candidates give zeros."""
+    if indptr.shape[0] <= 1 or cols.shape[0] == 0:
+        dW2s[...] = 0
+        db2s[...] = 0
+        rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH[:0])
+        return 0.0, rows, grad_rows, grad_b1
+    loss = _sampled_forward_backward(indptr, indices, data, y_indptr, local_y, cols, n_pos,
+                                     neg_weight, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s,
+                                     db2s, loss_rows, colsum_parts)
+    rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
+    return loss, rows, grad_rows, grad_b1
+
+
+@njit(nogil=True, cache=True)
 def sampled_train_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos, neg_weight,
                            W1, b1, W2, b2, acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
                            H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows, colsum_parts, changed,
@@ -154,11 +186,9 @@ def sampled_train_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos
     m = cols.shape[0]
     if indptr.shape[0] <= 1 or m == 0:
         return 0.0
-    gather_columns_cpu(W2, b2, cols, W2s, b2s)
-    for j in range(n_pos, m):
-        b2s[j] += neg_weight[j - n_pos]
-    loss = _forward_backward(indptr, indices, data, y_indptr, local_y, W1, b1, W2s, b2s,
-                             H, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)
+    loss = _sampled_forward_backward(indptr, indices, data, y_indptr, local_y, cols, n_pos,
+                                     neg_weight, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s,
+                                     db2s, loss_rows, colsum_parts)
     _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagrad, lr, eps)
     if adagrad:
         adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)

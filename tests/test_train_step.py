@@ -130,3 +130,27 @@ def test_fused_sampled_step_equals_the_host_level_step(optimizer, rule):
     if optimizer == "adagrad":
         for a, b in zip(fused.optimizer_state(), host.optimizer_state(), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["uniform", "frequency"])
+def test_fused_sampled_gradient_equals_the_host_level_gradient(rule):
+    """grad_batch with the sampled output layer (sync's gradient): the same candidates, the same
+    column-sparse gradient, and the same step when applied."""
+    X, Y = _data_with_edge_rows()
+    fused, host = _pair(X, Y, "adagrad", output="sampled", negatives=6, negative_sampling=rule)
+    rng = np.random.default_rng(3)
+    for rows in (rng.integers(0, X.shape[0], 7), np.array([3, 50, 51]), np.array([12]),
+                 np.zeros(0, np.int64)):
+        lf, gf = fused.grad_batch(rows)
+        lh, gh = host.grad_batch(rows)
+        assert lf == pytest.approx(lh, rel=1e-5, abs=1e-6)
+        np.testing.assert_array_equal(gf[0][0], gh[0][0])
+        np.testing.assert_allclose(gf[0][1], gh[0][1], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(gf[1], gh[1], rtol=1e-5, atol=1e-7)
+        for (cf, vf), (ch, vh) in zip(gf[2:], gh[2:], strict=True):
+            np.testing.assert_array_equal(cf, ch)
+            np.testing.assert_allclose(vf, vh, rtol=1e-5, atol=1e-7)
+        fused.apply_grads(gf, 0.1)
+        host.apply_grads(gh, 0.1)
+        for a, b in zip(fused.params(), host.params(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

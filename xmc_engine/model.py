@@ -129,9 +129,9 @@ class MLPReplica:
         stream is not part of checkpoints: a resumed sampled run draws other negatives than an
         uninterrupted one would (the same distribution).
     fused : bool; ``True`` (default): where the backend has ``fused_train_step`` (the CPU) and
-        the network has one hidden layer, :meth:`train_batch` is one ``nogil`` call
-        (:mod:`xmc_engine.kernels.train_step`) with the sampled output layer and with the exact
-        softmax in one label chunk, and so is :meth:`grad_batch` with the latter; ``False``: the
+        the network has one hidden layer, :meth:`train_batch` and :meth:`grad_batch` are one
+        ``nogil`` call each (:mod:`xmc_engine.kernels.train_step`) with the sampled output
+        layer and with the exact softmax in one label chunk; ``False``: the
         host-level step through the backend's kernels, the fused step's reference
         (``bench/bench_fused_step.py`` times both)
     """
@@ -331,6 +331,9 @@ class MLPReplica:
         Xb, Yb = self._take_x(rows), self._take_y(rows)
         if self._fused and self.output == "exact":
             return self.backend.fused_grad_step(self._params, Xb, Yb)
+        if self._fused:
+            return self.backend.fused_sampled_grad_step(self._params, Xb, Yb.indptr,
+                                                        *self._candidates(Yb))
         if self.output == "exact":
             return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
         return sampled_grad_step(self.backend, self._params, Xb, Yb, self.negatives,
@@ -341,12 +344,8 @@ class MLPReplica:
         on the candidate columns, the dense layers in full (SGD or Adagrad)."""
         be, params = self.backend, self._params
         if self._fused:
-            if self._proposal is not None:
-                self._proposal.before_step(be, params[-2])
-            cols, local_y, n_pos, log_weight = sample_candidates(
-                Yb.indices, params[-2].shape[1], self.negatives, self._rng, self._proposal)
-            return be.fused_sampled_step(params, self._acc, Xb, Yb.indptr, local_y, cols, n_pos,
-                                         log_weight, lr, ADAGRAD_EPS, self._changed,
+            return be.fused_sampled_step(params, self._acc, Xb, Yb.indptr,
+                                         *self._candidates(Yb), lr, ADAGRAD_EPS, self._changed,
                                          self._changed_cols)
         loss, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng,
                                         self._proposal)
@@ -357,6 +356,16 @@ class MLPReplica:
         else:
             apply_grads(be, params, grads, lr)
         return loss
+
+    def _candidates(self, Yb) -> tuple:
+        """``(local_y, cols, n_pos, log_weight)`` of a sampled step on the batch labels ``Yb``
+        (the proposal first sees the current ``W2``, as in :func:`sampled_grad_step`)."""
+        W2 = self._params[-2]
+        if self._proposal is not None:
+            self._proposal.before_step(self.backend, W2)
+        cols, local_y, n_pos, log_weight = sample_candidates(
+            Yb.indices, W2.shape[1], self.negatives, self._rng, self._proposal)
+        return local_y, cols, n_pos, log_weight
 
     def apply_grads(self, grads: list, lr: float) -> None:
         """This replica's optimiser step (SGD ``p -= lr * g``, or Adagrad) with gradients in

@@ -333,19 +333,39 @@ class CPUBackend:
         bool mask of changed ``W2`` columns to mark, or ``None``. Returns the summed loss."""
         adagrad = acc is not None
         acc = acc if adagrad else (_EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D)
+        batch, scratch = self._sampled_args(params, Xb, y_indptr, local_y, cols, n_pos,
+                                            log_weight)
+        return float(train_step.sampled_train_step_cpu(
+            *batch, *params, *acc, adagrad, float(lr), float(eps), *scratch,
+            _NO_ROWS if changed is None else changed,
+            _NO_ROWS if changed_cols is None else changed_cols))
+
+    def fused_sampled_grad_step(self, params, Xb, y_indptr, local_y, cols, n_pos: int,
+                                log_weight):
+        """The gradient of :meth:`fused_sampled_step` without the update
+        (:func:`xmc_engine.kernels.train_step.sampled_grad_step_cpu`): ``(loss_sum, grads)`` in
+        the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch` (``W2``, ``b2``
+        column-sparse, in this backend's workspaces, valid until its next step)."""
+        batch, scratch = self._sampled_args(params, Xb, y_indptr, local_y, cols, n_pos,
+                                            log_weight)
+        loss, rows, grad_rows, grad_b1 = train_step.sampled_grad_step_cpu(*batch, *params,
+                                                                          *scratch)
+        cols = batch[5]
+        return float(loss), [(rows, grad_rows), grad_b1, (cols, scratch[5]), (cols, scratch[6])]
+
+    def _sampled_args(self, params, Xb, y_indptr, local_y, cols, n_pos, log_weight) -> tuple:
+        """The batch's and the candidates' arrays of the fused sampled kernels, and their
+        scratch arrays ``(H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)``."""
         B, nh, m = Xb.shape[0], params[0].shape[1], len(cols)
         neg_weight = np.broadcast_to(np.asarray(log_weight, _F32), (m - n_pos,))
+        batch = (Xb.indptr, Xb.indices, np.asarray(Xb.data, _F32), y_indptr, local_y,
+                 np.asarray(cols, np.int64), int(n_pos), np.ascontiguousarray(neg_weight))
         scratch = (self.workspace("H", (B, nh)), self.workspace("W2s", (nh, m)),
                    self.workspace("b2s", (m,)), self.workspace("Zs", (B, m)),
                    self.workspace("dH", (B, nh)), self.workspace("dW2s", (nh, m)),
                    self.workspace("db2s", (m,)), self.workspace("loss_rows", (B,), np.float64),
                    self.workspace("colsum_parts", (self._n_parts(B), m)))
-        return float(train_step.sampled_train_step_cpu(
-            Xb.indptr, Xb.indices, np.asarray(Xb.data, _F32), y_indptr, local_y,
-            np.asarray(cols, np.int64), int(n_pos), np.ascontiguousarray(neg_weight),
-            *params, *acc, adagrad, float(lr), float(eps), *scratch,
-            _NO_ROWS if changed is None else changed,
-            _NO_ROWS if changed_cols is None else changed_cols))
+        return batch, scratch
 
     def fused_grad_step(self, params, Xb, Yb):
         """The gradient of :meth:`fused_train_step` without the update
