@@ -13,8 +13,7 @@ of ``--steps`` random batches, ``--rounds`` times:
   1-thread budget (two CPU devices of one process, as the scheduler runs them), both fused or
   both host-level;
 - **gradient alone**: one replica's ``grad_batch`` (the gradient without the update, what
-  ``sync`` computes on each device), one thread; exact output layer only (the sampled layer's
-  gradient keeps the host-level path).
+  ``sync`` computes on each device), one thread.
 
 Reported: median microseconds per step over the rounds, the host-level time over the fused time
 (above 1: fused faster), and each kind's two-thread time over its one-thread time (the cost of
@@ -100,8 +99,7 @@ def measure(name: str, steps: int, rounds: int) -> dict:
         for k, reps in kinds.items():
             one[k].append(run_threads(reps[:1], steps, 100 + r)[0])
             two[k].append(max(run_threads(reps, steps, 200 + r)))
-            if output == "exact":  # sync's gradient is fused for the exact output layer
-                grad[k].append(run_threads(reps[:1], steps, 300 + r, grad=True)[0])
+            grad[k].append(run_threads(reps[:1], steps, 300 + r, grad=True)[0])
     row = {"data": name, "output": output, "steps": steps, "rounds": rounds,
            "max_param_diff": diff,
            "one_thread_us": {k: statistics.median(v) for k, v in one.items()},
