@@ -213,7 +213,7 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     """
     from xmc_engine import _env
     from xmc_engine.devices import parse_devices
-    from xmc_engine.model import ModelShape
+    from xmc_engine.model import ModelShape, fused_step_covers
 
     if budget is None:
         budget = _env.memory_budget()
@@ -239,7 +239,8 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
         and the fused CPU step's (one hidden layer, one label chunk; kernels/train_step.py)."""
         if output == "sampled":
             return 0
-        fused = dev.kind == "cpu" and len(cfg.hidden) == 1 and C == n_labels
+        fused = dev.kind == "cpu" and fused_step_covers(len(cfg.hidden), output,
+                                                         cfg.label_chunk, n_labels)
         return h_last * n_labels * F32 if cfg.optimizer == "adagrad" or fused else 0
     pools: dict[str, PoolPlan] = {}
 

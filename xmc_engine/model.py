@@ -179,9 +179,8 @@ class MLPReplica:
                               if backend.tracks_rows and output == "sampled" else None)
         # One nogil call per step where the backend has it and the network is the default
         # shape: one hidden layer, the exact softmax in one label chunk (kernels/train_step.py).
-        self._fused = (fused and hasattr(backend, "fused_train_step") and self.n_dense == 0
-                       and (output == "sampled" or not label_chunk
-                            or label_chunk >= Y.shape[1]))
+        self._fused = (fused and hasattr(backend, "fused_train_step")
+                       and fused_step_covers(self.n_dense + 1, output, label_chunk, Y.shape[1]))
         # labels that were a positive of a batch row since the last set_params, once
         # track_labels() asked for them (AdaptiveConfig.label_weights='positives')
         self._seen = None
@@ -332,8 +331,10 @@ class MLPReplica:
         if self._fused and self.output == "exact":
             return self.backend.fused_grad_step(self._params, Xb, Yb)
         if self._fused:
-            return self.backend.fused_sampled_grad_step(self._params, Xb, Yb.indptr,
-                                                        *self._candidates(Yb))
+            return self.backend.fused_sampled_grad_step(
+                self._params, Xb, Yb.indptr,
+                *draw_candidates(self.backend, self._params[-2], Yb.indices, self.negatives,
+                                 self._rng, self._proposal))
         if self.output == "exact":
             return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
         return sampled_grad_step(self.backend, self._params, Xb, Yb, self.negatives,
@@ -344,9 +345,10 @@ class MLPReplica:
         on the candidate columns, the dense layers in full (SGD or Adagrad)."""
         be, params = self.backend, self._params
         if self._fused:
-            return be.fused_sampled_step(params, self._acc, Xb, Yb.indptr,
-                                         *self._candidates(Yb), lr, ADAGRAD_EPS, self._changed,
-                                         self._changed_cols)
+            candidates = draw_candidates(be, params[-2], Yb.indices, self.negatives, self._rng,
+                                         self._proposal)
+            return be.fused_sampled_step(params, self._acc, Xb, Yb.indptr, *candidates, lr,
+                                         ADAGRAD_EPS, self._changed, self._changed_cols)
         loss, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng,
                                         self._proposal)
         if self._changed_cols is not None:
@@ -356,16 +358,6 @@ class MLPReplica:
         else:
             apply_grads(be, params, grads, lr)
         return loss
-
-    def _candidates(self, Yb) -> tuple:
-        """``(local_y, cols, n_pos, log_weight)`` of a sampled step on the batch labels ``Yb``
-        (the proposal first sees the current ``W2``, as in :func:`sampled_grad_step`)."""
-        W2 = self._params[-2]
-        if self._proposal is not None:
-            self._proposal.before_step(self.backend, W2)
-        cols, local_y, n_pos, log_weight = sample_candidates(
-            Yb.indices, W2.shape[1], self.negatives, self._rng, self._proposal)
-        return local_y, cols, n_pos, log_weight
 
     def apply_grads(self, grads: list, lr: float) -> None:
         """This replica's optimiser step (SGD ``p -= lr * g``, or Adagrad) with gradients in
@@ -470,6 +462,25 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
         return be.to_float(loss), [*grads, dW2, db2]  # synchronize!
 
 
+def fused_step_covers(n_hidden_layers: int, output: str, label_chunk: int | None,
+                      n_labels: int) -> bool:
+    """Whether a network has the shape the fused CPU step covers
+    (:mod:`xmc_engine.kernels.train_step`): one hidden layer, and the sampled output layer or
+    the exact softmax in one label chunk (the replica's choice of step, and the memory
+    planner's count of the ``dW2`` it holds)."""
+    return n_hidden_layers == 1 and (output == "sampled" or not label_chunk
+                                     or label_chunk >= n_labels)
+
+
+def draw_candidates(be, W2, y_indices, negatives: int, rng, proposal=None) -> tuple:
+    """The candidate labels of a sampled step on ``W2`` (:func:`sample_candidates`' ``(cols,
+    local_y, n_pos, log_weight)``); a ``proposal`` first sees the current ``W2`` (its
+    ``before_step``)."""
+    if proposal is not None:
+        proposal.before_step(be, W2)
+    return sample_candidates(y_indices, W2.shape[1], negatives, rng, proposal)
+
+
 def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng,
                       proposal=None) -> tuple[float, list]:
     """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads)``.
@@ -483,10 +494,8 @@ def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng,
     valid until the next sampled step).
     """
     W2, b2 = params[-2], params[-1]
-    if proposal is not None:
-        proposal.before_step(be, W2)
-    cols, local_y, n_pos, log_weight = sample_candidates(Yb.indices, W2.shape[1], negatives, rng,
-                                                         proposal)
+    cols, local_y, n_pos, log_weight = draw_candidates(be, W2, Yb.indices, negatives, rng,
+                                                       proposal)
     Yl = CSRBatch(Yb.indptr, local_y, local_y, (Yb.shape[0], len(cols)))
     with be.activate():
         x_parts, (y_indptr, y_local) = _upload_batch(be, Xb, Yl)

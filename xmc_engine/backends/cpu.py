@@ -317,43 +317,39 @@ class CPUBackend:
         scratch arrays are the output layer's workspaces (``Z``, ``db2``, ...), so the step adds
         ``dW2`` (``n_hidden x L``) to what the host-level path keeps.
         """
-        adagrad = acc is not None
-        acc = acc if adagrad else (_EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D)
         x, y, scratch = self._fused_args(params, Xb, Yb)
         return float(train_step.train_step_cpu(
-            *x, *y, *params, *acc, adagrad, float(lr), float(eps), *scratch,
+            *x, *y, *params, *_optimizer_args(acc), float(lr), float(eps), *scratch,
             _NO_ROWS if changed is None else changed))
 
-    def fused_sampled_step(self, params, acc, Xb, y_indptr, local_y, cols, n_pos: int,
+    def fused_sampled_step(self, params, acc, Xb, y_indptr, cols, local_y, n_pos: int,
                            log_weight, lr: float, eps: float, changed, changed_cols) -> float:
         """:meth:`fused_train_step` with the sampled output layer on the candidate labels
         ``cols`` (:func:`xmc_engine.output_layer.sample_candidates`' ``cols``, ``local_y``,
         ``n_pos``, ``log_weight``: a float, or one per negative)
         (:func:`xmc_engine.kernels.train_step.sampled_train_step_cpu`); ``changed_cols`` the
         bool mask of changed ``W2`` columns to mark, or ``None``. Returns the summed loss."""
-        adagrad = acc is not None
-        acc = acc if adagrad else (_EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D)
-        batch, scratch = self._sampled_args(params, Xb, y_indptr, local_y, cols, n_pos,
+        batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
                                             log_weight)
         return float(train_step.sampled_train_step_cpu(
-            *batch, *params, *acc, adagrad, float(lr), float(eps), *scratch,
+            *batch, *params, *_optimizer_args(acc), float(lr), float(eps), *scratch,
             _NO_ROWS if changed is None else changed,
             _NO_ROWS if changed_cols is None else changed_cols))
 
-    def fused_sampled_grad_step(self, params, Xb, y_indptr, local_y, cols, n_pos: int,
+    def fused_sampled_grad_step(self, params, Xb, y_indptr, cols, local_y, n_pos: int,
                                 log_weight):
         """The gradient of :meth:`fused_sampled_step` without the update
         (:func:`xmc_engine.kernels.train_step.sampled_grad_step_cpu`): ``(loss_sum, grads)`` in
         the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch` (``W2``, ``b2``
         column-sparse, in this backend's workspaces, valid until its next step)."""
-        batch, scratch = self._sampled_args(params, Xb, y_indptr, local_y, cols, n_pos,
+        batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
                                             log_weight)
         loss, rows, grad_rows, grad_b1 = train_step.sampled_grad_step_cpu(*batch, *params,
                                                                           *scratch)
         cols = batch[5]
         return float(loss), [(rows, grad_rows), grad_b1, (cols, scratch[5]), (cols, scratch[6])]
 
-    def _sampled_args(self, params, Xb, y_indptr, local_y, cols, n_pos, log_weight) -> tuple:
+    def _sampled_args(self, params, Xb, y_indptr, cols, local_y, n_pos, log_weight) -> tuple:
         """The batch's and the candidates' arrays of the fused sampled kernels, and their
         scratch arrays ``(H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)``."""
         B, nh, m = Xb.shape[0], params[0].shape[1], len(cols)
@@ -481,6 +477,14 @@ class CPUBackend:
     @staticmethod
     def adagrad_columns(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
         sampled_output.adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)
+
+
+def _optimizer_args(acc) -> tuple:
+    """``(acc_W1, acc_b1, acc_W2, acc_b2, adagrad)`` of the fused kernels: the accumulators of
+    an Adagrad replica, or empty stand-ins and ``False`` for SGD (``acc is None``)."""
+    if acc is None:
+        return _EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D, False
+    return (*acc, True)
 
 
 def _as_rows(a: np.ndarray) -> np.ndarray:
