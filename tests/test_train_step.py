@@ -33,6 +33,33 @@ def _pair(X, Y, optimizer, hidden=(16,), **kw):
                        fused=fused, **kw) for fused in (True, False)]
 
 
+def _assert_same_state(fused, host, optimizer="sgd"):
+    """The two replicas' parameters (and Adagrad accumulators) agree to float32 rounding."""
+    for a, b in zip(fused.params(), host.params(), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    if optimizer == "adagrad":
+        for a, b in zip(fused.optimizer_state(), host.optimizer_state(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _assert_same_gradient(fused, host, rows):
+    """``grad_batch(rows)`` of both replicas agree (the same W1 rows and, for a sampled layer,
+    the same candidate columns), and so do the replicas after each applies its own."""
+    lf, gf = fused.grad_batch(rows)
+    lh, gh = host.grad_batch(rows)
+    assert lf == pytest.approx(lh, rel=1e-5, abs=1e-6)
+    np.testing.assert_array_equal(gf[0][0], gh[0][0])  # the same W1 rows
+    np.testing.assert_allclose(gf[0][1], gh[0][1], rtol=1e-5, atol=1e-7)
+    for a, b in zip(gf[1:], gh[1:], strict=True):
+        if isinstance(a, tuple):  # column-sparse W2, b2: (cols, values)
+            np.testing.assert_array_equal(a[0], b[0])
+            a, b = a[1], b[1]
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    fused.apply_grads(gf, 0.1)
+    host.apply_grads(gh, 0.1)
+    _assert_same_state(fused, host)
+
+
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
 def test_fused_step_equals_the_host_level_step(optimizer):
     X, Y = _data_with_edge_rows()
@@ -48,11 +75,7 @@ def test_fused_step_equals_the_host_level_step(optimizer):
         np.testing.assert_array_equal(fused.changed_rows(), host.changed_rows())
         if step == 0:  # one row's features: a few W1 rows
             assert 0 < fused.changed_rows().sum() < X.shape[1] // 2
-    for a, b in zip(fused.params(), host.params(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    if optimizer == "adagrad":
-        for a, b in zip(fused.optimizer_state(), host.optimizer_state(), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _assert_same_state(fused, host, optimizer)
 
 
 def test_fused_step_with_an_empty_batch_changes_nothing():
@@ -92,18 +115,7 @@ def test_fused_gradient_equals_the_host_level_gradient():
     rng = np.random.default_rng(1)
     for rows in (rng.integers(0, X.shape[0], 7), np.array([3, 50, 51]), np.array([12]),
                  np.zeros(0, np.int64)):
-        lf, gf = fused.grad_batch(rows)
-        lh, gh = host.grad_batch(rows)
-        assert lf == pytest.approx(lh, rel=1e-5, abs=1e-6)
-        np.testing.assert_array_equal(gf[0][0], gh[0][0])  # the same W1 rows
-        np.testing.assert_allclose(gf[0][1], gh[0][1], rtol=1e-5, atol=1e-7)
-        for a, b in zip(gf[1:], gh[1:], strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-        # and the step made from it equals the host-level replica's
-        fused.apply_grads(gf, 0.1)
-        host.apply_grads(gh, 0.1)
-        for a, b in zip(fused.params(), host.params(), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        _assert_same_gradient(fused, host, rows)
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
@@ -125,11 +137,7 @@ def test_fused_sampled_step_equals_the_host_level_step(optimizer, rule):
         np.testing.assert_array_equal(fused.changed_columns(), host.changed_columns())
         if step == 0:
             assert 0 < fused.changed_columns().sum() < Y.shape[1]
-    for a, b in zip(fused.params(), host.params(), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    if optimizer == "adagrad":
-        for a, b in zip(fused.optimizer_state(), host.optimizer_state(), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    _assert_same_state(fused, host, optimizer)
 
 
 @pytest.mark.parametrize("rule", ["uniform", "frequency"])
@@ -141,16 +149,4 @@ def test_fused_sampled_gradient_equals_the_host_level_gradient(rule):
     rng = np.random.default_rng(3)
     for rows in (rng.integers(0, X.shape[0], 7), np.array([3, 50, 51]), np.array([12]),
                  np.zeros(0, np.int64)):
-        lf, gf = fused.grad_batch(rows)
-        lh, gh = host.grad_batch(rows)
-        assert lf == pytest.approx(lh, rel=1e-5, abs=1e-6)
-        np.testing.assert_array_equal(gf[0][0], gh[0][0])
-        np.testing.assert_allclose(gf[0][1], gh[0][1], rtol=1e-5, atol=1e-7)
-        np.testing.assert_allclose(gf[1], gh[1], rtol=1e-5, atol=1e-7)
-        for (cf, vf), (ch, vh) in zip(gf[2:], gh[2:], strict=True):
-            np.testing.assert_array_equal(cf, ch)
-            np.testing.assert_allclose(vf, vh, rtol=1e-5, atol=1e-7)
-        fused.apply_grads(gf, 0.1)
-        host.apply_grads(gh, 0.1)
-        for a, b in zip(fused.params(), host.params(), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        _assert_same_gradient(fused, host, rows)
