@@ -41,9 +41,10 @@ import _common  # noqa: E402
 import _tta  # noqa: E402
 
 
-def replicas(name: str, n: int, fused: bool, output: str = "auto"):
-    """``n`` replicas of the default network on ``name`` (the output layer the engine's
-    ``output="auto"`` picks for the data unless ``output`` says otherwise), same start."""
+def replicas(name: str, n: int) -> dict[str, list]:
+    """``{"fused": [...], "host": [...]}``: ``n`` replicas of each kind of the default network on
+    ``name`` (the output layer the engine's ``output="auto"`` picks for the data), all from the
+    same start; the data is loaded and normalised once for both."""
     from xmc_engine.backends import get_backend
     from xmc_engine.config import TrainConfig
     from xmc_engine.model import MLPReplica, ModelShape, init_params_for_data
@@ -52,9 +53,10 @@ def replicas(name: str, n: int, fused: bool, output: str = "auto"):
     X, Y = _tta.load_data(name)[:2]
     X = normalize_rows(X, "l2")
     params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], (128,)), X, 0)
-    output = TrainConfig(output=output).output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1))
-    return [MLPReplica(get_backend("cpu", threads=1), X, Y, params, optimizer="adagrad",
-                       output=output, fused=fused) for _ in range(n)]
+    output = TrainConfig().output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1))
+    return {kind: [MLPReplica(get_backend("cpu", threads=1), X, Y, params, optimizer="adagrad",
+                              output=output, fused=kind == "fused") for _ in range(n)]
+            for kind in ("fused", "host")}
 
 
 def run_threads(reps, steps: int, seed: int, grad: bool = False) -> list[float]:
@@ -85,7 +87,7 @@ def run_threads(reps, steps: int, seed: int, grad: bool = False) -> list[float]:
 
 
 def measure(name: str, steps: int, rounds: int) -> dict:
-    kinds = {"fused": replicas(name, 2, True), "host": replicas(name, 2, False)}
+    kinds = replicas(name, 2)
     output = kinds["fused"][0].output
     # the same batches from the same start: the two steps must agree
     run_threads(kinds["fused"][:1], 20, 0)
