@@ -10,12 +10,17 @@ out) of:
 
 (2) against (1) is what a multi-device run on this host really gets per device; (3) against
 (1) is the hardware's share of that loss (memory bandwidth, caches), so (2) against (3) is the
-share of running both devices in one process (most likely the GIL hand-overs between the
-workers' Python glue; inferred, not traced). Issue 15's time-to-accuracy study cites it.
-Command (results in ``bench/results/contention.json``)::
+share of running both devices in one process. Issue 15's time-to-accuracy study cites it.
+
+Each per-sample time comes with the CPU time of the thread that ran the steps (``cpu_s`` of the
+merge records): busy time above CPU time is time the thread waited inside its steps (the GIL
+in the Python between the kernels, preemption), CPU time above another device's is the same work
+done slower by its core. ``--seeds N`` repeats (2) with N seeds: which of two "equal" devices is
+the slower one, and by how much, changes from run to run. Command (results in
+``bench/results/contention.json``)::
 
     python bench/bench_contention.py --data delicious debian_debtags debian_builddeps \
-        --epochs 2 1 0.5
+        --epochs 2 1 0.5 --seeds 4
 """
 
 from __future__ import annotations
@@ -32,33 +37,44 @@ import _common  # noqa: E402
 import _tta  # noqa: E402
 
 
-def us_per_sample(clf) -> list[float]:
-    """Per device: microseconds of busy time per sample over the merges after the second."""
+def us_per_sample(clf, key: str = "busy_s") -> list[float]:
+    """Per device: microseconds of busy time (or ``key``: ``cpu_s``) per sample over the merges
+    after the second."""
     merges = [r for r in clf.history_ if r.get("event") == "merge"][2:]
     if not merges:
         raise RuntimeError("too few merge periods to measure: raise --epochs")
     out = []
     for d in range(len(merges[0]["devices"])):
-        busy = sum(r["devices"][d]["busy_s"] for r in merges)
+        busy = sum(r["devices"][d][key] for r in merges)
         samples = sum(r["devices"][d]["samples"] for r in merges)
         out.append(1e6 * busy / samples)
     return out
 
 
-def fit(data, algorithm: str, devices: str, threads, epochs: float):
+def fit(data, algorithm: str, devices: str, threads, epochs: float, seed: int = 0):
     from xmc_engine import XMCClassifier
 
     clf = XMCClassifier(epochs=epochs, devices=devices, algorithm=algorithm, threads=threads,
-                        eval_every=0, seed=0)
+                        eval_every=0, seed=seed)
     clf.fit(data[0], data[1])
     return clf
 
 
-def measure(name: str, epochs: float) -> dict:
+def measure(name: str, epochs: float, seeds: int = 1) -> dict:
     data = _tta.load_data(name)
     fit(data, "single", "cpu", 1, 0.05)  # compile (or load the cache) outside the timing
-    alone = us_per_sample(fit(data, "single", "cpu", 1, epochs))[0]
-    in_process = us_per_sample(fit(data, "average", "cpu,cpu", 1, epochs))
+    clf = fit(data, "single", "cpu", 1, epochs)
+    alone, alone_cpu = us_per_sample(clf)[0], us_per_sample(clf, "cpu_s")[0]
+    runs = []
+    for seed in range(seeds):
+        clf = fit(data, "average", "cpu,cpu", 1, epochs, seed)
+        busy, cpu = us_per_sample(clf), us_per_sample(clf, "cpu_s")
+        runs.append({"seed": seed, "busy_us": busy, "cpu_us": cpu,
+                     "slower_over_faster_busy": max(busy) / min(busy),
+                     "slower_over_faster_cpu": max(cpu) / min(cpu)})
+        print(f"{name:18s} two devices in one process, seed {seed}: busy {busy[0]:7.1f} / "
+              f"{busy[1]:7.1f} us/sample, CPU {cpu[0]:7.1f} / {cpu[1]:7.1f}", flush=True)
+    in_process = runs[0]["busy_us"]
     child = [sys.executable, __file__, "--child", "--data", name, "--epochs", str(epochs)]
     procs = [subprocess.Popen(child, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     two_procs = []
@@ -67,7 +83,8 @@ def measure(name: str, epochs: float) -> dict:
         if p.returncode:
             raise RuntimeError(f"child process for {name} exited with {p.returncode}")
         two_procs.append(json.loads(out.strip().splitlines()[-1]))
-    row = {"data": name, "epochs": epochs, "alone_us": alone, "in_process_us": in_process,
+    row = {"data": name, "epochs": epochs, "alone_us": alone, "alone_cpu_us": alone_cpu,
+           "in_process_us": in_process, "in_process_runs": runs,
            "two_processes_us": two_procs,
            "in_process_slowdown": max(in_process) / alone,
            "two_processes_slowdown": max(two_procs) / alone}
@@ -83,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--data", nargs="+", default=["delicious"])
     p.add_argument("--epochs", type=float, nargs="+", default=[1.0],
                    help="one per dataset, or one for all")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs of the two devices in one process, seeds 0..N-1 (default 1)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "contention.json"))
     args = p.parse_args(argv)
@@ -94,7 +113,7 @@ def main(argv=None) -> int:
         print(json.dumps(us_per_sample(fit(data, "single", "cpu", 1, epochs[0]))[0]))
         return 0
     meta = _common.result_metadata()
-    rows = [measure(name, e) for name, e in zip(args.data, epochs, strict=True)]
+    rows = [measure(name, e, args.seeds) for name, e in zip(args.data, epochs, strict=True)]
     path = _common.write_result(args.out, {**meta, "benchmark": "contention", "rows": rows})
     print(f"wrote {path}")
     return 0

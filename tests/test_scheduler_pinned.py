@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -225,6 +226,34 @@ def test_threaded_busy_time_is_the_devices_step_time():
     for d, speed in zip(out["devices"], (1.0, 0.5), strict=True):
         assert d["updates"] * latency / speed <= d["busy_s"] <= out["train_seconds"]
         assert d["idle_s"] >= 0.0
+
+
+class _SpinningReplica(FakeReplica):
+    """A fake replica whose step burns CPU for its latency instead of sleeping."""
+
+    def train_batch(self, rows, lr):
+        end = time.thread_time() + self.latency_per_step
+        while time.thread_time() < end:
+            pass
+        return super().train_batch(rows, lr)
+
+
+def test_threaded_cpu_time_is_the_worker_threads():
+    """``cpu_s`` counts the CPU time of the thread that ran a device's steps: about none for a
+    step that sleeps (busy but waiting), at least the burnt time for a step that computes, and
+    never more than its busy time (one thread)."""
+    n, latency = 64, 2e-3
+    reps = [FakeReplica(n, latency_per_step=latency, latency_per_sample=0.0, seed=0),
+            _SpinningReplica(n, latency_per_step=latency, latency_per_sample=0.0, sleep=False,
+                             seed=0)]
+    devices = parse_devices("cpu,cpu", cores=2)
+    with make_trainer(reps, devices, "average", n, batch_size=8, merge_period=32,
+                      timeout=30) as tr:
+        out = tr.run_epoch(0)
+    sleeper, spinner = out["devices"]
+    assert sleeper["updates"] > 0 and spinner["updates"] > 0
+    assert sleeper["cpu_s"] < 0.5 * sleeper["busy_s"]
+    assert spinner["updates"] * latency <= spinner["cpu_s"] <= spinner["busy_s"] * 1.05 + 1e-3
 
 
 def test_a_timed_out_trainer_refuses_further_epochs():

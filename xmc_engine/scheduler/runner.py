@@ -87,7 +87,8 @@ class MergeContext:
 
 
 def _new_totals(n: int) -> dict[str, list]:
-    return {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n}
+    return {"samples": [0] * n, "updates": [0] * n, "busy_s": [0.0] * n, "idle_s": [0.0] * n,
+            "cpu_s": [0.0] * n}
 
 
 class Trainer:
@@ -276,7 +277,12 @@ class Trainer:
             periods, loss`` (mean per sample), ``lr`` (base rate of the last period),
             ``train_seconds`` (wall time, or virtual time in simulated mode), ``merge_seconds``
             and ``devices``: one dict per device with ``device, samples, updates, busy_s,
-            idle_s, batch_size`` (at the end of the call).
+            idle_s, cpu_s, batch_size`` (at the end of the call); ``cpu_s`` is the CPU time of
+            the thread that ran the device's steps (``time.thread_time``: the worker thread,
+            or the main thread in simulated mode; helper threads of a step's parallel kernels
+            and BLAS are not in it), so ``busy_s`` well above ``cpu_s`` on a one-thread device
+            means the thread waited (preempted, the GIL, a GPU), ``cpu_s`` per sample above
+            another device's means its core did the same work slower.
 
         Raises
         ------
@@ -356,7 +362,7 @@ class Trainer:
             "devices": [{"device": i, "name": str(self.devices[i]),
                          "samples": tot["samples"][i], "updates": tot["updates"][i],
                          "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
-                         "batch_size": self.policy.batch_sizes()[i]} for i in range(n)],
+                         "cpu_s": tot["cpu_s"][i], "batch_size": self.policy.batch_sizes()[i]} for i in range(n)],
         }
 
     def close(self) -> None:
@@ -389,11 +395,12 @@ class Trainer:
             tot["updates"][i] += acct.updates[i]
             tot["busy_s"][i] += res["busy_s"][i]
             tot["idle_s"][i] += res["idle_s"][i]
+            tot["cpu_s"][i] += res["cpu_s"][i]
             rows.append({"device": i, "name": str(self.devices[i]),
                          "batch_size": acct.batch_sizes[i], "updates": acct.updates[i],
                          "samples": acct.samples[i], "weight": weights[i], "lr": lrs[i],
                          "busy_s": res["busy_s"][i], "idle_s": res["idle_s"][i],
-                         "loss": res["loss"][i]})
+                         "cpu_s": res["cpu_s"][i], "loss": res["loss"][i]})
         return rows
 
     def _step(self, i: int, rows, lr: float) -> tuple[float, float]:
@@ -453,7 +460,7 @@ class Trainer:
 
     def _period_simulated(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
-        clock, busy, loss = [0.0] * n, [0.0] * n, [0.0] * n
+        clock, busy, loss, cpu = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         failed: list[tuple[int, BaseException]] = []
         active = [i for i in range(n) if self.alive[i]]
         while active:
@@ -463,6 +470,7 @@ class Trainer:
                 active.remove(i)
                 continue
             self._trace("take", i)
+            c0 = time.thread_time()
             try:
                 with self._budget(i):
                     step_loss, wall = self._step(i, rows, lrs[i])
@@ -477,6 +485,7 @@ class Trainer:
                 if len(failed) + sum(not a for a in self.alive) == n:
                     self._all_failed(failed)
                 continue
+            cpu[i] += time.thread_time() - c0
             dt = self._simulated_seconds(i, len(rows), wall)
             clock[i] += dt
             busy[i] += dt
@@ -484,7 +493,7 @@ class Trainer:
         end = max(clock)
         self.virtual_time += end
         return {"seconds": end, "busy_s": busy, "idle_s": [end - c for c in clock],
-                "loss": loss, "failed": failed}
+                "loss": loss, "cpu_s": cpu, "failed": failed}
 
     # threaded mode ----------------------------------------------------------------------------
     def _start_workers(self) -> None:
@@ -525,6 +534,7 @@ class Trainer:
     def _run_period(self, i: int, lr: float) -> dict[str, Any]:
         speed = self.devices[i].speed
         busy = loss = 0.0
+        cpu0 = time.thread_time()
         while True:
             if self._abort.is_set():
                 raise _Abort
@@ -543,7 +553,7 @@ class Trainer:
                 wall /= speed
             busy += wall
             loss += step_loss
-        return {"busy_s": busy, "loss": loss}
+        return {"busy_s": busy, "loss": loss, "cpu_s": time.thread_time() - cpu0}
 
     def _next_report(self, waiting, what: str):
         """The next ``(device, result, error)`` from a worker; after ``timeout`` seconds of
@@ -563,7 +573,7 @@ class Trainer:
         pending = {i for i in range(n) if self.alive[i]}
         for i in pending:
             self._inboxes[i].put(("period", lrs[i]))
-        idle = {"busy_s": 0.0, "loss": 0.0}
+        idle = {"busy_s": 0.0, "loss": 0.0, "cpu_s": 0.0}
         results: list[dict] = [idle] * n
         failed: list[tuple[int, BaseException]] = []
         while pending:
@@ -582,6 +592,7 @@ class Trainer:
         end = time.perf_counter()
         busy = [r["busy_s"] for r in results]
         return {"seconds": end - t0, "busy_s": busy, "loss": [r["loss"] for r in results],
+                "cpu_s": [r["cpu_s"] for r in results],
                 "idle_s": [max(0.0, (end - t0) - b) for b in busy], "failed": failed}
 
     # elastic device set -----------------------------------------------------------------------
