@@ -12,6 +12,10 @@ nothing else set) and each line is followed by its P@k over each library's, e.g.
         --data debian_debtags --data debian_builddeps --engine-epochs 5 \
         --out bench/results/xmc_libraries_engine_defaults.json
 
+``--engine-params JSON`` (repeatable) adds an engine run per JSON object of
+:class:`xmc_engine.XMCClassifier` parameters set on top of the defaults (e.g. ``'{"hidden":
+[256]}'``), and ``--engine-seeds`` repeats every engine run with more seeds.
+
 PECOS (``libpecos``) pins NumPy < 2, so it lives in its own virtualenv (``--pecos-python``,
 default ``/work/pecos-venv/bin/python`` when it exists). This file doubles as the PECOS worker:
 the main process writes the split as SciPy ``.npz`` files (read back with ``allow_pickle=False``)
@@ -177,12 +181,14 @@ def _l2_rows(X):
 
 # -- CLI ------------------------------------------------------------------------------------------
 
-def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0) -> dict:
-    """The engine as a user gets it (``XMCClassifier(epochs=, seed=)``, nothing else set), in
-    the libraries' record format; kernels are compiled (or loaded) outside ``train_time``."""
+def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
+                        params: dict | None = None) -> dict:
+    """The engine as a user gets it (``XMCClassifier(epochs=, seed=)``, nothing else set, or
+    ``params`` set on top), in the libraries' record format; kernels are compiled (or loaded)
+    outside ``train_time``."""
     from xmc_engine import XMCClassifier
 
-    clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0)
+    clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **(params or {}))
     t0, c0 = time.perf_counter(), time.process_time()
     clf.fit(X, Y)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -191,9 +197,21 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0) -
     t0 = time.perf_counter()
     top = clf.predict_topk(X_test, TOP_K)[0]
     predict = time.perf_counter() - t0
-    return {"library": "xmc-engine", "model": "defaults", "train_time": final["train_time"],
+    model = json.dumps(params, separators=(",", ":")) if params else "defaults"
+    return {"library": "xmc-engine", "model": model, "seed": seed,
+            "train_time": final["train_time"],
             "wall_s": wall, "train_cpu_time": cpu, "predict_time": predict,
             "compile_s": compile_s, "epochs": epochs, **_score(top, Y_test)}
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -211,6 +229,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also train the engine with its defaults for E epochs on each dataset "
                    "(XMCClassifier(epochs=E, seed=--seed), nothing else set) and print its "
                    "P@k over each library's")
+    p.add_argument("--engine-params", action="append", type=_json_object, default=None,
+                   metavar="JSON", help="with --engine-epochs: also train the engine with these "
+                   "XMCClassifier parameters set (a JSON object; repeatable)")
+    p.add_argument("--engine-seeds", type=int, nargs="+", default=None, metavar="S",
+                   help="with --engine-epochs: seeds of every engine run (default: --seed)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "xmc_libraries.json"))
     p.add_argument("--pecos-worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -253,14 +276,19 @@ def main(argv=None) -> int:
             print(_line(r), flush=True)
             results.append(r)
         if args.engine_epochs:
-            e = run_engine_defaults(X, Y, X_test, Y_test, epochs=args.engine_epochs,
-                                    seed=args.seed)
-            e = {"dataset": name, **e, "n_train": X.shape[0], "n_test": X_test.shape[0]}
-            print(_line(e), flush=True)
-            for r in (x for x in results if x["dataset"] == name):
-                print(f"  engine / {r['library']}: " + ", ".join(
-                    f"P@{k} {e[f'P@{k}'] / r[f'P@{k}']:.3f}" for k in (1, 3, 5)), flush=True)
-            results.append(e)
+            libraries = [x for x in results if x["dataset"] == name]
+            for params in [None, *(args.engine_params or [])]:
+                for seed in args.engine_seeds or [args.seed]:
+                    e = run_engine_defaults(X, Y, X_test, Y_test, epochs=args.engine_epochs,
+                                            seed=seed, params=params)
+                    e = {"dataset": name, **e, "n_train": X.shape[0],
+                         "n_test": X_test.shape[0]}
+                    print(_line(e) + f"  seed {seed}", flush=True)
+                    for r in libraries:
+                        print(f"  engine / {r['library']}: " + ", ".join(
+                            f"P@{k} {e[f'P@{k}'] / r[f'P@{k}']:.3f}" for k in (1, 3, 5)),
+                            flush=True)
+                    results.append(e)
     payload = {**meta, "benchmark": "xmc_libraries",
                "peak_rss_mib": _common.peak_rss_mib(),
                "peak_rss_mib_children": _common.peak_rss_mib(children=True),

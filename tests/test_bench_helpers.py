@@ -245,3 +245,23 @@ def test_sweep_at_equal_time_takes_the_last_evaluation_before_it(capsys):
                         "runs": [{"curve": curve}, {"curve": [[1.5, 1.0, 0.40]]}]}]}
     print_at_seconds(result, [2.0])
     assert "| single cpu | 0.4500 | 2.2 |" in capsys.readouterr().out
+
+
+def test_xmc_libraries_engine_params_are_json_objects_applied_on_top_of_the_defaults():
+    import numpy as np
+    import scipy.sparse as sp
+    from xmc_libraries import parse_args, run_engine_defaults
+
+    args = parse_args(["--engine-epochs", "1", "--engine-params", '{"hidden": [16]}',
+                       "--engine-seeds", "0", "1"])
+    assert args.engine_params == [{"hidden": [16]}] and args.engine_seeds == [0, 1]
+    for bad in ("[16]", "{hidden: 16}"):
+        with pytest.raises(SystemExit):
+            parse_args(["--engine-params", bad])
+    rng = np.random.default_rng(0)
+    X = sp.random(60, 30, density=0.2, format="csr", random_state=0, dtype=np.float32)
+    Y = sp.csr_matrix((np.ones(60, np.float32), rng.integers(0, 8, 60), np.arange(61)),
+                      shape=(60, 8))
+    r = run_engine_defaults(X, Y, X, Y, epochs=1, seed=1, params={"hidden": [16]})
+    assert r["model"] == '{"hidden":[16]}' and r["seed"] == 1 and 0.0 <= r["P@1"] <= 1.0
+    assert run_engine_defaults(X, Y, X, Y, epochs=1)["model"] == "defaults"
