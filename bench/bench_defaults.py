@@ -38,6 +38,9 @@ runs (each then repeated with ``--resume`` once the defaults were fixed)::
     python bench/bench_defaults.py --width-study --datasets bibtex delicious corel5k \
         stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags synth1k \
         --out bench/results/defaults_width.json
+    python bench/bench_defaults.py --lr-probe-study --epochs 5 --datasets bibtex delicious \
+        corel5k stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags debian_builddeps \
+        synth1k --out bench/results/defaults_lr_probe.json
 
 The synthetic shapes come from :func:`xmc_engine.datasets.make_synthetic` (power-law label
 popularity, exponent 0.9): ``synth1k`` 10,000 train / 2,500 test rows, 5,000 features, 1,000
@@ -111,6 +114,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the defaults at each --widths hidden width on --datasets, evaluated "
                    "at each --epochs")
     h.add_argument("--widths", type=int, nargs="+", default=list(HIDDENS))
+    q = p.add_argument_group("learning-rate probe study (--lr-probe-study: instead of the grid)")
+    q.add_argument("--lr-probe-study", action="store_true",
+                   help="would a short probe pick the learning rate better than the default? "
+                   "(issue 14's lr='auto'; see lr_probe_study)")
+    q.add_argument("--probe-lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
+    q.add_argument("--probe-epochs", type=int, nargs="+", default=[1, 2],
+                   help="probe lengths in epochs (the full length is always reported too)")
+    q.add_argument("--validation", type=float, default=0.1,
+                   help="share of the training rows held out for the probe's choice")
     w = p.add_argument_group("warm-up study (--warmup-study: instead of the grid)")
     w.add_argument("--warmup-study", action="store_true")
     w.add_argument("--warmups", type=float, nargs="+", default=[0.0, 0.05, 0.25, 1.0])
@@ -343,8 +355,7 @@ def config_study(args, meta, configs: list[dict], label, default: str, benchmark
     configuration, then each configuration's mean P@1 / P@5 / training time over datasets and
     its largest P@1 shortfall against a dataset's best configuration."""
     rows, table = [], {}
-    for name in args.datasets:
-        X, Y, Xt, Yt, note = load(name, args.max_train)
+    for name, X, Y, Xt, Yt, note in datasets_present(args.datasets, args.max_train):
         heavy = name in args.heavy
         epochs = sorted(args.epochs)[:1] if heavy else sorted(args.epochs)
         seeds = args.seeds[:1] if heavy else args.seeds
@@ -364,6 +375,83 @@ def config_study(args, meta, configs: list[dict], label, default: str, benchmark
         summary = print_study_table(table, [label(c) for c in configs], default)
         _common.write_result(args.out, {**meta, "benchmark": benchmark,
                                         "configs": configs, "summary": summary, "rows": rows})
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def lr_probe_study(args, meta) -> int:
+    """Would a short probe pick the learning rate better than the fixed default (issue 14's
+    ``lr="auto"``)? Per dataset, ``--validation`` of the training rows (seeded) are held out;
+    for each ``--probe-lrs`` rate and seed the defaults otherwise train ``max(--epochs)`` epochs
+    on the rest, evaluated on the held-out rows after every epoch and on the test set at the
+    end. A probe of ``p`` epochs picks, per seed, the rate with the best held-out P@1 at epoch
+    ``p`` (the schedule depends on the epoch reached, so the first ``p`` epochs of a run are
+    the ``p``-epoch run); the full length is the same choice at the last epoch. Prints per
+    dataset the test P@1 (mean over seeds) of the default rate, of each probe's pick and of the
+    best rate in hindsight, and each probe's cost in training time over one default run."""
+    from xmc_libraries import _score
+
+    from xmc_engine import XMCClassifier
+    from xmc_engine.config import TrainConfig
+
+    default_lr = TrainConfig().learning_rate
+    lrs = sorted(set(args.probe_lrs) | {default_lr})
+    epochs = max(args.epochs)
+    probes = sorted({p for p in args.probe_epochs if p < epochs} | {epochs})
+    rows, table = [], []
+    for name, X, Y, Xt, Yt, note in datasets_present(args.datasets, args.max_train):
+        perm = np.random.default_rng(0).permutation(X.shape[0])
+        n_val = max(1, int(round(args.validation * X.shape[0])))
+        val, fit_rows = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+        print(f"{name}: {fit_rows.size} training rows, {val.size} held out {note}", flush=True)
+        runs = {}
+        for seed in args.seeds:
+            for lr in lrs:
+                clf = XMCClassifier(lr=lr, epochs=epochs, eval_every=1, seed=seed,
+                                    threads=args.threads)
+                clf.fit(X[fit_rows], Y[fit_rows], eval_set=(X[val], Y[val]))
+                curve = [(round(r["epoch"]), r["metrics"]["P@1"], r["train_time"])
+                         for r in clf.history_ if r["event"] == "eval"]
+                test = _score(clf.predict_topk(Xt, 5)[0], Yt)
+                runs[seed, lr] = r = {"dataset": name, "seed": seed, "lr": lr,
+                                      "validation": curve, "test": test}
+                rows.append(r)
+                print(f"  lr {lr:g} seed {seed}: held-out P@1 by epoch "
+                      + " ".join(f"{p1:.4f}" for _, p1, _ in curve)
+                      + f"; test P@1 {test['P@1']:.4f}", flush=True)
+        line = {"dataset": name, "default": float(np.mean(
+            [runs[s, default_lr]["test"]["P@1"] for s in args.seeds]))}
+        line["best_in_hindsight"] = max(float(np.mean([runs[s, lr]["test"]["P@1"]
+                                                       for s in args.seeds])) for lr in lrs)
+        for p in probes:
+            picks = {s: max(lrs, key=lambda lr, s=s: runs[s, lr]["validation"][p - 1][1])
+                     for s in args.seeds}
+            line[f"probe_{p}"] = float(np.mean([runs[s, picks[s]]["test"]["P@1"]
+                                                for s in args.seeds]))
+            line[f"picks_{p}"] = [picks[s] for s in args.seeds]
+            line[f"cost_{p}"] = float(np.mean([
+                sum(runs[s, lr]["validation"][p - 1][2] for lr in lrs)
+                / runs[s, default_lr]["validation"][-1][2] for s in args.seeds]))
+        table.append(line)
+        _common.write_result(args.out, {**meta, "benchmark": "defaults_lr_probe",
+                                        "lrs": lrs, "epochs": epochs, "probes": probes,
+                                        "validation": args.validation, "table": table,
+                                        "rows": rows})
+    print(f"\ntest P@1 after {epochs} epochs (mean over seeds {args.seeds}); a probe of p "
+          f"epochs trains every rate of {lrs} for p epochs (cost: over one run at the default)")
+    print("| data | default lr " + f"{default_lr:g} | "
+          + " | ".join(f"probe {p} ep: pick, P@1, cost" for p in probes) + " | best rate |")
+    print("|---|---:|" + "---|" * len(probes) + "---:|")
+    for t in table:
+        cells = [f"{'/'.join(f'{x:g}' for x in t[f'picks_{p}'])}, {t[f'probe_{p}']:.4f} "
+                 f"({t[f'probe_{p}'] - t['default']:+.4f}), {t[f'cost_{p}']:.1f}x"
+                 for p in probes]
+        print(f"| {t['dataset']} | {t['default']:.4f} | " + " | ".join(cells)
+              + f" | {t['best_in_hindsight']:.4f} |")
+    if table:
+        print("| mean | " + f"{np.mean([t['default'] for t in table]):.4f} | " + " | ".join(
+            f"{np.mean([t[f'probe_{p}'] for t in table]):.4f}" for p in probes)
+            + f" | {np.mean([t['best_in_hindsight'] for t in table]):.4f} |")
     print(f"\nwrote {args.out}")
     return 0
 
@@ -475,6 +563,8 @@ def main(argv=None) -> int:
         return width_study(args, meta)
     if args.normalize_study:
         return normalize_study(args, meta)
+    if args.lr_probe_study:
+        return lr_probe_study(args, meta)
     out = Path(args.out)
     previous, napkin = {}, {}
     for path in [out, *args.previous] if args.resume else []:
@@ -485,9 +575,8 @@ def main(argv=None) -> int:
     heavy_shapes = [tuple(int(v) for v in s.split("x")) for s in args.heavy_shapes.split(",")]
     heavy_points = [(s.split(":")[0], float(s.split(":")[1])) for s in args.heavy_lrs.split(",")]
     rows, notes, summary = [], {}, []
-    for name in args.datasets:
+    for name, X, Y, Xt, Yt, note in datasets_present(args.datasets, args.max_train):
         t0 = time.perf_counter()
-        X, Y, Xt, Yt, note = load(name, args.max_train)
         notes[name] = {"n_train": X.shape[0], "n_test": Xt.shape[0], "n_features": X.shape[1],
                        "n_labels": Y.shape[1], "nnz_per_row": X.nnz / max(X.shape[0], 1),
                        "note": note}
