@@ -26,6 +26,7 @@ Two modes share the queue, the policies and the merge code:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import queue as _queue
@@ -44,6 +45,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["MODES", "MergeContext", "Trainer"]
 
 MODES = ("threads", "simulated")
+
+#: In threaded mode the main thread merges with one CPU thread until a merge takes longer than
+#: this (seconds), then with the CPU backend's full budget for the rest of the run (0: always
+#: the full budget). A merge on two numba threads leaves libgomp's helper thread spinning for
+#: about a millisecond (``GOMP_SPINCOUNT``, 300,000 by default) on a core that a device's
+#: worker needs as the next period starts: with two one-thread devices in one process the
+#: workers waited inside their steps for 9-13 % of their busy time on delicious and
+#: debian_debtags (``bench/bench_omp_wait.py``). Two threads merge 1.3-1.9x faster, which is
+#: worth that millisecond only for merges of more than about 10 ms (the Amazon-670K shape's
+#: column merge: 52 ms on one thread, 34 ms on two).
+MERGE_ONE_THREAD_MAX_S = 0.010
 
 
 class _Abort(Exception):
@@ -215,6 +227,8 @@ class Trainer:
         self._threads: list[threading.Thread] = []
         self._abort = threading.Event()
         self._open: int | None = None  # the epoch a run_epoch(stop_after=...) call stopped in
+        # the main thread's CPU thread budget for merges (MERGE_ONE_THREAD_MAX_S); None: full
+        self._merge_threads = 1 if mode == "threads" and MERGE_ONE_THREAD_MAX_S > 0 else None
         if mode == "threads":
             self._start_workers()
 
@@ -328,7 +342,8 @@ class Trainer:
                                nonfinite=nonfinite, lrs=lrs, comm=self.comm,
                                run_on_devices=self._run_on_devices, epoch=epoch,
                                period=acct.period)
-            info = self.policy.merge(self.replicas, acct.updates, ctx)
+            with self._merge_budget():
+                info = self.policy.merge(self.replicas, acct.updates, ctx)
             self._trace("merge_end", -1)
             for i in info.get("nonfinite") or []:
                 self.lr_scale[i] *= 0.5
@@ -340,6 +355,10 @@ class Trainer:
                                    name=str(self.devices[i]), lr_scale=self.lr_scale[i])
             dt_merge = time.perf_counter() - t0
             merge_s += dt_merge
+            if self._merge_threads == 1 and dt_merge > MERGE_ONE_THREAD_MAX_S:
+                self._merge_threads = None
+                logger.info("merges take %.0f ms on one thread: merging with the full CPU "
+                            "thread budget from now on", 1e3 * dt_merge)
             self.policy.end_period(progress, acct.updates, acct.samples, res["busy_s"])
             loss_sum += sum(x for x in res["loss"] if math.isfinite(x))
             rows = self._tally(tot, acct, res, info["weights"], lrs)
@@ -381,6 +400,15 @@ class Trainer:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
+    def _merge_budget(self):
+        """The main thread's CPU thread budget for a merge: one thread while merges are short
+        in threaded mode (:data:`MERGE_ONE_THREAD_MAX_S`), else the backend's default."""
+        if self._merge_threads is None:
+            return contextlib.nullcontext()
+        cpu = next((r.backend for r in self.replicas
+                    if getattr(getattr(r, "backend", None), "name", None) == "cpu"), None)
+        return contextlib.nullcontext() if cpu is None else cpu.thread_budget(self._merge_threads)
+
     def _trace(self, kind: str, device: int) -> None:
         if self.trace:
             with self._trace_lock:
