@@ -46,9 +46,9 @@ __all__ = ["MODES", "MergeContext", "Trainer"]
 
 MODES = ("threads", "simulated")
 
-#: In threaded mode the main thread merges with one CPU thread until a merge takes longer than
-#: this (seconds), then with the CPU backend's full budget for the rest of the run (0: always
-#: the full budget). A merge on two numba threads leaves libgomp's helper thread spinning for
+#: In threaded mode with several devices the main thread merges with one CPU thread until a
+#: merge takes longer than this (seconds), then with the CPU backend's full budget for the rest
+#: of the run (0: always the full budget). A merge on two numba threads leaves libgomp's helper thread spinning for
 #: about a millisecond (``GOMP_SPINCOUNT``, 300,000 by default) on a core that a device's
 #: worker needs as the next period starts: with two one-thread devices in one process the
 #: workers waited inside their steps for 9-13 % of their busy time on delicious and
@@ -228,7 +228,8 @@ class Trainer:
         self._abort = threading.Event()
         self._open: int | None = None  # the epoch a run_epoch(stop_after=...) call stopped in
         # the main thread's CPU thread budget for merges (MERGE_ONE_THREAD_MAX_S); None: full
-        self._merge_threads = 1 if mode == "threads" and MERGE_ONE_THREAD_MAX_S > 0 else None
+        self._merge_threads = (1 if mode == "threads" and n > 1 and MERGE_ONE_THREAD_MAX_S > 0
+                               else None)
         if mode == "threads":
             self._start_workers()
 
