@@ -10,6 +10,11 @@ candidate's row of the label-major array instead of a strided column), one threa
 sorted candidate sets of ``--m`` labels drawn anew for each call, with a 64 MiB buffer written
 between calls so that neither layout starts in the caches. Median of ``--calls`` calls.
 
+Also the column-sparse merge of two replicas' ``W2`` on ``--merge-share`` of the labels (the
+share a merge period of the Amazon-670K shape changes, about 11 %): the engine's
+``merge_columns_cpu`` (``kernels/merge.py``) on one and on two threads (the trainer's
+``MERGE_ONE_THREAD_MAX_S`` cites them), against a label-major version written here, one thread.
+
 Not an engine feature: the measurement behind issue 18's open "label-major W2"::
 
     python bench/bench_w2_layout.py
@@ -56,13 +61,24 @@ def label_major_kernels():
                 w[h], a[h] = adagrad_entry_cpu(w[h], a[h], dW2s[h, j], lr32, eps32)
             b2[c], acc_b2[c] = adagrad_entry_cpu(b2[c], acc_b2[c], db2s[j], lr32, eps32)
 
-    return gather_rows, adagrad_rows_t
+    @njit(nogil=True, parallel=True)
+    def merge_rows_t(A, B, weights, cols, central):
+        """``central[c] = weights[0, j] A[c] + weights[1, j] B[c]`` for ``c = cols[j]``."""
+        for j in prange(cols.shape[0]):
+            c = cols[j]
+            out, a, b = central[c], A[c], B[c]
+            for h in range(out.shape[0]):
+                out[h] = weights[0, j] * a[h] + weights[1, j] * b[h]
+
+    return gather_rows, adagrad_rows_t, merge_rows_t
 
 
-def measure(n_labels: int, n_hidden: int, m: int, calls: int, flush) -> dict:
+def measure(n_labels: int, n_hidden: int, m: int, calls: int, flush,
+            merge_share: float) -> dict:
     from xmc_engine.kernels import sampled_output as so
+    from xmc_engine.kernels.merge import merge_columns_cpu
 
-    gather_rows, adagrad_rows_t = label_major_kernels()
+    gather_rows, adagrad_rows_t, merge_rows_t = label_major_kernels()
     rng = np.random.default_rng(0)
     W2 = rng.standard_normal((n_hidden, n_labels)).astype(np.float32)
     acc = np.abs(rng.standard_normal((n_hidden, n_labels))).astype(np.float32)
@@ -78,12 +94,24 @@ def measure(n_labels: int, n_hidden: int, m: int, calls: int, flush) -> dict:
         "Adagrad, label-major": lambda c: adagrad_rows_t(W2T, b2, accT, acc_b2, c, g, gb, 0.01,
                                                          1e-10),
     }
+    n_merged = max(1, int(merge_share * n_labels))
+    central, centralT = np.zeros_like(W2), np.zeros_like(W2T)
+    cases.update({
+        "merge, (hidden, labels), 1 thread": lambda c: merge_columns_cpu(
+            (W2, acc), np.full((2, c.size), 0.5, np.float32), c, central),
+        "merge, (hidden, labels), 2 threads": lambda c: _threads(2, merge_columns_cpu, (W2, acc),
+                                                                 np.full((2, c.size), 0.5,
+                                                                         np.float32), c, central),
+        "merge, label-major, 1 thread": lambda c: merge_rows_t(
+            W2T, accT, np.full((2, c.size), 0.5, np.float32), c, centralT),
+    })
     times = {k: [] for k in cases}
     for _ in range(calls):
         for name, fn in cases.items():
-            cols = np.sort(rng.choice(n_labels, m, replace=False)).astype(np.int64)
+            k = n_merged if name.startswith("merge") else m
+            cols = np.sort(rng.choice(n_labels, k, replace=False)).astype(np.int64)
             fn(cols)  # compiles on the first call; warms nothing useful for the next draw
-            cols = np.sort(rng.choice(n_labels, m, replace=False)).astype(np.int64)
+            cols = np.sort(rng.choice(n_labels, k, replace=False)).astype(np.int64)
             flush()
             t0 = time.perf_counter()
             fn(cols)
@@ -91,8 +119,21 @@ def measure(n_labels: int, n_hidden: int, m: int, calls: int, flush) -> dict:
     ms = {k: statistics.median(v) for k, v in times.items()}
     print(f"{n_labels:8d} labels, {m} columns: gather {ms['gather, (hidden, labels)']:.3f} / "
           f"{ms['gather, label-major']:.3f} ms, Adagrad {ms['Adagrad, (hidden, labels)']:.3f} / "
-          f"{ms['Adagrad, label-major']:.3f} ms ((hidden, labels) / label-major)", flush=True)
-    return {"n_labels": n_labels, "n_hidden": n_hidden, "m": m, "ms": ms, "runs_ms": times}
+          f"{ms['Adagrad, label-major']:.3f} ms ((hidden, labels) / label-major); merge of "
+          f"{n_merged} columns {ms['merge, (hidden, labels), 1 thread']:.2f} ms (2 threads "
+          f"{ms['merge, (hidden, labels), 2 threads']:.2f}) / "
+          f"{ms['merge, label-major, 1 thread']:.2f} ms", flush=True)
+    return {"n_labels": n_labels, "n_hidden": n_hidden, "m": m, "merged_columns": n_merged,
+            "ms": ms, "runs_ms": times}
+
+
+def _threads(n: int, fn, *args):
+    """``fn(*args)`` with ``n`` numba threads (at most numba's pool), then one again."""
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    try:
+        return fn(*args)
+    finally:
+        numba.set_num_threads(1)
 
 
 def main(argv=None) -> int:
@@ -101,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--m", type=int, default=1500, help="candidate columns per step")
     p.add_argument("--calls", type=int, default=15)
+    p.add_argument("--merge-share", type=float, default=0.11,
+                   help="share of the labels whose columns a merge merges")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "w2_layout.json"))
     args = p.parse_args(argv)
     numba.set_num_threads(1)
@@ -109,7 +152,8 @@ def main(argv=None) -> int:
     def flush():
         big[:] += 1.0
 
-    rows = [measure(L, args.hidden, args.m, args.calls, flush) for L in args.labels]
+    rows = [measure(L, args.hidden, args.m, args.calls, flush, args.merge_share)
+            for L in args.labels]
     path = _common.write_result(args.out, {**_common.result_metadata(), "benchmark": "w2_layout",
                                            "rows": rows})
     print(f"wrote {path}")
