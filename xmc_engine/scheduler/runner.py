@@ -54,7 +54,8 @@ MODES = ("threads", "simulated")
 #: workers waited inside their steps for 9-13 % of their busy time on delicious and
 #: debian_debtags (``bench/bench_omp_wait.py``). Two threads merge 1.3-1.9x faster, which is
 #: worth that millisecond only for merges of more than about 10 ms (the Amazon-670K shape's
-#: column merge: 52 ms on one thread, 34 ms on two).
+#: column merge of 11 % of the labels: 55 ms on one thread, 39 ms on two,
+#: ``bench/bench_w2_layout.py``).
 MERGE_ONE_THREAD_MAX_S = 0.010
 
 
