@@ -95,19 +95,30 @@ def measure(name: str, epochs: float, seeds: int = 1) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_data_epochs(p: argparse.ArgumentParser) -> None:
+    """``--data`` (datasets) and ``--epochs`` (one per dataset, or one for all)."""
     p.add_argument("--data", nargs="+", default=["delicious"])
     p.add_argument("--epochs", type=float, nargs="+", default=[1.0],
                    help="one per dataset, or one for all")
+
+
+def epochs_per_dataset(p: argparse.ArgumentParser, args) -> list[float]:
+    """``--epochs`` with one entry per ``--data`` (a parser error when the counts differ)."""
+    epochs = args.epochs * len(args.data) if len(args.epochs) == 1 else args.epochs
+    if len(epochs) != len(args.data):
+        p.error(f"{len(args.epochs)} --epochs for {len(args.data)} --data")
+    return epochs
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_data_epochs(p)
     p.add_argument("--seeds", type=int, default=1,
                    help="runs of the two devices in one process, seeds 0..N-1 (default 1)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "contention.json"))
     args = p.parse_args(argv)
-    epochs = args.epochs * len(args.data) if len(args.epochs) == 1 else args.epochs
-    if len(epochs) != len(args.data):
-        p.error(f"{len(args.epochs)} --epochs for {len(args.data)} --data")
+    epochs = epochs_per_dataset(p, args)
     if args.child:  # one single-device fit; its per-sample time on stdout
         data = _tta.load_data(args.data[0])
         print(json.dumps(us_per_sample(fit(data, "single", "cpu", 1, epochs[0]))[0]))

@@ -40,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+from bench_contention import add_data_epochs, epochs_per_dataset  # noqa: E402
 
 #: arm -> (environment, whether the engine's merge-thread rule is on)
 ARMS = {"before": ({"GOMP_SPINCOUNT": "300000"}, False),
@@ -102,18 +103,14 @@ def summarise(name: str, runs: dict[str, list[dict]]) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", nargs="+", default=["delicious"])
-    p.add_argument("--epochs", type=float, nargs="+", default=[1.0],
-                   help="one per dataset, or one for all")
+    add_data_epochs(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-merge-rule", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "omp_wait.json"))
     args = p.parse_args(argv)
-    epochs = args.epochs * len(args.data) if len(args.epochs) == 1 else args.epochs
-    if len(epochs) != len(args.data):
-        p.error(f"{len(args.epochs)} --epochs for {len(args.data)} --data")
+    epochs = epochs_per_dataset(p, args)
     if args.child:
         print(json.dumps(child(args.data[0], epochs[0], not args.no_merge_rule)))
         return 0
