@@ -48,12 +48,12 @@ MODES = ("threads", "simulated")
 
 #: In threaded mode with several devices the main thread merges with one CPU thread until a
 #: merge takes longer than this (seconds), then with the CPU backend's full budget for the rest
-#: of the run (0: always the full budget). A merge on two numba threads leaves libgomp's helper thread spinning for
-#: about a millisecond (``GOMP_SPINCOUNT``, 300,000 by default) on a core that a device's
-#: worker needs as the next period starts: with two one-thread devices in one process the
-#: workers waited inside their steps for 9-13 % of their busy time on delicious and
-#: debian_debtags (``bench/bench_omp_wait.py``). Two threads merge 1.3-1.9x faster, which is
-#: worth that millisecond only for merges of more than about 10 ms (the Amazon-670K shape's
+#: of the run (0: always the full budget). A merge on two numba threads leaves libgomp's helper
+#: thread spinning for about a millisecond (``GOMP_SPINCOUNT``, 300,000 by default) on a core
+#: that a device's worker needs as the next period starts: with two one-thread devices in one
+#: process the workers waited inside their steps for 9-13 % of their busy time on delicious
+#: and debian_debtags (``bench/bench_omp_wait.py``). Two threads merge 1.2-1.4x faster, which
+#: is worth that millisecond only for merges of more than about 10 ms (the Amazon-670K shape's
 #: column merge of 11 % of the labels: 55 ms on one thread, 39 ms on two,
 #: ``bench/bench_w2_layout.py``).
 MERGE_ONE_THREAD_MAX_S = 0.010
@@ -383,7 +383,8 @@ class Trainer:
             "devices": [{"device": i, "name": str(self.devices[i]),
                          "samples": tot["samples"][i], "updates": tot["updates"][i],
                          "busy_s": tot["busy_s"][i], "idle_s": tot["idle_s"][i],
-                         "cpu_s": tot["cpu_s"][i], "batch_size": self.policy.batch_sizes()[i]} for i in range(n)],
+                         "cpu_s": tot["cpu_s"][i], "batch_size": self.policy.batch_sizes()[i]}
+                        for i in range(n)],
         }
 
     def close(self) -> None:
