@@ -98,6 +98,10 @@ class SchedulerBackend(Protocol):
         """Context manager for a worker thread's lifetime: limits CPU threads to ``n`` (or
         :attr:`threads`) and makes the backend current (:meth:`activate`)."""
 
+    def kernel_threads(self, n: int) -> AbstractContextManager:
+        """CPU backends: context manager limiting this thread's kernel threads (numba's, not
+        BLAS's) to ``n``; cheap enough to enter at every merge."""
+
     def synchronize(self) -> None:
         """Wait for all work queued on this backend's stream."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -138,6 +138,10 @@ class CUDABackend:
         """No CPU threads to limit: enters :meth:`activate` for the worker's lifetime."""
         with self.activate():
             yield
+
+    def kernel_threads(self, n: int):
+        """No CPU kernel threads to limit."""
+        return nullcontext()
 
     def synchronize(self):
         """Wait for all work queued on this backend's stream."""

@@ -98,6 +98,9 @@ class HostBackend:
     def thread_budget(self, n: int | None = None):
         return contextlib.nullcontext()
 
+    def kernel_threads(self, n: int):
+        return contextlib.nullcontext()
+
     def synchronize(self) -> None:
         """Nothing queued: NumPy returns when done."""
 

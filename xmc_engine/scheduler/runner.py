@@ -410,7 +410,7 @@ class Trainer:
             return contextlib.nullcontext()
         cpu = next((r.backend for r in self.replicas
                     if getattr(getattr(r, "backend", None), "name", None) == "cpu"), None)
-        return contextlib.nullcontext() if cpu is None else cpu.thread_budget(self._merge_threads)
+        return contextlib.nullcontext() if cpu is None else cpu.kernel_threads(self._merge_threads)
 
     def _trace(self, kind: str, device: int) -> None:
         if self.trace:
