@@ -177,8 +177,8 @@ class MLPReplica:
         # where every step changes all of them (the exact softmax) or merges are dense.
         self._changed_cols = (np.zeros(Y.shape[1], dtype=np.bool_)
                               if backend.tracks_rows and output == "sampled" else None)
-        # One nogil call per step where the backend has it and the network is the default
-        # shape: one hidden layer, the exact softmax in one label chunk (kernels/train_step.py).
+        # One nogil call per step where the backend has it and the network has the shape
+        # fused_step_covers names (kernels/train_step.py).
         self._fused = (fused and hasattr(backend, "fused_train_step")
                        and fused_step_covers(self.n_dense + 1, output, label_chunk, Y.shape[1]))
         # labels that were a positive of a batch row since the last set_params, once

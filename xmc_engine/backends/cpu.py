@@ -196,13 +196,8 @@ class CPUBackend:
         from threadpoolctl import threadpool_limits
 
         n = int(n or self.threads)
-        old = numba.get_num_threads()
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        try:
-            with threadpool_limits(limits=n, user_api="blas"):
-                yield
-        finally:
-            numba.set_num_threads(old)
+        with self.kernel_threads(n), threadpool_limits(limits=n, user_api="blas"):
+            yield
 
     @contextmanager
     def kernel_threads(self, n: int):

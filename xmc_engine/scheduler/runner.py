@@ -231,6 +231,9 @@ class Trainer:
         # the main thread's CPU thread budget for merges (MERGE_ONE_THREAD_MAX_S); None: full
         self._merge_threads = (1 if mode == "threads" and n > 1 and MERGE_ONE_THREAD_MAX_S > 0
                                else None)
+        self._merge_cpu = next((r.backend for r in self.replicas
+                                if getattr(getattr(r, "backend", None), "name", None) == "cpu"),
+                               None)  # whose kernel_threads limits the main thread's merges
         if mode == "threads":
             self._start_workers()
 
@@ -406,11 +409,9 @@ class Trainer:
     def _merge_budget(self):
         """The main thread's CPU thread budget for a merge: one thread while merges are short
         in threaded mode (:data:`MERGE_ONE_THREAD_MAX_S`), else the backend's default."""
-        if self._merge_threads is None:
+        if self._merge_threads is None or self._merge_cpu is None:
             return contextlib.nullcontext()
-        cpu = next((r.backend for r in self.replicas
-                    if getattr(getattr(r, "backend", None), "name", None) == "cpu"), None)
-        return contextlib.nullcontext() if cpu is None else cpu.kernel_threads(self._merge_threads)
+        return self._merge_cpu.kernel_threads(self._merge_threads)
 
     def _trace(self, kind: str, device: int) -> None:
         if self.trace:
