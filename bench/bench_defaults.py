@@ -41,6 +41,9 @@ runs (each then repeated with ``--resume`` once the defaults were fixed)::
     python bench/bench_defaults.py --lr-probe-study --epochs 5 --datasets bibtex delicious \
         corel5k stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags debian_builddeps \
         synth1k --out bench/results/defaults_lr_probe.json
+    python bench/bench_defaults.py --loss-study --epochs 5 10 --datasets bibtex delicious \
+        corel5k stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags debian_builddeps \
+        synth1k synth10k --out bench/results/defaults_loss.json
 
 The synthetic shapes come from :func:`xmc_engine.datasets.make_synthetic` (power-law label
 popularity, exponent 0.9): ``synth1k`` 10,000 train / 2,500 test rows, 5,000 features, 1,000
@@ -123,6 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="probe lengths in epochs (the full length is always reported too)")
     q.add_argument("--validation", type=float, default=0.1,
                    help="share of the training rows held out for the probe's choice")
+    s = p.add_argument_group("loss study (--loss-study: instead of the grid)")
+    s.add_argument("--loss-study", action="store_true",
+                   help="the defaults with each training loss (TrainConfig.loss) at each of "
+                   "--loss-lrs")
+    s.add_argument("--loss-lrs", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     w = p.add_argument_group("warm-up study (--warmup-study: instead of the grid)")
     w.add_argument("--warmup-study", action="store_true")
     w.add_argument("--warmups", type=float, nargs="+", default=[0.0, 0.05, 0.25, 1.0])
@@ -334,6 +342,21 @@ def normalize_study(args, meta) -> int:
                         "defaults_normalize")
 
 
+def loss_study(args, meta) -> int:
+    """The defaults with each training loss at each learning rate of ``--loss-lrs``
+    (:func:`config_study`)."""
+    from xmc_engine.config import LOSSES, TrainConfig
+
+    d = TrainConfig()
+    configs = [{"loss": loss, "lr": lr} for loss in LOSSES for lr in args.loss_lrs]
+    return config_study(args, meta, configs, _loss_label,
+                        _loss_label({"loss": d.loss, "lr": d.learning_rate}), "defaults_loss")
+
+
+def _loss_label(c: dict) -> str:
+    return f"loss={c['loss']} lr={c['lr']:g}"
+
+
 def _normalize_label(c: dict) -> str:
     return f"normalize={c['normalize']}"
 
@@ -491,13 +514,15 @@ def print_study_table(table: dict, labels: list[str], default: str) -> list[dict
                             "mean_P@1": float(np.mean(vals)) if vals else None,
                             "worst_gap": float(max(gaps)) if gaps else None})
             if keys:
+                summary[-1]["mean_P@3"] = float(np.mean([mean(k, lab, "P@3") for k in keys]))
                 summary[-1]["mean_P@5"] = float(np.mean([mean(k, lab, "P@5") for k in keys]))
                 summary[-1]["train_s"] = float(np.sum([mean(k, lab, "train_time")
                                                        for k in keys]))
         print(f"\n{e} epochs, {len(keys)} datasets (default: {default}):")
         for s in (x for x in summary if x["epochs"] == e and x["mean_P@1"] is not None):
             print(f"  {s['config']:22s} mean P@1 {s['mean_P@1']:.4f}, worst shortfall "
-                  f"{s['worst_gap']:.4f}, mean P@5 {s['mean_P@5']:.4f}, training "
+                  f"{s['worst_gap']:.4f}, mean P@3 {s['mean_P@3']:.4f}, mean P@5 "
+                  f"{s['mean_P@5']:.4f}, training "
                   f"{s['train_s']:.1f} s in all")
     return summary
 
@@ -565,6 +590,8 @@ def main(argv=None) -> int:
         return normalize_study(args, meta)
     if args.lr_probe_study:
         return lr_probe_study(args, meta)
+    if args.loss_study:
+        return loss_study(args, meta)
     out = Path(args.out)
     previous, napkin = {}, {}
     for path in [out, *args.previous] if args.resume else []:

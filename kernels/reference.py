@@ -202,3 +202,17 @@ def uniform_negatives(pos, n_labels, k, rng):
         _, first = np.unique(draw, return_index=True)
         neg = draw[np.sort(first)][:k]
     return neg
+
+
+def bce_xent(Z, y_indptr, y_indices, scale, colw=None):
+    """(dZ, loss_sum): one-vs-all logistic loss, ``dZ = scale * w * (sigmoid(Z) - Y)``, loss of
+    a row ``sum_j w_j (softplus(z_j) - Y_j z_j)``; rows without labels: zero gradient, loss 0."""
+    Z64 = Z.astype(np.float64)
+    B, L = Z.shape
+    Y = label_targets(y_indptr, y_indices, L) > 0
+    w = np.ones(L) if colw is None else np.asarray(colw, dtype=np.float64)
+    has = np.diff(y_indptr) > 0
+    sig = 1.0 / (1.0 + np.exp(-Z64))
+    dZ = scale * w * (sig - Y) * has[:, None]
+    loss_rows = ((np.logaddexp(0.0, Z64) - Y * Z64) * w).sum(1) * has
+    return dZ.astype(Z.dtype), float(loss_rows.sum())

@@ -39,6 +39,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 from xmc_engine.kernels.adagrad import adagrad_dense_cpu, adagrad_rows_cpu
+from xmc_engine.kernels.bce_output import bce_fused_cpu
 from xmc_engine.kernels.output_layer import (
     axpy_parallel_cpu,
     axpy_serial_cpu,
@@ -59,15 +60,22 @@ from xmc_engine.kernels.sparse_forward import sparse_forward_cpu
 
 
 @njit(nogil=True, cache=True)
-def _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+def _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2, bce, colw,
                       H, Z, dH, dW2, db2, loss_rows, colsum_parts):
     """Forward, loss and the output layer's backward of a non-empty batch into the scratch
     arrays: ``Z`` holds dZ, ``db2`` and ``dW2`` the output layer's gradients, ``dH`` the
-    gradient of the hidden pre-activation (with ``W2`` as given). Returns the summed loss."""
+    gradient of the hidden pre-activation (with ``W2`` as given). The loss: softmax
+    cross-entropy, or with ``bce`` the one-vs-all logistic loss with column weights ``colw``
+    (length 0: none). Returns the summed loss."""
     scale = 1.0 / (indptr.shape[0] - 1)
     sparse_forward_cpu(indptr, indices, data, W1, b1, H)
     np.dot(H, W2, Z)                                        # GEMM 1: logits
-    softmax_xent_fused_cpu(Z, b2, True, y_indptr, y_indices, scale, loss_rows, colsum_parts)
+    if bce:
+        loss_rows[:] = 0.0
+        bce_fused_cpu(Z, b2, True, 0, colw, y_indptr, y_indices, scale, loss_rows, colsum_parts)
+    else:
+        softmax_xent_fused_cpu(Z, b2, True, y_indptr, y_indices, scale, loss_rows,
+                               colsum_parts)
     sum_parts_cpu(colsum_parts, db2, 1.0, 0.0)              # db2 = dZ.sum(0)
     np.dot(Z, W2.T, dH)                                     # GEMM 2: dH with the old W2
     np.dot(H.T, Z, dW2)                                     # GEMM 3: dW2
@@ -97,16 +105,18 @@ def _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagr
 
 @njit(nogil=True, cache=True)
 def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
-                   acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
+                   acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps, bce,
                    H, Z, dH, dW2, db2, loss_rows, colsum_parts, changed):
     """One step on the batch; returns the loss summed over its rows (rows without labels: 0).
+    ``bce``: the one-vs-all logistic loss instead of the softmax.
 
     ``dH`` is taken with ``W2`` before its update, as in the host-level step."""
     _mark(changed, indices)
     if indptr.shape[0] <= 1:
         return 0.0
     loss = _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
-                             H, Z, dH, dW2, db2, loss_rows, colsum_parts)
+                             bce, np.empty(0, np.float32), H, Z, dH, dW2, db2, loss_rows,
+                             colsum_parts)
     _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagrad, lr, eps)
     if adagrad:
         adagrad_dense_cpu(W2, dW2, acc_W2, lr, eps)
@@ -118,7 +128,7 @@ def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
 
 
 @njit(nogil=True, cache=True)
-def grad_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
+def grad_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2, bce,
                   H, Z, dH, dW2, db2, loss_rows, colsum_parts):
     """The step's gradients without an update (``sync``): returns ``(loss, rows, grad_rows,
     grad_b1)`` (``W1``'s row-sparse gradient as ``sparse_grad_cpu`` gives it), with ``dW2`` and
@@ -129,27 +139,36 @@ def grad_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
         rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH[:0])
         return 0.0, rows, grad_rows, grad_b1
     loss = _forward_backward(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
-                             H, Z, dH, dW2, db2, loss_rows, colsum_parts)
+                             bce, np.empty(0, np.float32), H, Z, dH, dW2, db2, loss_rows,
+                             colsum_parts)
     rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
     return loss, rows, grad_rows, grad_b1
 
 
 @njit(nogil=True, cache=True)
 def _sampled_forward_backward(indptr, indices, data, y_indptr, local_y, cols, n_pos, neg_weight,
-                              W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows,
+                              bce, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows,
                               colsum_parts):
     """:func:`_forward_backward` on the candidate columns ``cols`` of ``W2``, ``b2`` (gathered
-    into ``W2s``, ``b2s``, with ``neg_weight`` added to the negatives' biases)."""
+    into ``W2s``, ``b2s``). The negatives' log-weights ``neg_weight``: added to their biases
+    (the sampled-softmax correction), or with ``bce`` their weights ``exp(neg_weight)`` on
+    their loss terms (an unbiased estimate of the sum over all non-positive labels)."""
     gather_columns_cpu(W2, b2, cols, W2s, b2s)
-    for j in range(n_pos, cols.shape[0]):
-        b2s[j] += neg_weight[j - n_pos]
+    colw = np.empty(0, np.float32)
+    if bce:
+        colw = np.ones(cols.shape[0], np.float32)
+        for j in range(n_pos, cols.shape[0]):
+            colw[j] = np.exp(neg_weight[j - n_pos])
+    else:
+        for j in range(n_pos, cols.shape[0]):
+            b2s[j] += neg_weight[j - n_pos]
     return _forward_backward(indptr, indices, data, y_indptr, local_y, W1, b1, W2s, b2s,
-                             H, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)
+                             bce, colw, H, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)
 
 
 @njit(nogil=True, cache=True)
 def sampled_grad_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos, neg_weight,
-                          W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows,
+                          bce, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows,
                           colsum_parts):
     """The gradient of :func:`sampled_train_step_cpu` without the update (``sync``): returns
     ``(loss, rows, grad_rows, grad_b1)``, with the candidate columns' ``dW2s``, ``db2s`` in their
@@ -160,7 +179,7 @@ def sampled_grad_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos,
         rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH[:0])
         return 0.0, rows, grad_rows, grad_b1
     loss = _sampled_forward_backward(indptr, indices, data, y_indptr, local_y, cols, n_pos,
-                                     neg_weight, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s,
+                                     neg_weight, bce, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s,
                                      db2s, loss_rows, colsum_parts)
     rows, grad_rows, grad_b1 = sparse_grad_cpu(indptr, indices, data, dH)
     return loss, rows, grad_rows, grad_b1
@@ -168,7 +187,7 @@ def sampled_grad_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos,
 
 @njit(nogil=True, cache=True)
 def sampled_train_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos, neg_weight,
-                           W1, b1, W2, b2, acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
+                           bce, W1, b1, W2, b2, acc_W1, acc_b1, acc_W2, acc_b2, adagrad, lr, eps,
                            H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows, colsum_parts, changed,
                            changed_cols):
     """One step with the sampled output layer on the candidate labels ``cols`` (the batch's
@@ -187,7 +206,7 @@ def sampled_train_step_cpu(indptr, indices, data, y_indptr, local_y, cols, n_pos
     if indptr.shape[0] <= 1 or m == 0:
         return 0.0
     loss = _sampled_forward_backward(indptr, indices, data, y_indptr, local_y, cols, n_pos,
-                                     neg_weight, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s,
+                                     neg_weight, bce, W1, b1, W2, b2, H, W2s, b2s, Zs, dH, dW2s,
                                      db2s, loss_rows, colsum_parts)
     _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagrad, lr, eps)
     if adagrad:

@@ -454,6 +454,24 @@ def _softmax_xent(Z, y_indptr, y_indices, scale, loss_rows, work, colsum, bias=N
         colsum += dZ.sum(axis=0)
 
 
+def _bce(Z, bias, use_bias, c0, colw, y_indptr, y_indices, scale, loss_sum, colsum):
+    """``bce_launch``: the reference on the chunk's own labels (ids renumbered from ``c0``)."""
+    if use_bias:
+        Z += bias
+    rows, labs = _csr_rows(y_indptr), y_indices - c0
+    inside = (labs >= 0) & (labs < Z.shape[1])
+    counts = np.bincount(rows[inside], minlength=Z.shape[0])
+    local_ptr = np.concatenate([[0], np.cumsum(counts)])
+    has = np.diff(y_indptr) > 0  # a row with labels outside the chunk still has labels
+    w = colw if len(colw) else np.ones(Z.shape[1])
+    Y = reference.label_targets(local_ptr, labs[inside], Z.shape[1]) > 0
+    Z64 = Z.astype(np.float64)
+    dZ = (scale * w * (1.0 / (1.0 + np.exp(-Z64)) - Y) * has[:, None]).astype(Z.dtype)
+    loss_sum += ((np.logaddexp(0.0, Z64) - Y * Z64) * w).sum(axis=1)[has].sum()
+    Z[...] = dZ
+    colsum += dZ.sum(axis=0)
+
+
 def _chunk_stats(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum):
     Zc += bias_c
     rows, labs = _csr_rows(y_indptr), y_indices - c0
@@ -512,6 +530,7 @@ KERNELS = {
     "softmax_xent_launch": (_softmax_xent, (0, 4, 5, 6)),
     "softmax_rowblock_launch": (lambda Z, yp, yi, scale, loss_rows, bias=None: _softmax_xent(
         Z, yp, yi, scale, loss_rows, None, None, bias=bias), (0, 4)),
+    "bce_launch": (_bce, (0, 8, 9)),
     "softmax_chunk_stats_launch": (_chunk_stats, (0, 5, 6, 7)),
     "softmax_chunk_grad_launch": (_chunk_grad, (0,)),
     "topk_launch": (lambda sc, k, ci, cv, idx, val: _assign(idx, val)(reference.topk(sc, k)),

@@ -68,12 +68,15 @@ def test_the_stand_in_backend_is_a_whole_backend(ledger):
     assert be.threads is None and be.tracks_rows is False and be.device_id == 1
 
 
+@pytest.mark.parametrize("loss", ["softmax", "bce"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 @pytest.mark.parametrize("hidden,label_chunk", [((16,), None), ((16, 8), 7)])
-def test_training_on_the_stand_in_equals_the_cpu(ledger, data, optimizer, hidden, label_chunk):
+def test_training_on_the_stand_in_equals_the_cpu(ledger, data, optimizer, hidden, label_chunk,
+                                                 loss):
     X, Y = data
     params = init_params(ModelShape(X.shape[1], Y.shape[1], hidden), seed=3)
-    reps = [MLPReplica(be, X, Y, params, label_chunk=label_chunk, optimizer=optimizer)
+    reps = [MLPReplica(be, X, Y, params, label_chunk=label_chunk, optimizer=optimizer,
+                       loss=loss)
             for be in (get_backend("cpu", threads=1), cuda(0))]
     rows = np.random.default_rng(0).permutation(X.shape[0])
     losses = {0: [], 1: []}
@@ -277,13 +280,14 @@ def stand_in_cuda(ledger, monkeypatch):
 FIT = dict(hidden=16, epochs=2, batch_size=64, lr=0.5, seed=0, eval_every=0)
 
 
-def test_fit_on_cuda0_equals_the_cpu_fit(stand_in_cuda):
+@pytest.mark.parametrize("loss", ["softmax", "bce"])
+def test_fit_on_cuda0_equals_the_cpu_fit(stand_in_cuda, loss):
     from tests.test_estimator import tiny_data
     from xmc_engine import XMCClassifier
 
     X, Y = tiny_data()
-    gpu = XMCClassifier(devices="cuda:0", **FIT).fit(X, Y)
-    cpu = XMCClassifier(devices="cpu", **FIT).fit(X, Y)
+    gpu = XMCClassifier(devices="cuda:0", loss=loss, **FIT).fit(X, Y)
+    cpu = XMCClassifier(devices="cpu", loss=loss, **FIT).fit(X, Y)
     assert_same([np.asarray(p) for p in gpu.params_], [np.asarray(p) for p in cpu.params_])
     clean(stand_in_cuda)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sps
-from xmc_engine.kernels import _cuda, merge, output_layer, reference, sparse_backward
+from xmc_engine.kernels import _cuda, bce_output, merge, output_layer, reference, sparse_backward
 from xmc_engine.kernels import sparse_forward as sf
 from xmc_engine.kernels import topk as tk
 
@@ -165,6 +165,36 @@ def test_softmax_xent_kernel(dev, rng, B, L, seg, use_bias):
     np.testing.assert_allclose(dev.host(colsum), dZr.sum(axis=0), atol=1e-5)
     if B > 1:
         assert not dev.host(Zd)[1].any() and dev.host(loss_rows)[1] == 0
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("C", [11, 40])
+def test_bce_kernels_in_chunks_match_the_reference(dev, rng, C, weighted):
+    """The logistic loss's three kernels, a label chunk at a time (labels outside a chunk are
+    skipped; a row without labels has zero gradient), give the reference dZ, loss and column
+    sums; with column weights too."""
+    B, L = 5, 40
+    Z = (rng.standard_normal((B, L)) * 5).astype(F32)
+    Z[0, 0] = 80.0
+    bias = rng.standard_normal(L).astype(F32)
+    colw = rng.uniform(0.5, 3.0, L).astype(F32) if weighted else None
+    yp, yi = random_labels(rng, B, L)
+    dZr, loss_r = reference.bce_xent((Z + bias).astype(np.float64), yp, yi, 0.25, colw)
+    ypd, yid = dev(yp), dev(yi)
+    loss = dev(np.zeros(1, np.float64))
+    got, sums = [], []
+    for c0 in range(0, L, C):
+        Zc = dev(np.ascontiguousarray(Z[:, c0:c0 + C]))
+        w = dev(colw[c0:c0 + C] if weighted else np.zeros(0, F32))
+        colsum = dev(np.zeros(Z[:, c0:c0 + C].shape[1], F32))
+        bce_output.bce_launch(Zc, dev(bias[c0:c0 + C]), True, c0, w, ypd, yid, 0.25, loss,
+                              colsum, dev.stream)
+        got.append(dev.host(Zc))
+        sums.append(dev.host(colsum))
+    np.testing.assert_allclose(np.hstack(got), dZr, atol=2e-6)
+    assert dev.host(loss)[0] == pytest.approx(loss_r, rel=1e-5)
+    np.testing.assert_allclose(np.concatenate(sums), dZr.sum(axis=0), atol=1e-5)
+    assert not np.hstack(got)[1].any()
 
 
 def test_softmax_rowblock_kernel_matches_the_reference(dev, rng):

@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_LR",
     "EVAL_ROWS",
     "FLAG_RULES",
+    "LOSSES",
     "OPTIMIZERS",
     "OUTPUTS",
     "AdaptiveConfig",
@@ -49,6 +50,9 @@ __all__ = [
 
 #: Optimizers of :class:`~xmc_engine.model.MLPReplica`.
 OPTIMIZERS = ("sgd", "adagrad")
+#: Training losses of the output layer (:class:`TrainConfig` ``loss``): the softmax
+#: cross-entropy against ``y/|y|``, or the one-vs-all logistic loss (binary cross-entropy).
+LOSSES = ("softmax", "bce")
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
 OUTPUTS = ("exact", "sampled", "auto")
@@ -514,6 +518,14 @@ class TrainConfig(ConfigMixin):
     optimizer : {'sgd', 'adagrad'}
         Adagrad by default: on every dataset of ``bench/bench_defaults.py`` its best learning
         rate beat plain SGD's (the paper's optimizer) at equal epochs, by 0.03 to 0.46 P@1.
+    loss : {'softmax', 'bce'}
+        The training loss of the output layer: ``"softmax"``, the cross-entropy of the softmax
+        over the labels against the row's labels ``y/|y|`` (a row's positives share one unit of
+        probability); ``"bce"``, the one-vs-all logistic loss, ``sum_l softplus(z_l) - y_l z_l``
+        (every label its own binary problem; :mod:`xmc_engine.kernels.bce_output`). With the
+        sampled output layer the drawn negatives' terms are weighted by the inverse of their
+        chance of being drawn. Prediction ranks the logits either way; ``predict_proba`` gives
+        the softmax or the sigmoids.
     output : {'exact', 'sampled', 'auto'}
         The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.
         ``"sampled"``: the softmax over the batch's positive labels plus ``negatives`` labels
@@ -558,6 +570,7 @@ class TrainConfig(ConfigMixin):
     lr_decay: float | None = None
     label_chunk: int | None = None
     optimizer: str = "adagrad"
+    loss: str = "softmax"
     output: str = "auto"
     negatives: int = 1024
     negative_sampling: str = "uniform"
@@ -608,6 +621,8 @@ class TrainConfig(ConfigMixin):
             bad("label_chunk", "must be >= 1 or None")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"unknown; choose one of {', '.join(OPTIMIZERS)}")
+        if self.loss not in LOSSES:
+            bad("loss", f"unknown; choose one of {', '.join(LOSSES)}")
         if self.output not in OUTPUTS:
             bad("output", f"unknown; choose one of {', '.join(OUTPUTS)}")
         if self.negatives < 0:

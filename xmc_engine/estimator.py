@@ -112,6 +112,9 @@ class XMCClassifier:
     optimizer : {"adagrad", "sgd"}
         Adagrad (the default: per-parameter accumulators, row-sparse for ``W1``; each replica
         keeps its own, merges average parameters only) or plain SGD (the paper's).
+    loss : {"softmax", "bce"}
+        Training loss: the softmax cross-entropy against ``y/|y|`` or the one-vs-all logistic
+        loss (:attr:`xmc_engine.config.TrainConfig.loss`).
     output : {"exact", "sampled", "auto"}
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks
@@ -407,10 +410,12 @@ class XMCClassifier:
         return _rows_matrix(labels, scores, self.n_labels_)
 
     def predict_proba(self, X, *, k: int | None = None) -> sp.csr_matrix:
-        """The top-``k`` softmax probabilities of every row as a sparse matrix.
+        """The top-``k`` probabilities of every row as a sparse matrix.
 
-        The model is trained with a softmax over all labels, so a row's probabilities over all
-        ``n_labels_`` labels sum to 1; the stored top ``k`` sum to at most 1.
+        With ``loss="softmax"`` the model is trained with a softmax over all labels, so a row's
+        probabilities over all ``n_labels_`` labels sum to 1 and the stored top ``k`` sum to at
+        most 1. With ``loss="bce"`` each label's probability is its own sigmoid (they need not
+        sum to 1).
 
         Parameters
         ----------
@@ -426,8 +431,14 @@ class XMCClassifier:
         k = self._k_or_eval_k(k)
         X = self._features(X)
         labels, scores = self._topk(X, k)
-        probs = np.exp(scores - self._log_normaliser(X)[:, None]).astype(np.float32)
-        return _rows_matrix(labels, probs, self.n_labels_)
+        return _rows_matrix(labels, self._probabilities(X, scores), self.n_labels_)
+
+    def _probabilities(self, X, scores) -> np.ndarray:
+        """The probabilities of the logits ``scores`` (rows of validated ``X``) under the
+        fitted loss: softmax over all labels, or each label's sigmoid."""
+        if self.loss == "bce":
+            return (0.5 * (1.0 + np.tanh(0.5 * scores.astype(np.float64)))).astype(np.float32)
+        return np.exp(scores - self._log_normaliser(X)[:, None]).astype(np.float32)
 
     def predict(self, X, *, k: int | None = None, threshold: float | None = None):
         """Predicted labels as a 0/1 indicator matrix (usable by ``sklearn.metrics``).
@@ -439,8 +450,10 @@ class XMCClassifier:
             Without ``threshold``: the ``k`` best labels of each row (default 1, the label
             that P@1, :meth:`score`, rates). With it: look only at the ``k`` best.
         threshold : float in (0, 1], optional
-            Keep the labels whose softmax probability is at least ``threshold`` (none, one or
-            several per row; at most ``1 / threshold`` since the probabilities sum to 1).
+            Keep the labels whose probability (:meth:`predict_proba`) is at least
+            ``threshold``: none, one or several per row; with ``loss="softmax"`` at most
+            ``1 / threshold``, since the probabilities sum to 1; with ``loss="bce"`` every
+            label that reaches it (the top-k search widens until a row's last score is below).
 
         Returns
         -------
@@ -452,11 +465,27 @@ class XMCClassifier:
         if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
                 or not 0 < threshold <= 1):
             raise ValueError(f"threshold must be a probability in (0, 1], got {threshold!r}")
-        most = int(1.0 / threshold)  # more labels cannot all reach the threshold
-        P = self.predict_proba(X, k=most if k is None else min(check_k(k), most))
+        if self.loss == "bce":
+            P = self._proba_reaching(X, threshold, None if k is None else check_k(k))
+        else:
+            most = int(1.0 / threshold)  # more labels cannot all reach the threshold
+            P = self.predict_proba(X, k=most if k is None else min(check_k(k), most))
         P.data = (P.data >= threshold).astype(np.float32)
         P.eliminate_zeros()
         return P
+
+    def _proba_reaching(self, X, threshold: float, k: int | None) -> sp.csr_matrix:
+        """:meth:`predict_proba` of a ``loss="bce"`` model with ``k`` large enough to hold
+        every label whose sigmoid reaches ``threshold`` (``k`` given: at most that many)."""
+        self._check_fitted()
+        X = self._features(X)
+        width = min(self.n_labels_, k or max(2 * self.eval_k, 8))
+        while True:
+            labels, scores = self._topk(X, width)
+            probs = self._probabilities(X, scores)
+            if k is not None or width >= self.n_labels_ or not (probs[:, -1] >= threshold).any():
+                return _rows_matrix(labels, probs, self.n_labels_)
+            width = min(self.n_labels_, 4 * width)
 
     def score(self, X, Y, *, metric: str = "P@1") -> float:
         """A top-k metric on ``(X, Y)``, higher is better (scikit-learn's ``score``).

@@ -28,7 +28,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
-from xmc_engine.config import EVAL_ROWS, NEGATIVE_SAMPLING, OPTIMIZERS, TrainConfig
+from xmc_engine.config import EVAL_ROWS, LOSSES, NEGATIVE_SAMPLING, OPTIMIZERS, TrainConfig
 from xmc_engine.output_layer import FrequencyProposal, LSHProposal, sample_candidates
 
 logger = logging.getLogger(__name__)
@@ -84,9 +84,14 @@ def init_params(shape: ModelShape, seed: int = 0, avg_nnz: float = 32.0) -> list
     return params
 
 
-def init_params_for_data(shape: ModelShape, X, seed: int = 0) -> list[np.ndarray]:
+def init_params_for_data(shape: ModelShape, X, seed: int = 0, *,
+                         loss: str = "softmax") -> list[np.ndarray]:
     """:func:`init_params` with ``W1`` sized by the training rows ``X``: variance
-    ``1 / avg_nnz`` (non-zeros per row), feature values not counted.
+    ``1 / avg_nnz`` (non-zeros per row), feature values not counted. With ``loss="bce"`` the
+    output biases start at ``-log(n_labels)``: every sigmoid then starts near ``1 / n_labels``
+    instead of 1/2, so the first steps do not spend the Adagrad accumulators on pushing
+    thousands of labels down (debian_debtags, 5 epochs, P@1 0.824 from 0 against 0.843;
+    ``bench/RESULTS.md``, "The logistic loss").
 
     Why not unit pre-activation variance (``1 / (avg_nnz x mean squared value)``): with tf-idf
     features the values are small, the weights would come out large, and a step (Adagrad's above
@@ -94,7 +99,10 @@ def init_params_for_data(shape: ModelShape, X, seed: int = 0) -> list[np.ndarray
     are the same either way. Measured: ``bench/RESULTS.md``, "Quality on small real datasets".
     """
     avg_nnz = max(X.nnz / max(X.shape[0], 1), 1.0)
-    return init_params(shape, seed, avg_nnz=avg_nnz)
+    params = init_params(shape, seed, avg_nnz=avg_nnz)
+    if loss == "bce":
+        params[-1] -= np.float32(np.log(max(shape.n_labels, 1)))
+    return params
 
 
 class MLPReplica:
@@ -115,6 +123,8 @@ class MLPReplica:
     label_chunk : int or None; output-layer label chunk (None = plain path, logits in memory)
     optimizer : ``"sgd"`` (default) or ``"adagrad"``; Adagrad keeps one accumulator per
         parameter on this device (local to the replica: merges average parameters only)
+    loss : ``"softmax"`` (default) or ``"bce"``: the output layer's training loss
+        (:attr:`~xmc_engine.config.TrainConfig.loss`)
     output : ``"exact"`` (default) or ``"sampled"``: the output layer of a step
         (:class:`~xmc_engine.config.TrainConfig` ``output``). Sampled steps touch only the
         ``W2`` columns and ``b2`` entries of their candidate labels (SGD and Adagrad alike);
@@ -140,9 +150,11 @@ class MLPReplica:
                  optimizer: str = "sgd", output: str = "exact",
                  negatives: int = TrainConfig.negatives,
                  negative_sampling: str = TrainConfig.negative_sampling, seed: int = 0,
-                 fused: bool = True):
+                 fused: bool = True, loss: str = "softmax"):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss={loss!r}: choose one of {', '.join(LOSSES)}")
         if output not in ("exact", "sampled"):  # "auto" is resolved before (make_replica)
             raise ValueError(f"output={output!r}: choose exact or sampled")
         if negatives < 0:
@@ -158,6 +170,7 @@ class MLPReplica:
         self._take_y = RowGather(Y)
         self.label_chunk = label_chunk
         self.optimizer = optimizer
+        self.loss = loss
         self.output = output
         self.negatives = int(negatives)
         self._proposal = None  # the negatives' rule when not uniform (output_layer)
@@ -303,14 +316,14 @@ class MLPReplica:
         if self._fused:
             return self.backend.fused_train_step(self._params, self._acc, Xb,
                                                  self._take_y(rows), lr, ADAGRAD_EPS,
-                                                 self._changed)
+                                                 self._changed, loss=self.loss)
         if self._acc is not None:
-            loss, grads = grad_step(self.backend, self._params, Xb, self._take_y(rows),
-                                    label_chunk=self.label_chunk)
+            total, grads = grad_step(self.backend, self._params, Xb, self._take_y(rows),
+                                     label_chunk=self.label_chunk, loss=self.loss)
             apply_adagrad(self.backend, self._params, grads, self._acc, lr)
-            return loss
+            return total
         return train_step(self.backend, self._params, Xb, self._take_y(rows), lr,
-                          label_chunk=self.label_chunk)
+                          label_chunk=self.label_chunk, loss=self.loss)
 
     # -- gradient interface (synchronous data-parallel SGD, DESIGN.md §4 "sync") -------------
     def grad_batch(self, rows: np.ndarray) -> tuple[float, list]:
@@ -329,16 +342,17 @@ class MLPReplica:
         """
         Xb, Yb = self._take_x(rows), self._take_y(rows)
         if self._fused and self.output == "exact":
-            return self.backend.fused_grad_step(self._params, Xb, Yb)
+            return self.backend.fused_grad_step(self._params, Xb, Yb, loss=self.loss)
         if self._fused:
             return self.backend.fused_sampled_grad_step(
                 self._params, Xb, Yb.indptr,
                 *draw_candidates(self.backend, self._params[-2], Yb.indices, self.negatives,
-                                 self._rng, self._proposal))
+                                 self._rng, self._proposal), loss=self.loss)
         if self.output == "exact":
-            return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk)
+            return grad_step(self.backend, self._params, Xb, Yb, label_chunk=self.label_chunk,
+                             loss=self.loss)
         return sampled_grad_step(self.backend, self._params, Xb, Yb, self.negatives,
-                                 self._rng, self._proposal)
+                                 self._rng, self._proposal, loss=self.loss)
 
     def _sampled_step(self, Xb, Yb, lr: float) -> float:
         """A step with the sampled output layer: ``W1`` on its touched rows, ``W2`` / ``b2``
@@ -348,16 +362,17 @@ class MLPReplica:
             candidates = draw_candidates(be, params[-2], Yb.indices, self.negatives, self._rng,
                                          self._proposal)
             return be.fused_sampled_step(params, self._acc, Xb, Yb.indptr, *candidates, lr,
-                                         ADAGRAD_EPS, self._changed, self._changed_cols)
-        loss, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng,
-                                        self._proposal)
+                                         ADAGRAD_EPS, self._changed, self._changed_cols,
+                                         loss=self.loss)
+        total, grads = sampled_grad_step(be, params, Xb, Yb, self.negatives, self._rng,
+                                         self._proposal, loss=self.loss)
         if self._changed_cols is not None:
             self._changed_cols[grads[-1][0]] = True
         if self._acc is not None:
             apply_adagrad(be, params, grads, self._acc, lr)
         else:
             apply_grads(be, params, grads, lr)
-        return loss
+        return total
 
     def apply_grads(self, grads: list, lr: float) -> None:
         """This replica's optimiser step (SGD ``p -= lr * g``, or Adagrad) with gradients in
@@ -408,7 +423,8 @@ def _upload_batch(be, Xb, Yb) -> tuple:
     return (ip, ix, d), (yp, yi)
 
 
-def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None) -> float:
+def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None,
+               loss: str = "softmax") -> float:
     """Forward, loss, backward and in-place SGD update of ``params`` on one batch.
 
     Parameters
@@ -419,6 +435,8 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
         :class:`~xmc_engine.batches.CSRBatch`, host
     Yb : the same, (B, n_labels)
     lr : float, learning rate of this step
+    label_chunk, loss : the output layer's label chunk and loss
+        (:func:`xmc_engine.output_layer.output_layer_step`)
 
     Returns
     -------
@@ -430,8 +448,8 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
         acts = _hidden_forward(be, params, (indptr, indices, data), Xb.shape[0])
         W2, b2 = params[-2], params[-1]
         dH = be.empty(acts[-1].shape)
-        loss = be.output_layer_step(acts[-1], W2, b2, y_indptr, y_indices, lr, dH,
-                                    label_chunk=label_chunk)
+        total = be.output_layer_step(acts[-1], W2, b2, y_indptr, y_indices, lr, dH,
+                                     label_chunk=label_chunk, loss=loss)
         # Extra dense hidden layers, last to first.
         for k in reversed(range(len(acts) - 1)):
             W, b = params[2 + 2 * k], params[3 + 2 * k]
@@ -442,10 +460,11 @@ def train_step(be, params, Xb, Yb, lr: float, *, label_chunk: int | None = None)
             dH = d_prev
         be.relu_backward(dH, acts[0])
         be.sparse_backward_update(indptr, indices, data, dH, params[0], params[1], lr)
-        return be.to_float(loss)  # synchronize!
+        return be.to_float(total)  # synchronize!
 
 
-def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[float, list]:
+def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None,
+              loss: str = "softmax") -> tuple[float, list]:
     """Forward, loss and backward of one batch without updating: ``(loss_sum, grads)``.
 
     Same arithmetic as :func:`train_step` (gradients of the mean loss; the ``dH`` of a layer is
@@ -456,10 +475,10 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None) -> tuple[fl
         x_parts, (y_indptr, y_indices) = _upload_batch(be, Xb, Yb)
         acts = _hidden_forward(be, params, x_parts, Xb.shape[0])
         W2, b2 = params[-2], params[-1]
-        loss, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
-                                                  label_chunk=label_chunk)
+        total, dW2, db2, dH = be.output_layer_grad(acts[-1], W2, b2, y_indptr, y_indices,
+                                                   label_chunk=label_chunk, loss=loss)
         grads = _hidden_grads(be, params, x_parts, acts, dH)
-        return be.to_float(loss), [*grads, dW2, db2]  # synchronize!
+        return be.to_float(total), [*grads, dW2, db2]  # synchronize!
 
 
 def fused_step_covers(n_hidden_layers: int, output: str, label_chunk: int | None,
@@ -482,7 +501,7 @@ def draw_candidates(be, W2, y_indices, negatives: int, rng, proposal=None) -> tu
 
 
 def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng,
-                      proposal=None) -> tuple[float, list]:
+                      proposal=None, *, loss: str = "softmax") -> tuple[float, list]:
     """:func:`grad_step` with the sampled output layer: ``(loss_sum, grads)``.
 
     The candidate labels ``cols`` (int64, on the backend) are the batch's positives plus
@@ -501,10 +520,11 @@ def sampled_grad_step(be, params, Xb, Yb, negatives: int, rng,
         x_parts, (y_indptr, y_local) = _upload_batch(be, Xb, Yl)
         cols = be.asarray(cols)
         acts = _hidden_forward(be, params, x_parts, Xb.shape[0])
-        loss, dW2s, db2s, dH = be.sampled_output_grad(acts[-1], W2, b2, cols, n_pos,
-                                                      log_weight, y_indptr, y_local)
+        total, dW2s, db2s, dH = be.sampled_output_grad(acts[-1], W2, b2, cols, n_pos,
+                                                       log_weight, y_indptr, y_local,
+                                                       loss=loss)
         grads = _hidden_grads(be, params, x_parts, acts, dH)
-        return be.to_float(loss), [*grads, (cols, dW2s), (cols, db2s)]  # synchronize!
+        return be.to_float(total), [*grads, (cols, dW2s), (cols, db2s)]  # synchronize!
 
 
 def _hidden_grads(be, params, x_parts, acts, dH) -> list:

@@ -16,8 +16,9 @@ y_indptr : (B + 1,) int32/int64           CSR row pointers of the batch's labels
 y_indices : (n_pos,) int32/int64          label ids, unique within a row
 dH_out : (B, n_hidden) float32            gradient w.r.t. H (computed with W2 BEFORE the update)
 
-Loss and gradient: :mod:`xmc_engine.kernels.output_layer` (mean over the ``B`` rows of the batch,
-``scale = 1/B``; the summed, unscaled loss is returned).
+Loss and gradient: :mod:`xmc_engine.kernels.output_layer` (the softmax cross-entropy) or
+:mod:`xmc_engine.kernels.bce_output` (``loss="bce"``, the one-vs-all logistic loss); mean over the
+``B`` rows of the batch, ``scale = 1/B``; the summed, unscaled loss is returned.
 """
 
 from __future__ import annotations
@@ -27,10 +28,19 @@ import threading
 import numpy as np
 from numba import njit
 
+from xmc_engine.config import LOSSES
+
 __all__ = ["FrequencyProposal", "LSHProposal", "output_layer_grad", "output_layer_step",
            "predict_scores_topk", "sample_candidates", "sampled_output_grad"]
 
 _F32 = np.float32
+
+
+def _is_bce(loss: str) -> bool:
+    """Whether ``loss`` (a :data:`~xmc_engine.config.LOSSES` name) is the logistic loss."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}: choose one of {', '.join(LOSSES)}")
+    return loss == "bce"
 
 
 def _chunks(L: int, label_chunk: int | None) -> tuple[int, list[tuple[int, int]]]:
@@ -46,13 +56,15 @@ def _workspace_2d(backend, name: str, rows: int, cols: int, max_cols: int):
 
 
 def output_layer_step(backend, H, W2, b2, y_indptr, y_indices, lr: float, dH_out, *,
-                      label_chunk: int | None = None):
+                      label_chunk: int | None = None, loss: str = "softmax"):
     """One SGD step of the output layer; returns the summed loss of the batch.
 
     ``Z = H @ W2 + b2``; ``dZ = (softmax(Z) - y/|y|) / B``; ``dH_out[:] = dZ @ W2.T`` (old W2);
     ``W2 -= lr * H.T @ dZ``; ``b2 -= lr * dZ.sum(0)``. With ``label_chunk=C`` the logits are
     produced C labels at a time and the full (B, L) matrix is never held (two passes: row
     statistics, then recompute -> gradient -> dH accumulation -> immediate W2/b2 chunk update).
+    ``loss="bce"``: the one-vs-all logistic loss, ``dZ = (sigmoid(Z) - Y) / B`` (chunked in
+    one pass: it needs no row statistics).
 
     Returns
     -------
@@ -61,11 +73,11 @@ def output_layer_step(backend, H, W2, b2, y_indptr, y_indices, lr: float, dH_out
         (read it with ``backend.to_float``, which waits for the stream).
     """
     return _output_layer(backend, H, W2, b2, y_indptr, y_indices, lr, dH_out, None, None,
-                         label_chunk)
+                         label_chunk, loss)
 
 
 def output_layer_grad(backend, H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
-                      db2_out=None, label_chunk: int | None = None):
+                      db2_out=None, label_chunk: int | None = None, loss: str = "softmax"):
     """Gradients of the mean loss without updating: ``(loss_sum, dW2, db2, dH)``.
 
     Same semantics as :func:`output_layer_step` (``dW2 = H.T @ dZ``, ``db2 = dZ.sum(0)``,
@@ -77,14 +89,15 @@ def output_layer_grad(backend, H, W2, b2, y_indptr, y_indices, *, dH_out=None, d
     dH_out = backend.empty((B, nh)) if dH_out is None else dH_out
     dW2_out = backend.empty((nh, L)) if dW2_out is None else dW2_out
     db2_out = backend.empty((L,)) if db2_out is None else db2_out
-    loss = _output_layer(backend, H, W2, b2, y_indptr, y_indices, 0.0, dH_out, dW2_out,
-                         db2_out, label_chunk)
-    return loss, dW2_out, db2_out, dH_out
+    total = _output_layer(backend, H, W2, b2, y_indptr, y_indices, 0.0, dH_out, dW2_out,
+                          db2_out, label_chunk, loss)
+    return total, dW2_out, db2_out, dH_out
 
 
 def _output_layer(be, H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_out,
-                  label_chunk):
+                  label_chunk, loss="softmax"):
     """The step (``dW2_out is None``: update W2, b2 in place) or the gradient (into the outs)."""
+    bce = _is_bce(loss)
     B = H.shape[0]
     L = W2.shape[1]
     update = dW2_out is None
@@ -100,21 +113,43 @@ def _output_layer(be, H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_o
         Z = be.workspace("Z", (B, L))
         be.matmul(H, W2, Z)                                    # GEMM 1: logits
         db2 = db2_out if not update else be.workspace("db2", (L,))
-        loss = be.softmax_bias(Z, b2, y_indptr, y_indices, scale, db2)  # fused bias+xent+sum
+        if bce:
+            total = be.bce_bias(Z, b2, 0, y_indptr, y_indices, scale, db2)
+        else:
+            total = be.softmax_bias(Z, b2, y_indptr, y_indices, scale, db2)  # bias+xent+sum
         be.matmul(Z, W2.T, dH_out)                             # GEMM 2: dH with the old W2
         if update:
             be.gemm_update(W2, H, Z, -lr)                      # GEMM 3: W2 -= lr H^T dZ
             be.axpy(b2, db2, -lr)
         else:
             be.matmul(H.T, Z, dW2_out)                         # GEMM 3: dW2
-        return loss
+        return total
+    if bce:  # label-chunked, one pass: every label's gradient is its own
+        total = 0.0
+        dH_out[...] = 0
+        for c0, c1 in chunks:
+            Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
+            W2c = W2[:, c0:c1]
+            be.matmul(H, W2c, Zc)
+            if update:  # b2c -= lr * dZc.sum(0), after the kernel has read b2c
+                total = total + be.bce_bias(Zc, b2[c0:c1], c0, y_indptr, y_indices, scale,
+                                            b2[c0:c1], -lr, 1.0)
+            else:
+                total = total + be.bce_bias(Zc, b2[c0:c1], c0, y_indptr, y_indices, scale,
+                                            db2_out[c0:c1])
+            be.gemm_acc(dH_out, Zc, W2c.T)                     # dH += dZc W2c^T (old W2c)
+            if update:
+                be.gemm_update(W2c, H, Zc, -lr)
+            else:
+                be.matmul(H.T, Zc, dW2_out[:, c0:c1])
+        return total
     # label-chunked path (DESIGN.md §2): pass 1 row statistics, pass 2 recompute + update
     m, s, ysum = be.row_stats(B)
     for c0, c1 in chunks:
         Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
         be.matmul(H, W2[:, c0:c1], Zc)
         be.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
-    loss, lse = be.chunk_loss(m, s, ysum, y_indptr)
+    total, lse = be.chunk_loss(m, s, ysum, y_indptr)
     dH_out[...] = 0
     for c0, c1 in chunks:
         Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
@@ -130,7 +165,7 @@ def _output_layer(be, H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_o
             be.gemm_update(W2c, H, Zc, -lr)                    # W2c -= lr H^T dZc
         else:
             be.matmul(H.T, Zc, dW2_out[:, c0:c1])
-    return loss
+    return total
 
 
 def predict_scores_topk(backend, H, W2, b2, k: int, *, label_chunk: int | None = None):
@@ -415,13 +450,15 @@ def _first_distinct(draw, pos, neg, n, seen):
 
 
 def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float, y_indptr,
-                        local_y) -> tuple:
+                        local_y, *, loss: str = "softmax") -> tuple:
     """Loss and gradients of the output layer on the candidate labels ``cols`` only.
 
     ``W2s, b2s = W2[:, cols], b2[cols]`` (gathered, :mod:`xmc_engine.kernels.sampled_output`);
     ``Zs = H @ W2s + b2s`` plus ``log_weight`` on the negatives (``cols[n_pos:]``,
     :func:`sample_candidates`); ``dZs = (softmax(Zs) - y/|y|) / B``. Three GEMMs of
-    ``B x n_hidden x m`` instead of ``B x n_hidden x n_labels``.
+    ``B x n_hidden x m`` instead of ``B x n_hidden x n_labels``. ``loss="bce"``: the logistic
+    loss on the candidates, the negatives' terms weighted by ``exp(log_weight)`` (not added to
+    their logits): an unbiased estimate of the sum over every label that is not a positive.
 
     Parameters
     ----------
@@ -444,7 +481,13 @@ def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float,
     W2s = be.workspace("W2s", (nh, m))
     b2s = be.workspace("b2s", (m,))
     be.gather_columns(W2, b2, cols, W2s, b2s)
-    if m > n_pos and np.ndim(log_weight):  # a weight per negative (a non-uniform proposal)
+    bce = _is_bce(loss)
+    colw = None
+    if bce:
+        w = np.ones(m, dtype=_F32)
+        w[n_pos:] = np.exp(np.asarray(log_weight, dtype=np.float64))
+        colw = be.asarray(w)
+    elif m > n_pos and np.ndim(log_weight):  # a weight per negative (a non-uniform proposal)
         b2s[n_pos:] += be.asarray(np.asarray(log_weight, dtype=_F32))
     elif m > n_pos and log_weight:
         b2s[n_pos:] += _F32(log_weight)
@@ -458,7 +501,10 @@ def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float,
         return 0.0, dW2s, db2s, dH
     Z = be.workspace("Zs", (B, m))
     be.matmul(H, W2s, Z)
-    loss = be.softmax_bias(Z, b2s, y_indptr, local_y, 1.0 / B, db2s)
+    if bce:
+        total = be.bce_bias(Z, b2s, 0, y_indptr, local_y, 1.0 / B, db2s, colw=colw)
+    else:
+        total = be.softmax_bias(Z, b2s, y_indptr, local_y, 1.0 / B, db2s)
     be.matmul(Z, W2s.T, dH)
     be.matmul(H.T, Z, dW2s)
-    return loss, dW2s, db2s, dH
+    return total, dW2s, db2s, dH

@@ -88,7 +88,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         eval_set = (normalize_rows(eval_set[0], cfg.normalize), eval_set[1])
     n_samples = X.shape[0]
     shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
-    params = init_params_for_data(shape, X, cfg.seed)
+    params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
     label_counts = np.asarray(Y.sum(axis=0)).ravel()
 
     from xmc_engine.distributed import join_run, world
@@ -168,12 +168,13 @@ COMPILE_WIDTH = 8
 
 def make_replica(cfg: TrainConfig, device, X, Y, params, index: int) -> MLPReplica:
     """The replica of ``cfg`` on ``device`` (a DeviceSpec), the ``index``-th of the run, from the
-    host arrays ``params``: its backend, optimizer, output layer and negative-sampling seed."""
+    host arrays ``params``: its backend, optimizer, loss, output layer and negative-sampling
+    seed."""
     from xmc_engine.backends import get_backend
 
     be = get_backend(device.kind, device.index, threads=cfg.threads or device.threads)
     return MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer,
-                      output=cfg.output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1)),
+                      loss=cfg.loss, output=cfg.output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1)),
                       negatives=cfg.negatives, negative_sampling=cfg.negative_sampling,
                       seed=cfg.seed + index)
 
@@ -203,7 +204,8 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
     try:
         rows = np.arange(min(4, X.shape[0]), dtype=np.int64)
         hidden = tuple(min(h, COMPILE_WIDTH) for h in cfg.hidden)
-        params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed)
+        params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed,
+                                      loss=cfg.loss)
         # the merge weights of the run's algorithm (Adaptive SGD's per-row / per-label ones
         # run kernels of their own, e.g. the column merge with the exact output layer)
         per_row = cfg.algorithm_params.per_row_weights

@@ -201,6 +201,13 @@ class Backend(SchedulerBackend, Protocol):
     def softmax_bias(self, Z, b2, y_indptr, y_indices, scale: float, db2_out):
         """``softmax_xent`` of ``Z + b2`` with ``db2_out = dZ.sum(0)``; returns the loss sum."""
 
+    def bce_bias(self, Z, b2, c0: int, y_indptr, y_indices, scale: float, db2_out,
+                 alpha: float = 1.0, beta: float = 0.0, colw=None):
+        """The one-vs-all logistic loss of ``Z + b2``, the logits of labels ``[c0, c0 + C)``:
+        ``Z -> scale * w * (sigmoid(Z + b2) - Y)`` in place (``w``: ``colw``, or 1), ``db2_out =
+        beta db2_out + alpha dZ.sum(0)`` (``b2`` read first); returns the loss sum over these
+        labels (:mod:`xmc_engine.kernels.bce_output`)."""
+
     def row_stats(self, B: int) -> tuple:
         """Start values ``(m, s, ysum)``, (B,) float32 each, of the chunked path's pass 1."""
 
@@ -228,11 +235,12 @@ class Backend(SchedulerBackend, Protocol):
         """Merge two descending top-k lists per row into ``(io, vo)``."""
 
     def output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr: float, dH_out, *,
-                          label_chunk: int | None = None):
+                          label_chunk: int | None = None, loss: str = "softmax"):
         """:func:`xmc_engine.output_layer.output_layer_step` on this backend."""
 
     def output_layer_grad(self, H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
-                          db2_out=None, label_chunk: int | None = None) -> tuple:
+                          db2_out=None, label_chunk: int | None = None,
+                          loss: str = "softmax") -> tuple:
         """:func:`xmc_engine.output_layer.output_layer_grad` on this backend."""
 
     def predict_scores_topk(self, H, W2, b2, k: int, *, label_chunk: int | None = None) -> tuple:
@@ -250,7 +258,7 @@ class Backend(SchedulerBackend, Protocol):
         """:meth:`adagrad_dense` on the columns ``cols`` of ``W2`` and entries of ``b2`` only."""
 
     def sampled_output_grad(self, H, W2, b2, cols, n_pos: int, log_weight: float, y_indptr,
-                            local_y) -> tuple:
+                            local_y, *, loss: str = "softmax") -> tuple:
         """:func:`xmc_engine.output_layer.sampled_output_grad` on this backend."""
 
     # -- optimiser -----------------------------------------------------------------------------

@@ -19,8 +19,10 @@ import scipy.sparse
 
 from xmc_engine import output_layer as host_output_layer
 from xmc_engine.batches import CSRBatch
+from xmc_engine.config import LOSSES
 from xmc_engine.kernels import (
     adagrad,
+    bce_output,
     merge,
     output_layer,
     sampled_output,
@@ -254,6 +256,18 @@ class CPUBackend:
         output_layer.sum_parts_cpu(parts, db2_out, 1.0, 0.0)
         return float(loss_rows.sum())
 
+    def bce_bias(self, Z, b2, c0, y_indptr, y_indices, scale, db2_out, alpha=1.0, beta=0.0,
+                 colw=None):
+        B, C = Z.shape
+        loss_rows = self.workspace("loss_rows", (B,), np.float64)
+        loss_rows.fill(0.0)
+        n_parts = self._n_parts(B)
+        parts = self.workspace("colsum_parts_c", (n_parts * C,)).reshape(n_parts, C)
+        bce_output.bce_fused_cpu(Z, b2, True, int(c0), _EMPTY_1D if colw is None else colw,
+                                 y_indptr, y_indices, scale, loss_rows, parts)
+        output_layer.sum_parts_cpu(parts, db2_out, alpha, beta)
+        return float(loss_rows.sum())
+
     def row_stats(self, B):
         m, s, ysum = (self.workspace(k, (B,)) for k in ("row_m", "row_s", "row_ysum"))
         m.fill(output_layer.RUNNING_MAX_START)  # not -inf: the kernels use fastmath
@@ -289,19 +303,22 @@ class CPUBackend:
     def topk_merge(ia, va, ib, vb, io, vo):
         topk.topk_merge_cpu(ia, va, ib, vb, io, vo)
 
-    def output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None):
+    def output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None,
+                          loss="softmax"):
         return host_output_layer.output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr,
-                                                   dH_out, label_chunk=label_chunk)
+                                                   dH_out, label_chunk=label_chunk, loss=loss)
 
     def output_layer_grad(self, H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
-                          db2_out=None, label_chunk=None):
+                          db2_out=None, label_chunk=None, loss="softmax"):
         return host_output_layer.output_layer_grad(self, H, W2, b2, y_indptr, y_indices,
                                                    dH_out=dH_out, dW2_out=dW2_out,
-                                                   db2_out=db2_out, label_chunk=label_chunk)
+                                                   db2_out=db2_out, label_chunk=label_chunk,
+                                                   loss=loss)
 
-    def sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight, y_indptr, local_y):
+    def sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight, y_indptr, local_y, *,
+                            loss="softmax"):
         return host_output_layer.sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight,
-                                                     y_indptr, local_y)
+                                                     y_indptr, local_y, loss=loss)
 
     @staticmethod
     def gather_columns(W2, b2, cols, W2s, b2s):
@@ -314,7 +331,8 @@ class CPUBackend:
     def predict_scores_topk(self, H, W2, b2, k, *, label_chunk=None):
         return host_output_layer.predict_scores_topk(self, H, W2, b2, k, label_chunk=label_chunk)
 
-    def fused_train_step(self, params, acc, Xb, Yb, lr: float, eps: float, changed) -> float:
+    def fused_train_step(self, params, acc, Xb, Yb, lr: float, eps: float, changed, *,
+                         loss: str = "softmax") -> float:
         """One SGD (``acc is None``) or Adagrad step of the default network (one hidden layer,
         the exact softmax in one label chunk) in one ``nogil`` call
         (:func:`xmc_engine.kernels.train_step.train_step_cpu`); returns the summed loss.
@@ -322,15 +340,18 @@ class CPUBackend:
         ``params`` = ``[W1, b1, W2, b2]``, ``acc`` their accumulators; ``Xb``, ``Yb`` host CSR
         batches; ``changed`` the bool mask of changed ``W1`` rows to mark, or ``None``. The
         scratch arrays are the output layer's workspaces (``Z``, ``db2``, ...), so the step adds
-        ``dW2`` (``n_hidden x L``) to what the host-level path keeps.
+        ``dW2`` (``n_hidden x L``) to what the host-level path keeps. ``loss``: ``"softmax"``
+        or ``"bce"`` (:attr:`xmc_engine.config.TrainConfig.loss`).
         """
         x, y, scratch = self._fused_args(params, Xb, Yb)
         return float(train_step.train_step_cpu(
-            *x, *y, *params, *_optimizer_args(acc), float(lr), float(eps), *scratch,
+            *x, *y, *params, *_optimizer_args(acc), float(lr), float(eps), _bce(loss),
+            *scratch,
             _NO_ROWS if changed is None else changed))
 
     def fused_sampled_step(self, params, acc, Xb, y_indptr, cols, local_y, n_pos: int,
-                           log_weight, lr: float, eps: float, changed, changed_cols) -> float:
+                           log_weight, lr: float, eps: float, changed, changed_cols, *,
+                           loss: str = "softmax") -> float:
         """:meth:`fused_train_step` with the sampled output layer on the candidate labels
         ``cols`` (:func:`xmc_engine.output_layer.sample_candidates`' ``cols``, ``local_y``,
         ``n_pos``, ``log_weight``: a float, or one per negative)
@@ -339,22 +360,22 @@ class CPUBackend:
         batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
                                             log_weight)
         return float(train_step.sampled_train_step_cpu(
-            *batch, *params, *_optimizer_args(acc), float(lr), float(eps), *scratch,
+            *batch, _bce(loss), *params, *_optimizer_args(acc), float(lr), float(eps), *scratch,
             _NO_ROWS if changed is None else changed,
             _NO_ROWS if changed_cols is None else changed_cols))
 
     def fused_sampled_grad_step(self, params, Xb, y_indptr, cols, local_y, n_pos: int,
-                                log_weight):
+                                log_weight, *, loss: str = "softmax"):
         """The gradient of :meth:`fused_sampled_step` without the update
         (:func:`xmc_engine.kernels.train_step.sampled_grad_step_cpu`): ``(loss_sum, grads)`` in
         the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch` (``W2``, ``b2``
         column-sparse, in this backend's workspaces, valid until its next step)."""
         batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
                                             log_weight)
-        loss, rows, grad_rows, grad_b1 = train_step.sampled_grad_step_cpu(*batch, *params,
-                                                                          *scratch)
+        total, rows, grad_rows, grad_b1 = train_step.sampled_grad_step_cpu(
+            *batch, _bce(loss), *params, *scratch)
         cols = batch[5]
-        return float(loss), [(rows, grad_rows), grad_b1, (cols, scratch[5]), (cols, scratch[6])]
+        return float(total), [(rows, grad_rows), grad_b1, (cols, scratch[5]), (cols, scratch[6])]
 
     def _sampled_args(self, params, Xb, y_indptr, cols, local_y, n_pos, log_weight) -> tuple:
         """The batch's and the candidates' arrays of the fused sampled kernels, and their
@@ -370,15 +391,16 @@ class CPUBackend:
                    self.workspace("colsum_parts", (self._n_parts(B), m)))
         return batch, scratch
 
-    def fused_grad_step(self, params, Xb, Yb):
+    def fused_grad_step(self, params, Xb, Yb, *, loss: str = "softmax"):
         """The gradient of :meth:`fused_train_step` without the update
         (:func:`xmc_engine.kernels.train_step.grad_step_cpu`): ``(loss_sum, grads)`` in the
         layout of :meth:`xmc_engine.model.MLPReplica.grad_batch`; ``dW2``, ``db2`` are this
         backend's workspaces, valid until its next step."""
         x, y, scratch = self._fused_args(params, Xb, Yb)
-        loss, rows, grad_rows, grad_b1 = train_step.grad_step_cpu(*x, *y, *params, *scratch)
+        total, rows, grad_rows, grad_b1 = train_step.grad_step_cpu(*x, *y, *params, _bce(loss),
+                                                                   *scratch)
         dW2, db2 = scratch[3], scratch[4]
-        return float(loss), [(rows, grad_rows), grad_b1, dW2, db2]
+        return float(total), [(rows, grad_rows), grad_b1, dW2, db2]
 
     def _fused_args(self, params, Xb, Yb) -> tuple:
         """The batch's arrays and the scratch arrays of the fused kernels: ``(X parts, Y parts,
@@ -484,6 +506,13 @@ class CPUBackend:
     @staticmethod
     def adagrad_columns(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
         sampled_output.adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)
+
+
+def _bce(loss: str) -> bool:
+    """The fused kernels' ``bce`` flag of a :attr:`~xmc_engine.config.TrainConfig.loss`."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}: choose one of {', '.join(LOSSES)}")
+    return loss == "bce"
 
 
 def _optimizer_args(acc) -> tuple:

@@ -34,6 +34,7 @@ import numpy as np
 from xmc_engine import output_layer as host_output_layer
 from xmc_engine.kernels import (
     adagrad,
+    bce_output,
     merge,
     output_layer,
     sampled_output,
@@ -424,6 +425,25 @@ class CUDABackend:
                          loss_rows, work, db2_out, bias=b2)
             return loss_rows.sum()
 
+    def bce_bias(self, Z, b2, c0, y_indptr, y_indices, scale, db2_out, alpha=1.0, beta=0.0,
+                 colw=None):
+        """Returns the summed loss as a 0-d device array (read it with :meth:`to_float`)."""
+        with self.activate():
+            loss = self.workspace("bce_loss", (1,), np.float64)
+            loss.fill(0.0)
+            if alpha == 1.0 and beta == 0.0:
+                colsum = db2_out
+            else:  # b2c may be the kernel's input and the sum's target: sum into a workspace
+                colsum = self.workspace("colsum_c", db2_out.shape)
+            colsum[...] = 0
+            w = self.workspace("no_weights", (0,)) if colw is None else colw
+            self._launch(bce_output.bce_launch, Z, b2, True, int(c0), w, y_indptr, y_indices,
+                         scale, loss, colsum)
+            if colsum is not db2_out:
+                db2_out *= _F32(beta)
+                db2_out += _F32(alpha) * colsum
+            return loss.sum()
+
     def row_stats(self, B):
         m, s, ysum = (self.workspace(k, (B,)) for k in ("row_m", "row_s", "row_ysum"))
         with self.activate():
@@ -486,22 +506,26 @@ class CUDABackend:
         with self.activate():
             self._launch(topk.topk_merge_launch, ia, va, ib, vb, io, vo)
 
-    def output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None):
+    def output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr, dH_out, *, label_chunk=None,
+                          loss="softmax"):
         with self.activate():
             return host_output_layer.output_layer_step(self, H, W2, b2, y_indptr, y_indices, lr,
-                                                       dH_out, label_chunk=label_chunk)
+                                                       dH_out, label_chunk=label_chunk, loss=loss)
 
     def output_layer_grad(self, H, W2, b2, y_indptr, y_indices, *, dH_out=None, dW2_out=None,
-                          db2_out=None, label_chunk=None):
+                          db2_out=None, label_chunk=None, loss="softmax"):
         with self.activate():
             return host_output_layer.output_layer_grad(self, H, W2, b2, y_indptr, y_indices,
                                                        dH_out=dH_out, dW2_out=dW2_out,
-                                                       db2_out=db2_out, label_chunk=label_chunk)
+                                                       db2_out=db2_out, label_chunk=label_chunk,
+                                                   loss=loss)
 
-    def sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight, y_indptr, local_y):
+    def sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight, y_indptr, local_y, *,
+                            loss="softmax"):
         with self.activate():
             return host_output_layer.sampled_output_grad(self, H, W2, b2, cols, n_pos,
-                                                         log_weight, y_indptr, local_y)
+                                                         log_weight, y_indptr, local_y,
+                                                         loss=loss)
 
     def gather_columns(self, W2, b2, cols, W2s, b2s):
         with self.activate():
