@@ -29,7 +29,7 @@ zero gradient) when ``y_i`` is empty, as for the softmax; the step functions use
 Versions
 --------
 ``bce_fused_cpu``  @njit, one parallel region over row blocks; per row one vectorised sweep
-                   (bias add, ``exp(-|z|)`` by :func:`~xmc_engine.kernels.output_layer._exp_neg`,
+                   (bias add, ``exp(-|z|)`` by :func:`~xmc_engine.kernels.output_layer.exp_neg`,
                    sigmoid, ``log(1 + e)`` by a short series (:func:`_log1p_unit`), column sum).
 ``bce_launch``     @cuda.jit, three kernels: (1) ``bce_positives_kernel``, one thread per row:
                    subtracts the weighted true logits from the loss (before they are overwritten);
@@ -48,7 +48,7 @@ import numpy as np
 from numba import float32 as nb_float32
 from numba import njit, prange
 from xmc_engine.kernels._cuda import CUDASIM, MAX_BLOCKS, TPB, cuda, cuda_kernel, launch
-from xmc_engine.kernels.output_layer import _exp_neg
+from xmc_engine.kernels.output_layer import exp_neg
 
 _F0 = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -106,7 +106,7 @@ def _sweep_unweighted(z, scale32, part, want_colsum):
     softplus = _F0
     for j in range(z.shape[0]):
         v = z[j]
-        e = _exp_neg(-abs(v))
+        e = exp_neg(-abs(v))
         x = _ONE + e
         r = _ONE / x
         g = scale32 * (r if v >= _F0 else e * r)
@@ -125,7 +125,7 @@ def _sweep_weighted(z, colw, scale32, part, want_colsum):
     softplus = _F0
     for j in range(z.shape[0]):
         v = z[j]
-        e = _exp_neg(-abs(v))
+        e = exp_neg(-abs(v))
         x = _ONE + e
         r = _ONE / x
         w = colw[j]

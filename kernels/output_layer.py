@@ -21,7 +21,7 @@ Versions
 --------
 ``softmax_xent_cpu``     @njit, one parallel region, rows split into one contiguous block per
                          thread; per row (L2-resident) three vectorised sweeps: bias add +
-                         lane-wise max (``_row_max_bias``), exp + sum (``_exp_neg``: 2^t by a
+                         lane-wise max (``_row_max_bias``), exp + sum (``exp_neg``: 2^t by a
                          degree-7 polynomial, 2^round(t) written into the exponent bits via an
                          int32 -> float32 bitcast intrinsic; rel. error < 1e-6 - numba has no
                          SVML here and libm's scalar expf costs ~9 ns/element), normalise +
@@ -92,7 +92,7 @@ def _f32_from_bits(typingctx, bits):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _exp_neg(x):
+def exp_neg(x):
     """exp(x) for float32 x <= 0 (x < -86.6 gives ~2^-125, not 0); rel. error < 1e-6.
 
     2^t with t = x log2(e) = r + f: r = round(t) by truncating t - 1/2 (t <= 0), 2^f by a degree-7
@@ -117,7 +117,7 @@ def _exp_row(z, m):
     """z[j] = exp(z[j] - m) for z <= m (in place); returns the sum (one vectorised loop)."""
     s = _F0
     for j in range(z.shape[0]):
-        e = _exp_neg(z[j] - m)
+        e = exp_neg(z[j] - m)
         z[j] = e
         s += e
     return s
@@ -238,7 +238,7 @@ def softmax_chunk_stats_cpu(Zc, bias_c, c0, y_indptr, y_indices, m, s, ysum, n_p
                 if lab >= 0 and lab < C:
                     ysum[i] += z[lab]
             if mc > m[i]:
-                s[i] = s[i] * _exp_neg(m[i] - mc) + _exp_row(z, mc)
+                s[i] = s[i] * exp_neg(m[i] - mc) + _exp_row(z, mc)
                 m[i] = mc
             else:
                 s[i] += _exp_row(z, m[i])
@@ -265,7 +265,7 @@ def softmax_chunk_grad_cpu(Zc, bias_c, c0, y_indptr, y_indices, lse, scale, cols
                 continue
             li = lse[i]
             for j in range(C):
-                e = scale32 * _exp_neg(min(z[j] + bias_c[j] - li, _F0))
+                e = scale32 * exp_neg(min(z[j] + bias_c[j] - li, _F0))
                 z[j] = e
                 part[j] += e
             g = scale32 / nb_float32(p1 - p0)

@@ -121,7 +121,7 @@ def test_clone_round_trips_every_parameter():
     custom = {"normalize": "none", "hidden": [32, 16], "epochs": 3, "max_train_seconds": 60.0,
               "batch_size": 64, "lr": 0.5,
               "lr_warmup_epochs": 0.5, "lr_decay": 0.1, "label_chunk": 7,
-              "optimizer": "adagrad", "output": "sampled", "negatives": 64,
+              "optimizer": "adagrad", "loss": "bce", "output": "sampled", "negatives": 64,
               "negative_sampling": "frequency",
               "devices": "cpu,cpu", "algorithm": "average",
               "algorithm_params": {"merge_period": 512}, "seed": 7, "threads": 2,
