@@ -707,6 +707,17 @@ def check_output_layer(ctx, be, ref, pb):
         _check_topk(ctx, f"predict_scores_topk {tag}", be, idx, val, Z, 5)
     idx, val = be.topk(be.asarray(Z), 5)
     _check_topk(ctx, "topk", be, idx, val, Z, 5)
+    # the logistic loss (loss="bce"): its kernels, whole and in label chunks
+    dZb, loss_b = ref.bce_xent(Z.astype(f64), Y.indptr, Y.indices, 1.0 / Z.shape[0])
+    for chunk in (None, 300):
+        W2d, b2d, dHo = be.asarray(W2.copy()), be.asarray(b2.copy()), be.zeros(Hr.shape)
+        lg, dW2, db2, dHg = be.output_layer_grad(Hd, W2d, b2d, yp, yi, label_chunk=chunk,
+                                                 loss="bce")
+        _loss_close(ctx, f"bce output_layer_grad chunk={chunk} loss", be, lg, loss_b)
+        _close(ctx, f"bce output_layer_grad chunk={chunk} db2", be.to_host(db2),
+               dZb.sum(axis=0), 1e-5)
+        _close(ctx, f"bce output_layer_grad chunk={chunk} dW2", be.to_host(dW2),
+               Hr.astype(f64).T @ dZb, 1e-5)
 
 
 def _check_topk(ctx, name, be, idx, val, Z, k):

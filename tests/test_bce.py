@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from xmc_engine.kernels import bce_output, reference
 
 from tests.test_estimator import tiny_data
 from tests.test_train_step import _assert_same_gradient, _assert_same_state, _data_with_edge_rows
@@ -16,7 +17,6 @@ from xmc_engine import XMCClassifier
 from xmc_engine.backends import get_backend
 from xmc_engine.config import TrainConfig
 from xmc_engine.errors import ConfigError
-from xmc_engine.kernels import bce_output, reference
 from xmc_engine.model import MLPReplica, ModelShape, init_params, init_params_for_data
 from xmc_engine.output_layer import output_layer_grad, output_layer_step
 
