@@ -99,43 +99,47 @@ def _log1p_unit(e, x):
 
 
 @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
-def _sweep_unweighted(z, scale32, part, want_colsum):
-    """``z -> scale * sigmoid(z)`` in place; returns ``sum softplus(z)``. Branch-free (the
-    ternary compiles to a select) and ``error_model="numpy"`` (no zero-division check on the
-    ``1 / x``): the loop vectorises, ~0.6 ns per label on one core."""
-    softplus = _F0
+def _sigmoid_softplus(v):
+    """``(sigmoid(v), softplus(v))`` from one ``exp(-|v|)``; branch-free (the ternary compiles
+    to a select) and ``error_model="numpy"`` (no zero-division check on ``1 / x``), so that the
+    sweeps below vectorise (~0.7 ns per label on one core)."""
+    e = exp_neg(-abs(v))
+    x = _ONE + e
+    r = _ONE / x
+    return (r if v >= _F0 else e * r), max(v, _F0) + _log1p_unit(e, x)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _add_into(part, z):
     for j in range(z.shape[0]):
-        v = z[j]
-        e = exp_neg(-abs(v))
-        x = _ONE + e
-        r = _ONE / x
-        g = scale32 * (r if v >= _F0 else e * r)
-        softplus += max(v, _F0) + _log1p_unit(e, x)
-        z[j] = g
+        part[j] += z[j]
+
+
+@njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
+def _sweep_unweighted(z, scale32, part, want_colsum):
+    """``z -> scale * sigmoid(z)`` in place; returns ``sum softplus(z)``."""
+    total = _F0
+    for j in range(z.shape[0]):
+        sig, sp = _sigmoid_softplus(z[j])
+        z[j] = scale32 * sig
+        total += sp
     if want_colsum:
-        for j in range(z.shape[0]):
-            part[j] += z[j]
-    return softplus
+        _add_into(part, z)
+    return total
 
 
 @njit(nogil=True, cache=True, fastmath=True, error_model="numpy")
 def _sweep_weighted(z, colw, scale32, part, want_colsum):
     """:func:`_sweep_unweighted` with column weights: ``z -> scale w sigmoid(z)``, returns
     ``sum w softplus(z)``."""
-    softplus = _F0
+    total = _F0
     for j in range(z.shape[0]):
-        v = z[j]
-        e = exp_neg(-abs(v))
-        x = _ONE + e
-        r = _ONE / x
-        w = colw[j]
-        g = scale32 * w * (r if v >= _F0 else e * r)
-        softplus += w * (max(v, _F0) + _log1p_unit(e, x))
-        z[j] = g
+        sig, sp = _sigmoid_softplus(z[j])
+        z[j] = scale32 * colw[j] * sig
+        total += colw[j] * sp
     if want_colsum:
-        for j in range(z.shape[0]):
-            part[j] += z[j]
-    return softplus
+        _add_into(part, z)
+    return total
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True, error_model="numpy")
