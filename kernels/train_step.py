@@ -152,13 +152,14 @@ def _sampled_forward_backward(indptr, indices, data, y_indptr, local_y, cols, n_
     """:func:`_forward_backward` on the candidate columns ``cols`` of ``W2``, ``b2`` (gathered
     into ``W2s``, ``b2s``). The negatives' log-weights ``neg_weight``: added to their biases
     (the sampled-softmax correction), or with ``bce`` their weights ``exp(neg_weight)`` on
-    their loss terms (an unbiased estimate of the sum over all non-positive labels)."""
+    their loss terms (length 0: unweighted)."""
     gather_columns_cpu(W2, b2, cols, W2s, b2s)
     colw = np.empty(0, np.float32)
     if bce:
-        colw = np.ones(cols.shape[0], np.float32)
-        for j in range(n_pos, cols.shape[0]):
-            colw[j] = np.exp(neg_weight[j - n_pos])
+        if neg_weight.shape[0] > 0:
+            colw = np.ones(cols.shape[0], np.float32)
+            for j in range(n_pos, cols.shape[0]):
+                colw[j] = np.exp(neg_weight[j - n_pos])
     else:
         for j in range(n_pos, cols.shape[0]):
             b2s[j] += neg_weight[j - n_pos]

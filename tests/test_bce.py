@@ -140,26 +140,33 @@ def test_fused_bce_step_equals_the_host_level_step(optimizer, output):
     _assert_same_gradient(fused, host, rng.integers(0, X.shape[0], 8))
 
 
-def test_sampled_bce_weights_its_negatives_and_with_all_of_them_is_exact():
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_sampled_bce_negatives_and_with_all_of_them_is_exact(monkeypatch, weighted, fused):
     """With every other label drawn (weight 1) the sampled step is the exact one; with a few,
-    each negative's gradient column carries ``(L - n_pos) / K`` times its exact value."""
+    each negative's gradient column is its exact value, or ``(L - n_pos) / K`` times it with
+    ``BCE_WEIGHTED_NEGATIVES``."""
+    import xmc_engine.output_layer as host_layer
+
+    monkeypatch.setattr(host_layer, "BCE_WEIGHTED_NEGATIVES", weighted)
     X, Y = tiny_data(n=120)[:2]
     L = Y.shape[1]
     params = init_params(ModelShape(X.shape[1], L, (8,)), seed=2)
     be = get_backend("cpu", threads=1)
     rows = np.arange(10)
     exact = MLPReplica(be, X, Y, params, loss="bce", output="exact")
-    full = MLPReplica(be, X, Y, params, loss="bce", output="sampled", negatives=L)
+    full = MLPReplica(be, X, Y, params, loss="bce", output="sampled", negatives=L, fused=fused)
     le, ge = exact.grad_batch(rows)
     ls, gs = full.grad_batch(rows)
     assert ls == pytest.approx(le, rel=1e-5)
     cols, dW2s = gs[-2]
     np.testing.assert_allclose(dW2s, ge[-2][:, cols], rtol=1e-4, atol=1e-7)
-    few = MLPReplica(be, X, Y, params, loss="bce", output="sampled", negatives=3, seed=1)
+    few = MLPReplica(be, X, Y, params, loss="bce", output="sampled", negatives=3, seed=1,
+                     fused=fused)
     _, gf = few.grad_batch(rows)
     cols, db2s = gf[-1]
     n_pos = len(np.unique(Y[rows].indices))
-    w = (L - n_pos) / (len(cols) - n_pos)
+    w = (L - n_pos) / (len(cols) - n_pos) if weighted else 1.0
     np.testing.assert_allclose(db2s[n_pos:], w * ge[-1][cols[n_pos:]], rtol=1e-4)
     np.testing.assert_allclose(db2s[:n_pos], ge[-1][cols[:n_pos]], rtol=1e-4, atol=1e-7)
 

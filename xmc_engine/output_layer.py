@@ -36,6 +36,16 @@ __all__ = ["FrequencyProposal", "LSHProposal", "output_layer_grad", "output_laye
 _F32 = np.float32
 
 
+#: Whether the sampled output layer's logistic loss (``loss="bce"``) weights each drawn negative
+#: by the inverse of its chance of being drawn (an unbiased estimate of the sum over every label
+#: that is not a positive) or, ``False``, counts it once. Chosen by
+#: ``bench/bench_bce_negatives.py`` (``bench/RESULTS.md``, "The logistic loss"): unweighted, P@1
+#: / P@3 / P@5 within 0.003 of weighted and PSP@5 higher on each of three sets (debian_builddeps
+#: 0.278 against 0.261), since the full weight pushes the rare labels down as hard as the exact
+#: loss does.
+BCE_WEIGHTED_NEGATIVES = False
+
+
 def _is_bce(loss: str) -> bool:
     """Whether ``loss`` (a :data:`~xmc_engine.config.LOSSES` name) is the logistic loss."""
     if loss not in LOSSES:
@@ -457,8 +467,9 @@ def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float,
     ``Zs = H @ W2s + b2s`` plus ``log_weight`` on the negatives (``cols[n_pos:]``,
     :func:`sample_candidates`); ``dZs = (softmax(Zs) - y/|y|) / B``. Three GEMMs of
     ``B x n_hidden x m`` instead of ``B x n_hidden x n_labels``. ``loss="bce"``: the logistic
-    loss on the candidates, the negatives' terms weighted by ``exp(log_weight)`` (not added to
-    their logits): an unbiased estimate of the sum over every label that is not a positive.
+    loss on the candidates, each term counted once (``log_weight`` is not added to the logits;
+    with :data:`BCE_WEIGHTED_NEGATIVES` the negatives' terms are weighted by
+    ``exp(log_weight)``).
 
     Parameters
     ----------
@@ -482,11 +493,12 @@ def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float,
     b2s = be.workspace("b2s", (m,))
     be.gather_columns(W2, b2, cols, W2s, b2s)
     bce = _is_bce(loss)
-    colw = None
+    colw = None  # the logistic loss's column weights (None: every term once)
     if bce:
-        w = np.ones(m, dtype=_F32)
-        w[n_pos:] = np.exp(np.asarray(log_weight, dtype=np.float64))
-        colw = be.asarray(w)
+        if BCE_WEIGHTED_NEGATIVES:
+            w = np.ones(m, dtype=_F32)
+            w[n_pos:] = np.exp(np.asarray(log_weight, dtype=np.float64))
+            colw = be.asarray(w)
     elif m > n_pos and np.ndim(log_weight):  # a weight per negative (a non-uniform proposal)
         b2s[n_pos:] += be.asarray(np.asarray(log_weight, dtype=_F32))
     elif m > n_pos and log_weight:

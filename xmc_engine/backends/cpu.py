@@ -358,7 +358,7 @@ class CPUBackend:
         (:func:`xmc_engine.kernels.train_step.sampled_train_step_cpu`); ``changed_cols`` the
         bool mask of changed ``W2`` columns to mark, or ``None``. Returns the summed loss."""
         batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
-                                            log_weight)
+                                            log_weight, loss)
         return float(train_step.sampled_train_step_cpu(
             *batch, _bce(loss), *params, *_optimizer_args(acc), float(lr), float(eps), *scratch,
             _NO_ROWS if changed is None else changed,
@@ -371,17 +371,23 @@ class CPUBackend:
         the layout of :meth:`xmc_engine.model.MLPReplica.grad_batch` (``W2``, ``b2``
         column-sparse, in this backend's workspaces, valid until its next step)."""
         batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
-                                            log_weight)
+                                            log_weight, loss)
         total, rows, grad_rows, grad_b1 = train_step.sampled_grad_step_cpu(
             *batch, _bce(loss), *params, *scratch)
         cols = batch[5]
         return float(total), [(rows, grad_rows), grad_b1, (cols, scratch[5]), (cols, scratch[6])]
 
-    def _sampled_args(self, params, Xb, y_indptr, cols, local_y, n_pos, log_weight) -> tuple:
+    def _sampled_args(self, params, Xb, y_indptr, cols, local_y, n_pos, log_weight,
+                      loss) -> tuple:
         """The batch's and the candidates' arrays of the fused sampled kernels, and their
-        scratch arrays ``(H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)``."""
+        scratch arrays ``(H, W2s, b2s, Zs, dH, dW2s, db2s, loss_rows, colsum_parts)``. The
+        negatives' log-weights are empty for the logistic loss unless
+        :data:`xmc_engine.output_layer.BCE_WEIGHTED_NEGATIVES`."""
         B, nh, m = Xb.shape[0], params[0].shape[1], len(cols)
-        neg_weight = np.broadcast_to(np.asarray(log_weight, _F32), (m - n_pos,))
+        if loss == "bce" and not host_output_layer.BCE_WEIGHTED_NEGATIVES:
+            neg_weight = np.zeros(0, _F32)
+        else:
+            neg_weight = np.broadcast_to(np.asarray(log_weight, _F32), (m - n_pos,))
         batch = (Xb.indptr, Xb.indices, np.asarray(Xb.data, _F32), y_indptr, local_y,
                  np.asarray(cols, np.int64), int(n_pos), np.ascontiguousarray(neg_weight))
         scratch = (self.workspace("H", (B, nh)), self.workspace("W2s", (nh, m)),
