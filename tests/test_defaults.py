@@ -10,7 +10,13 @@ import pytest
 from xmc_engine.datasets import make_synthetic
 
 from xmc_engine import XMCClassifier, training
-from xmc_engine.config import DEFAULT_LR, DEFAULT_LR_DECAY, OPTIMIZERS, TrainConfig
+from xmc_engine.config import (
+    DEFAULT_LR,
+    DEFAULT_LR_BCE,
+    DEFAULT_LR_DECAY,
+    OPTIMIZERS,
+    TrainConfig,
+)
 from xmc_engine.devices import parse_devices
 from xmc_engine.errors import ConfigError
 from xmc_engine.runlog import RunLog
@@ -25,6 +31,9 @@ def small():
 def test_unset_lr_is_the_optimizers_default(optimizer):
     assert TrainConfig(optimizer=optimizer).learning_rate == DEFAULT_LR[optimizer]
     assert TrainConfig(optimizer=optimizer, lr=0.3).learning_rate == 0.3
+    bce = TrainConfig(optimizer=optimizer, loss="bce")
+    assert bce.learning_rate == DEFAULT_LR_BCE[optimizer]
+    assert TrainConfig(optimizer=optimizer, loss="bce", lr=0.3).learning_rate == 0.3
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -49,7 +58,7 @@ def test_default_decay_reaches_the_schedule(small):
 
 
 def test_every_optimizer_has_a_default_lr_and_a_bad_lr_is_named():
-    assert set(DEFAULT_LR) == set(OPTIMIZERS)
+    assert set(DEFAULT_LR) == set(OPTIMIZERS) == set(DEFAULT_LR_BCE)
     with pytest.raises(ConfigError, match="lr=-1.0"):
         TrainConfig(lr=-1.0)
 

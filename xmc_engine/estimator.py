@@ -102,7 +102,8 @@ class XMCClassifier:
         ``epochs``), at the first merge barrier after it.
     lr : float or None
         Base learning rate; ``None``: the optimizer's default
-        (:data:`xmc_engine.config.DEFAULT_LR`: 0.05 for Adagrad, 2.0 for SGD).
+        (:data:`xmc_engine.config.DEFAULT_LR`: 0.05 for Adagrad, 2.0 for SGD; with
+        ``loss="bce"`` :data:`~xmc_engine.config.DEFAULT_LR_BCE`: 0.1 for Adagrad).
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
         the schedule of every algorithm (``lr_warmup_epochs=None``: the algorithm's own,
         none by default; ``lr_decay=None``: the optimizer's default,

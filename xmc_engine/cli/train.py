@@ -28,7 +28,7 @@ _CONFIG_OPTIONS = {
                           "stop after this much training time (evaluation excluded)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 64)"),
     "lr": ("--lr", finite_float, "base learning rate (default: the optimizer's, 0.05 for "
-           "adagrad, 2.0 for sgd)"),
+           "adagrad, 0.1 for adagrad with --loss bce, 2.0 for sgd)"),
     "lr_warmup_epochs": ("--lr-warmup-epochs", finite_float,
                          "linear learning-rate warm-up, every algorithm (default 0)"),
     "lr_decay": ("--lr-decay", finite_float, "decay lambda: lr0/(1+lambda(e-e_warm)) "
