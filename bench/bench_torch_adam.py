@@ -25,6 +25,12 @@ above 1 means the engine is faster). Results (every run) in ``--out``. The commi
     python bench/bench_torch_adam.py --seeds 0 1 2 --datasets stackex_cooking stackex_cs \
         rcv1sub1 imdb --out bench/results/torch_adam_seeds.json
 
+With ``--loss bce`` both sides train the logistic loss: the engine ``XMCClassifier(loss="bce",
+epochs=E, seed=s)`` (its learning rate then the loss's default) and PyTorch the same loss
+(:func:`torch_baseline.batch_loss`)::
+
+    python bench/bench_torch_adam.py --loss bce --out bench/results/torch_adam_bce.json
+
 Needs ``pip install torch==2.13.0`` (the CPU build); without it the script says so and exits 0.
 """
 
@@ -63,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "defaults (none: defaults only)")
     p.add_argument("--optimizers", nargs="+", default=["adam", "sparse_adam"],
                    choices=torch_baseline.TORCH_OPTIMIZERS)
+    p.add_argument("--loss", choices=("softmax", "bce"), default="softmax",
+                   help="the training loss of both sides (default: the engine's default)")
     p.add_argument("--torch-batch", type=int, default=256)
     p.add_argument("--torch-threads", type=int, default=1,
                    help="PyTorch intra-op threads (1: on this 2-core VM two spin-waiting "
@@ -74,10 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_engine(data, epochs: int, seed: int, lr: float | None = None) -> dict:
-    """The engine's defaults (with ``lr``: but that learning rate), thread budget calibrated:
-    P@1/3/5 and training seconds after ``epochs`` epochs (:func:`bench_defaults.run_one`)."""
-    r = bench_defaults.run_one(data, {} if lr is None else {"lr": lr}, seed, [epochs], None)
+def run_engine(data, epochs: int, seed: int, lr: float | None = None,
+               loss: str = "softmax") -> dict:
+    """The engine's defaults (with ``lr``: but that learning rate; with ``loss="bce"``: that
+    loss), thread budget calibrated: P@1/3/5 and training seconds after ``epochs`` epochs
+    (:func:`bench_defaults.run_one`)."""
+    config = ({} if lr is None else {"lr": lr}) | ({} if loss == "softmax" else {"loss": loss})
+    r = bench_defaults.run_one(data, config, seed, [epochs], None)
     at = r["at"][str(epochs)]
     return {**{k: at[k] for k in METRICS}, "train_time": at["train_time"], "wall_s": r["wall_s"],
             "resolved": r["resolved"]}
@@ -88,7 +99,7 @@ def run_torch(data, args, optimizer: str, lr: float, seed: int) -> dict:
     res = torch_baseline.train_torch(X, Y, Xt, Yt, lr=lr, epochs=args.epochs,
                                      batch_size=args.torch_batch, threads=args.torch_threads,
                                      seed=seed, eval_every=float(args.epochs),
-                                     optimizer=optimizer)
+                                     optimizer=optimizer, loss=args.loss)
     last = res["curve"][-1]
     return {"optimizer": optimizer, "lr": lr, **{k: last[k] for k in METRICS},
             "train_time": res["train_time"]}
@@ -111,7 +122,8 @@ def main(argv=None) -> int:
     if torch_baseline.torch is None:
         print(f"SKIP: {torch_baseline.TORCH_HINT}")
         return 0
-    payload = {**_common.result_metadata(), "benchmark": "torch_adam", "epochs": args.epochs,
+    payload = {**_common.result_metadata(), "benchmark": "torch_adam", "loss": args.loss,
+               "epochs": args.epochs,
                "seeds": args.seeds, "torch_batch": args.torch_batch,
                "torch_threads": args.torch_threads, "rows": []}
     for name, X, Y, Xt, Yt, note in bench_defaults.datasets_present(args.datasets,
@@ -119,16 +131,17 @@ def main(argv=None) -> int:
         data = (X, Y, Xt, Yt)
         how = TrainConfig().normalize  # what the engine does to the rows by default
         torch_data = (normalize_rows(X, how), Y, normalize_rows(Xt, how), Yt)
-        run_engine(data, 1, args.seeds[0])  # compile (or load Numba's cache) before timing
+        run_engine(data, 1, args.seeds[0], loss=args.loss)  # compile (or load the cache) first
         engines, engine_grids, grids = [], [], []
         for seed in args.seeds:
-            engine = run_engine(data, args.epochs, seed)
+            engine = run_engine(data, args.epochs, seed, loss=args.loss)
             print(f"{name} seed {seed}: engine defaults {_fmt(engine)} {engine['resolved']}",
                   flush=True)
             engine_grid = []
             for lr in args.engine_lrs:  # the default lr's run is the defaults' run
                 same = lr == engine["resolved"]["lr"]
-                engine_grid.append(engine if same else run_engine(data, args.epochs, seed, lr))
+                engine_grid.append(engine if same else run_engine(data, args.epochs, seed, lr,
+                                                                  args.loss))
                 print(f"{name} seed {seed}: engine lr={lr:g} {_fmt(engine_grid[-1])}",
                       flush=True)
             grid = []

@@ -140,14 +140,19 @@ def make_batches(X, Y, batch_size: int, seed: int, epoch: int, *, rows=None):
 
 # -- model ----------------------------------------------------------------------------------------
 
-def engine_init(n_features: int, n_labels: int, hidden: int, X, seed: int):
-    """``[W1, b1, W2, b2]`` host float32 arrays drawn exactly as the engine's ``init_params``."""
+def engine_init(n_features: int, n_labels: int, hidden: int, X, seed: int,
+                loss: str = "softmax"):
+    """``[W1, b1, W2, b2]`` host float32 arrays drawn exactly as the engine's ``init_params``
+    (with ``loss="bce"``: the output biases at ``-log(n_labels)``, as the engine's)."""
     try:
         from xmc_engine.model import ModelShape, init_params_for_data
     except ImportError:
         ModelShape = init_params_for_data = None
     if init_params_for_data is not None:
-        return init_params_for_data(ModelShape(n_features, n_labels, (hidden,)), X, seed)
+        return init_params_for_data(ModelShape(n_features, n_labels, (hidden,)), X, seed,
+                                    loss=loss)
+    if loss != "softmax":
+        raise RuntimeError(f"loss={loss!r} needs the engine installed for its initialisation")
     avg_nnz = max(X.nnz / max(X.shape[0], 1), 1.0)
     rng = np.random.default_rng(seed)  # same draws as xmc_engine.model.init_params_for_data
     b1 = math.sqrt(3.0 / avg_nnz)
@@ -179,9 +184,21 @@ class SparseMLP(nn.Module if nn is not None else object):
         return self.out(torch.relu(h))
 
 
-def batch_loss(logits, target, scale: float):
-    """``scale * Σ_{(i,l) in target} -target[i,l] * log_softmax(logits)[i,l]``."""
+def batch_loss(logits, target, scale: float, loss: str = "softmax"):
+    """``scale * Σ_{(i,l) in target} -target[i,l] * log_softmax(logits)[i,l]``; with
+    ``loss="bce"`` the engine's logistic loss, ``scale * Σ_i Σ_l softplus(z_il) - y_il z_il``
+    over the rows with labels (a row without labels contributes 0, as in the engine)."""
     idx = target.indices()
+    if loss == "bce":
+        labelled = torch.zeros(logits.shape[0], dtype=torch.bool)
+        labelled[idx[0]] = True
+        dense = torch.zeros_like(logits)
+        dense[idx[0], idx[1]] = 1.0
+        per = torch.nn.functional.binary_cross_entropy_with_logits(logits, dense,
+                                                                   reduction="none")
+        return per[labelled].sum() * scale
+    if loss != "softmax":
+        raise ValueError(f"loss={loss!r}: choose softmax or bce")
     logp = torch.log_softmax(logits, dim=1)
     return -(logp[idx[0], idx[1]] * target.values()).sum() * scale
 
@@ -242,7 +259,7 @@ def make_optimizer(model, name: str, lr: float) -> list:
 def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 256,
                 lr: float = 1.0, epochs: int = 10, threads: int = 2, seed: int = 0,
                 eval_every: float = 1.0, verbose: bool = False,
-                optimizer: str = "sgd") -> dict:
+                optimizer: str = "sgd", loss: str = "softmax") -> dict:
     """Train the single-process PyTorch baseline and record its time-to-accuracy curve.
 
     Parameters
@@ -254,6 +271,7 @@ def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 25
     eval_every : float, epochs between evaluations (also evaluated after the last batch)
     optimizer : one of :data:`TORCH_OPTIMIZERS` (default ``"sgd"``, no momentum); the Adam
         variants use PyTorch's default betas and eps
+    loss : ``"softmax"`` or ``"bce"``, the engine's two training losses (:func:`batch_loss`)
 
     Returns
     -------
@@ -267,7 +285,7 @@ def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 25
     torch.manual_seed(seed)
     n = X.shape[0]
     model = SparseMLP(X.shape[1], Y.shape[1], hidden, sparse=optimizer != "adam",
-                      init=engine_init(X.shape[1], Y.shape[1], hidden, X, seed))
+                      init=engine_init(X.shape[1], Y.shape[1], hidden, X, seed, loss))
     opts = make_optimizer(model, optimizer, lr)
     points = _eval_points(n, epochs, eval_every)
     curve, samples, train_time, eval_time, loss_sum, loss_rows = [], 0, 0.0, 0.0, 0.0, 0
@@ -277,13 +295,13 @@ def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 25
         for b in make_batches(X, Y, batch_size, seed, epoch):
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
-            loss = batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
-                              1.0 / b.n_rows)
-            loss.backward()
+            step_loss = batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
+                                   1.0 / b.n_rows, loss)
+            step_loss.backward()
             for opt in opts:
                 opt.step()
             samples += b.n_rows
-            loss_sum += float(loss.detach()) * b.n_rows
+            loss_sum += float(step_loss.detach()) * b.n_rows
             loss_rows += b.n_rows
             if points and samples >= points[0]:
                 train_time += time.perf_counter() - t0
@@ -308,7 +326,7 @@ def train_torch(X, Y, X_test, Y_test, *, hidden: int = 128, batch_size: int = 25
         "variant": "torch", "config": {"hidden": hidden, "batch_size": batch_size, "lr": lr,
                                        "epochs": epochs, "threads": threads, "seed": seed,
                                        "eval_every": eval_every, "sparse_grad": optimizer != "adam",
-                                       "optimizer": optimizer},
+                                       "optimizer": optimizer, "loss": loss},
         "curve": curve, "train_time": train_time, "train_cpu_time": train_cpu,
         "eval_time": eval_time,
         "samples_per_s": samples / train_time if train_time > 0 else None,

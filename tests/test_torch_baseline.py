@@ -69,3 +69,32 @@ def test_unknown_optimizer_is_refused():
     model = torch_baseline.SparseMLP(10, 3, 4)
     with pytest.raises(ValueError, match="choose one of sgd, adam, sparse_adam"):
         torch_baseline.make_optimizer(model, "lbfgs", 0.1)
+
+
+def test_the_logistic_loss_equals_the_engines(data):
+    """``batch_loss(..., loss="bce")`` and the engine's ``loss="bce"`` give the same loss and
+    output-layer gradient on one batch from the same start (a row without labels included)."""
+    from xmc_engine.backends import get_backend
+    from xmc_engine.model import MLPReplica
+    from xmc_engine.scheduler.queue import epoch_permutation
+
+    X, Y, _, _ = data
+    Y = Y.tolil()
+    rows = epoch_permutation(X.shape[0], 0, 0)[:32]
+    Y[int(rows[3]), :] = 0  # a row without labels: no loss, no gradient, in both
+    Y = Y.tocsr()
+    init = torch_baseline.engine_init(X.shape[1], Y.shape[1], 8, X, 0, "bce")
+    np.testing.assert_allclose(init[-1], -np.log(Y.shape[1]), rtol=1e-6)
+    model = torch_baseline.SparseMLP(X.shape[1], Y.shape[1], 8, init=init)
+    b = next(torch_baseline.make_batches(X, Y, 32, 0, 0))
+    loss = torch_baseline.batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
+                                     1.0 / b.n_rows, "bce")
+    loss.backward()
+    engine = MLPReplica(get_backend("cpu", threads=1), X, Y, init, loss="bce")
+    loss_e, grads = engine.grad_batch(rows)
+    assert float(loss) * b.n_rows == pytest.approx(loss_e, rel=1e-4)
+    np.testing.assert_allclose(model.out.weight.grad.numpy().T, grads[-2], atol=1e-6)
+    np.testing.assert_allclose(model.out.bias.grad.numpy(), grads[-1], atol=1e-6)
+    with pytest.raises(ValueError, match="loss='hinge'"):
+        torch_baseline.batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
+                                  1.0, "hinge")
