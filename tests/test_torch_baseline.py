@@ -92,7 +92,7 @@ def test_the_logistic_loss_equals_the_engines(data):
     loss.backward()
     engine = MLPReplica(get_backend("cpu", threads=1), X, Y, init, loss="bce")
     loss_e, grads = engine.grad_batch(rows)
-    assert float(loss) * b.n_rows == pytest.approx(loss_e, rel=1e-4)
+    assert float(loss.detach()) * b.n_rows == pytest.approx(loss_e, rel=1e-4)
     np.testing.assert_allclose(model.out.weight.grad.numpy().T, grads[-2], atol=1e-6)
     np.testing.assert_allclose(model.out.bias.grad.numpy(), grads[-1], atol=1e-6)
     with pytest.raises(ValueError, match="loss='hinge'"):
