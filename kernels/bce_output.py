@@ -48,7 +48,7 @@ import numpy as np
 from numba import float32 as nb_float32
 from numba import njit, prange
 from xmc_engine.kernels._cuda import CUDASIM, MAX_BLOCKS, TPB, cuda, cuda_kernel, launch
-from xmc_engine.kernels.output_layer import exp_neg
+from xmc_engine.kernels.output_layer import exp_neg, fill_zero
 
 _F0 = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -102,7 +102,7 @@ def _log1p_unit(e, x):
 def _sigmoid_softplus(v):
     """``(sigmoid(v), softplus(v))`` from one ``exp(-|v|)``; branch-free (the ternary compiles
     to a select) and ``error_model="numpy"`` (no zero-division check on ``1 / x``), so that the
-    sweeps below vectorise (~0.7 ns per label on one core)."""
+    sweeps below vectorise (~0.8 ns per label on one core)."""
     e = exp_neg(-abs(v))
     x = _ONE + e
     r = _ONE / x
@@ -157,14 +157,12 @@ def bce_fused_cpu(Z, bias, use_bias, c0, colw, y_indptr, y_indices, scale, loss_
     for t in prange(n_parts):
         part = colsum_parts[t]
         if want_colsum:
-            for j in range(C):
-                part[j] = _F0
+            fill_zero(part)
         for i in range(t * B // n_parts, (t + 1) * B // n_parts):
             z = Z[i]
             p0, p1 = y_indptr[i], y_indptr[i + 1]
             if p1 == p0:
-                for j in range(C):
-                    z[j] = _F0
+                fill_zero(z)
                 continue
             ysum = _true_logits(z, bias, use_bias, colw, c0, y_indices, p0, p1)
             if use_bias:

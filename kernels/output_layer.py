@@ -123,6 +123,14 @@ def _exp_row(z, m):
     return s
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def fill_zero(a):
+    """``a[:] = 0`` for a 1-D float32 array (a row of dZ, a part of the column sums) inside
+    the kernels' parallel regions."""
+    for j in range(a.shape[0]):
+        a[j] = _F0
+
+
 _LANES = 64  # independent running maxima: LLVM does not vectorise a max reduction itself
 
 
@@ -175,14 +183,12 @@ def softmax_xent_fused_cpu(Z, bias, use_bias, y_indptr, y_indices, scale, loss_r
         lanes = np.empty(_LANES, np.float32)
         part = colsum_parts[t]
         if want_colsum:
-            for j in range(L):
-                part[j] = _F0
+            fill_zero(part)
         for i in range(t * B // n_parts, (t + 1) * B // n_parts):
             z = Z[i]
             p0, p1 = y_indptr[i], y_indptr[i + 1]
             if p1 == p0:
-                for j in range(L):
-                    z[j] = _F0
+                fill_zero(z)
                 loss_rows[i] = 0.0
                 continue
             m = _row_max_bias(z, bias, use_bias, lanes)
@@ -254,14 +260,12 @@ def softmax_chunk_grad_cpu(Zc, bias_c, c0, y_indptr, y_indices, lse, scale, cols
     scale32 = nb_float32(scale)
     for t in prange(n_parts):
         part = colsum_parts[t]
-        for j in range(C):
-            part[j] = _F0
+        fill_zero(part)
         for i in range(t * B // n_parts, (t + 1) * B // n_parts):
             z = Zc[i]
             p0, p1 = y_indptr[i], y_indptr[i + 1]
             if p1 == p0:
-                for j in range(C):
-                    z[j] = _F0
+                fill_zero(z)
                 continue
             li = lse[i]
             for j in range(C):
