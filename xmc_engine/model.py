@@ -96,10 +96,10 @@ def init_params_for_data(shape: ModelShape, X, seed: int = 0, *,
                          loss: str = "softmax") -> list[np.ndarray]:
     """:func:`init_params` with ``W1`` sized by the training rows ``X``: variance
     ``1 / avg_nnz`` (non-zeros per row), feature values not counted. With ``loss="bce"`` the
-    output biases start at ``-log(n_labels)``: every sigmoid then starts near ``1 / n_labels``
-    instead of 1/2, so the first steps do not spend the Adagrad accumulators on pushing
-    thousands of labels down (debian_debtags, 5 epochs, P@1 0.824 from 0 against 0.843;
-    ``bench/RESULTS.md``, "The logistic loss").
+    output biases start at ``-log(n_labels)`` (:data:`BCE_BIAS_INIT`): every sigmoid then
+    starts near ``1 / n_labels`` instead of 1/2 (debian_debtags, 5 epochs, lr 0.05: P@1 0.843
+    against 0.824 from 0; the choice over every set: ``bench/RESULTS.md``, "The logistic
+    loss").
 
     Why not unit pre-activation variance (``1 / (avg_nnz x mean squared value)``): with tf-idf
     features the values are small, the weights would come out large, and a step (Adagrad's above
