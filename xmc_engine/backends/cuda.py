@@ -518,7 +518,7 @@ class CUDABackend:
             return host_output_layer.output_layer_grad(self, H, W2, b2, y_indptr, y_indices,
                                                        dH_out=dH_out, dW2_out=dW2_out,
                                                        db2_out=db2_out, label_chunk=label_chunk,
-                                                   loss=loss)
+                                                       loss=loss)
 
     def sampled_output_grad(self, H, W2, b2, cols, n_pos, log_weight, y_indptr, local_y, *,
                             loss="softmax"):
