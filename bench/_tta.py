@@ -48,17 +48,17 @@ class Method:
 
 
 def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd",
-               lr_decay=0.0, warmup_epochs=None, eval_every=1.0):
+               lr_decay=0.0, warmup_epochs=None, eval_every=1.0, loss=None):
     """Train once; returns a dict with the curve and totals. ``lr_decay`` and ``warmup_epochs``
     are the engine's schedule (``lr_warmup_epochs``; ``None``: each algorithm's own warm-up);
     ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier).
-    ``batch_size``, ``hidden``, ``optimizer``, ``lr_decay`` or a learning rate (``m.lr`` and
-    ``lr``) that is ``None`` is left to the engine's default."""
+    ``batch_size``, ``hidden``, ``optimizer``, ``lr_decay``, ``loss`` or a learning rate
+    (``m.lr`` and ``lr``) that is ``None`` is left to the engine's default."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
     chosen = {"hidden": hidden, "batch_size": batch_size, "optimizer": optimizer,
-              "lr": m.lr if m.lr is not None else lr, "lr_decay": lr_decay}
+              "lr": m.lr if m.lr is not None else lr, "lr_decay": lr_decay, "loss": loss}
     clf = XMCClassifier(epochs=epochs, lr_warmup_epochs=warmup_epochs, devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
                         threads=m.threads, eval_every=eval_every,

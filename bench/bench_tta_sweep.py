@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=None, help="default: the engine's")
     p.add_argument("--batch-size", type=int, default=None, help="default: the engine's")
     p.add_argument("--optimizer", default=None, help="default: the engine's")
+    p.add_argument("--loss", default=None, choices=("softmax", "bce"),
+                   help="training loss of every configuration (default: the engine's)")
     p.add_argument("--lr-decay", type=float, default=None, help="default: the engine's")
     p.add_argument("--warmup-epochs", type=float, default=None,
                    help="default: each algorithm's own (the engine's)")
@@ -189,6 +191,7 @@ def main(argv=None) -> int:
         for m, acc in zip(methods, runs, strict=True):
             r = _tta.run_method(m, data, epochs=args.epochs, lr=m.lr, batch_size=args.batch_size,
                                 hidden=args.hidden, seed=seed, optimizer=args.optimizer,
+                                loss=args.loss,
                                 lr_decay=args.lr_decay, warmup_epochs=args.warmup_epochs,
                                 eval_every=args.eval_every)
             acc.append({"seed": seed, "lr": r["lr"], "best_P@1": r["best_P@1"],
