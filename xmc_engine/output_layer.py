@@ -46,8 +46,9 @@ _F32 = np.float32
 BCE_WEIGHTED_NEGATIVES = False
 
 
-def _is_bce(loss: str) -> bool:
-    """Whether ``loss`` (a :data:`~xmc_engine.config.LOSSES` name) is the logistic loss."""
+def is_bce(loss: str) -> bool:
+    """Whether ``loss`` (a :data:`~xmc_engine.config.LOSSES` name) is the logistic loss; any
+    other name is refused (``ValueError``). The one check of the loss name below the config."""
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r}: choose one of {', '.join(LOSSES)}")
     return loss == "bce"
@@ -107,7 +108,7 @@ def output_layer_grad(backend, H, W2, b2, y_indptr, y_indices, *, dH_out=None, d
 def _output_layer(be, H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_out,
                   label_chunk, loss="softmax"):
     """The step (``dW2_out is None``: update W2, b2 in place) or the gradient (into the outs)."""
-    bce = _is_bce(loss)
+    bce = is_bce(loss)
     B = H.shape[0]
     L = W2.shape[1]
     update = dW2_out is None
@@ -134,42 +135,35 @@ def _output_layer(be, H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_o
         else:
             be.matmul(H.T, Z, dW2_out)                         # GEMM 3: dW2
         return total
-    if bce:  # label-chunked, one pass: every label's gradient is its own
+    # label-chunked path (DESIGN.md §2). The softmax first needs each row's log-sum-exp (pass 1:
+    # row statistics over every chunk); the logistic loss does not (every label's gradient is
+    # its own). Then one pass: recompute each chunk's logits -> dZc -> dH, W2c, b2c.
+    if bce:
         total = 0.0
-        dH_out[...] = 0
+
+        def chunk_dz(Zc, c0, b2c, out, alpha, beta):  # dZc in place; the chunk's loss
+            return be.bce_bias(Zc, b2c, c0, y_indptr, y_indices, scale, out, alpha, beta)
+    else:
+        m, s, ysum = be.row_stats(B)
         for c0, c1 in chunks:
             Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
-            W2c = W2[:, c0:c1]
-            be.matmul(H, W2c, Zc)
-            if update:  # b2c -= lr * dZc.sum(0), after the kernel has read b2c
-                total = total + be.bce_bias(Zc, b2[c0:c1], c0, y_indptr, y_indices, scale,
-                                            b2[c0:c1], -lr, 1.0)
-            else:
-                total = total + be.bce_bias(Zc, b2[c0:c1], c0, y_indptr, y_indices, scale,
-                                            db2_out[c0:c1])
-            be.gemm_acc(dH_out, Zc, W2c.T)                     # dH += dZc W2c^T (old W2c)
-            if update:
-                be.gemm_update(W2c, H, Zc, -lr)
-            else:
-                be.matmul(H.T, Zc, dW2_out[:, c0:c1])
-        return total
-    # label-chunked path (DESIGN.md §2): pass 1 row statistics, pass 2 recompute + update
-    m, s, ysum = be.row_stats(B)
-    for c0, c1 in chunks:
-        Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
-        be.matmul(H, W2[:, c0:c1], Zc)
-        be.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
-    total, lse = be.chunk_loss(m, s, ysum, y_indptr)
+            be.matmul(H, W2[:, c0:c1], Zc)
+            be.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
+        total, lse = be.chunk_loss(m, s, ysum, y_indptr)
+
+        def chunk_dz(Zc, c0, b2c, out, alpha, beta):  # dZc in place; the loss is in total
+            be.chunk_grad(Zc, b2c, c0, y_indptr, y_indices, lse, scale, out, alpha, beta)
     dH_out[...] = 0
     for c0, c1 in chunks:
         Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
         W2c = W2[:, c0:c1]
         be.matmul(H, W2c, Zc)                                  # recompute the chunk's logits
         if update:  # dZc, and b2c -= lr * dZc.sum(0) (after the kernel has read b2c)
-            be.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, b2[c0:c1],
-                          -lr, 1.0)
+            part = chunk_dz(Zc, c0, b2[c0:c1], b2[c0:c1], -lr, 1.0)
         else:
-            be.chunk_grad(Zc, b2[c0:c1], c0, y_indptr, y_indices, lse, scale, db2_out[c0:c1])
+            part = chunk_dz(Zc, c0, b2[c0:c1], db2_out[c0:c1], 1.0, 0.0)
+        if part is not None:  # the logistic loss of this chunk
+            total = total + part
         be.gemm_acc(dH_out, Zc, W2c.T)                         # dH += dZc W2c^T (old W2c)
         if update:
             be.gemm_update(W2c, H, Zc, -lr)                    # W2c -= lr H^T dZc
@@ -492,7 +486,7 @@ def sampled_output_grad(backend, H, W2, b2, cols, n_pos: int, log_weight: float,
     W2s = be.workspace("W2s", (nh, m))
     b2s = be.workspace("b2s", (m,))
     be.gather_columns(W2, b2, cols, W2s, b2s)
-    bce = _is_bce(loss)
+    bce = is_bce(loss)
     colw = None  # the logistic loss's column weights (None: every term once)
     if bce:
         if BCE_WEIGHTED_NEGATIVES:

@@ -19,7 +19,6 @@ import scipy.sparse
 
 from xmc_engine import output_layer as host_output_layer
 from xmc_engine.batches import CSRBatch
-from xmc_engine.config import LOSSES
 from xmc_engine.kernels import (
     adagrad,
     bce_output,
@@ -31,6 +30,7 @@ from xmc_engine.kernels import (
     topk,
     train_step,
 )
+from xmc_engine.output_layer import is_bce
 
 _F32 = np.float32
 _PARALLEL_COPY_MIN = 1 << 16  # elements: below this np.copyto beats waking the numba threads
@@ -345,8 +345,7 @@ class CPUBackend:
         """
         x, y, scratch = self._fused_args(params, Xb, Yb)
         return float(train_step.train_step_cpu(
-            *x, *y, *params, *_optimizer_args(acc), float(lr), float(eps), _bce(loss),
-            *scratch,
+            *x, *y, *params, *_optimizer_args(acc), float(lr), float(eps), is_bce(loss), *scratch,
             _NO_ROWS if changed is None else changed))
 
     def fused_sampled_step(self, params, acc, Xb, y_indptr, cols, local_y, n_pos: int,
@@ -360,7 +359,8 @@ class CPUBackend:
         batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
                                             log_weight, loss)
         return float(train_step.sampled_train_step_cpu(
-            *batch, _bce(loss), *params, *_optimizer_args(acc), float(lr), float(eps), *scratch,
+            *batch, is_bce(loss), *params, *_optimizer_args(acc), float(lr), float(eps),
+            *scratch,
             _NO_ROWS if changed is None else changed,
             _NO_ROWS if changed_cols is None else changed_cols))
 
@@ -373,7 +373,7 @@ class CPUBackend:
         batch, scratch = self._sampled_args(params, Xb, y_indptr, cols, local_y, n_pos,
                                             log_weight, loss)
         total, rows, grad_rows, grad_b1 = train_step.sampled_grad_step_cpu(
-            *batch, _bce(loss), *params, *scratch)
+            *batch, is_bce(loss), *params, *scratch)
         cols = batch[5]
         return float(total), [(rows, grad_rows), grad_b1, (cols, scratch[5]), (cols, scratch[6])]
 
@@ -384,7 +384,7 @@ class CPUBackend:
         negatives' log-weights are empty for the logistic loss unless
         :data:`xmc_engine.output_layer.BCE_WEIGHTED_NEGATIVES`."""
         B, nh, m = Xb.shape[0], params[0].shape[1], len(cols)
-        if loss == "bce" and not host_output_layer.BCE_WEIGHTED_NEGATIVES:
+        if is_bce(loss) and not host_output_layer.BCE_WEIGHTED_NEGATIVES:
             neg_weight = np.zeros(0, _F32)
         else:
             neg_weight = np.broadcast_to(np.asarray(log_weight, _F32), (m - n_pos,))
@@ -403,8 +403,8 @@ class CPUBackend:
         layout of :meth:`xmc_engine.model.MLPReplica.grad_batch`; ``dW2``, ``db2`` are this
         backend's workspaces, valid until its next step."""
         x, y, scratch = self._fused_args(params, Xb, Yb)
-        total, rows, grad_rows, grad_b1 = train_step.grad_step_cpu(*x, *y, *params, _bce(loss),
-                                                                   *scratch)
+        total, rows, grad_rows, grad_b1 = train_step.grad_step_cpu(*x, *y, *params,
+                                                                   is_bce(loss), *scratch)
         dW2, db2 = scratch[3], scratch[4]
         return float(total), [(rows, grad_rows), grad_b1, dW2, db2]
 
@@ -512,13 +512,6 @@ class CPUBackend:
     @staticmethod
     def adagrad_columns(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
         sampled_output.adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps)
-
-
-def _bce(loss: str) -> bool:
-    """The fused kernels' ``bce`` flag of a :attr:`~xmc_engine.config.TrainConfig.loss`."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss={loss!r}: choose one of {', '.join(LOSSES)}")
-    return loss == "bce"
 
 
 def _optimizer_args(acc) -> tuple:
