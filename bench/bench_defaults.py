@@ -44,6 +44,9 @@ runs (each then repeated with ``--resume`` once the defaults were fixed)::
     python bench/bench_defaults.py --loss-study --epochs 5 10 --datasets bibtex delicious \
         corel5k stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags debian_builddeps \
         synth1k synth10k --out bench/results/defaults_loss.json
+    python bench/bench_defaults.py --loss-auto-study --epochs 5 10 --datasets bibtex \
+        delicious corel5k stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags \
+        debian_builddeps synth1k synth10k --out bench/results/defaults_loss_auto.json
 
 The synthetic shapes come from :func:`xmc_engine.datasets.make_synthetic` (power-law label
 popularity, exponent 0.9): ``synth1k`` 10,000 train / 2,500 test rows, 5,000 features, 1,000
@@ -131,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the defaults with each training loss (TrainConfig.loss) at each of "
                    "--loss-lrs")
     s.add_argument("--loss-lrs", type=float, nargs="+", default=[0.05, 0.1, 0.2])
+    s.add_argument("--loss-auto-study", action="store_true",
+                   help="the defaults with loss softmax, bce and auto (the probe), each loss "
+                   "at its own default learning rate")
     w = p.add_argument_group("warm-up study (--warmup-study: instead of the grid)")
     w.add_argument("--warmup-study", action="store_true")
     w.add_argument("--warmups", type=float, nargs="+", default=[0.0, 0.05, 0.25, 1.0])
@@ -191,12 +197,15 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
     resolved = {k: start["config"][k] for k in ("optimizer", "batch_size", "hidden")}
     calibrated = [r["threads"] for r in clf.history_ if r["event"] == "threads"]
     resolved.update(output=start["output"], threads=calibrated[0] if calibrated else threads)
+    # loss="auto"'s probe (outside train_time, like compiling): its seconds go with each entry
+    probe_s = sum(r["seconds"] for r in clf.history_ if r["event"] == "loss_probe")
     at = {}
     for r in clf.history_:
         if r["event"] == "eval" and round(r["epoch"]) in epochs:
             at[str(round(r["epoch"]))] = {**{k: r["metrics"][k] for k in ("P@1", "P@3", "P@5")},
-                                          "train_time": r["train_time"]}
+                                          "train_time": r["train_time"], "probe_s": probe_s}
     compile_s = sum(r.get("seconds", 0.0) for r in clf.history_ if r["event"] == "compile")
+    resolved["loss"] = start.get("loss", config.get("loss"))
     return {"config": config, "seed": seed, "resolved": {**resolved, "lr": start["lr"]},
             "at": at, "wall_s": wall, "compile_s": compile_s}
 
@@ -353,6 +362,22 @@ def loss_study(args, meta) -> int:
                         _loss_label({"loss": d.loss, "lr": d.learning_rate}), "defaults_loss")
 
 
+def loss_auto_study(args, meta) -> int:
+    """Each ``loss`` value (``softmax``, ``bce``, ``auto``: the probe of
+    :func:`xmc_engine.training.choose_loss`) with everything else at the defaults, the
+    learning rate included (each loss's own; :func:`config_study`). Prints which loss the
+    probe chose per dataset and seed."""
+    from xmc_engine.config import LOSSES, TrainConfig
+
+    configs = [{"loss": loss} for loss in LOSSES]
+    return config_study(args, meta, configs, _loss_auto_label,
+                        _loss_auto_label({"loss": TrainConfig().loss}), "defaults_loss_auto")
+
+
+def _loss_auto_label(c: dict) -> str:
+    return f"loss={c['loss']}"
+
+
 def _loss_label(c: dict) -> str:
     return f"loss={c['loss']} lr={c['lr']:g}"
 
@@ -391,7 +416,10 @@ def config_study(args, meta, configs: list[dict], label, default: str, benchmark
                 for e in epochs:
                     table.setdefault((name, e), {}).setdefault(label(c), []).append(
                         r["at"][str(e)])
-                print(f"  {label(c):22s} seed {seed}: " + ", ".join(
+                chose = (f" [{r['resolved']['loss']}]"
+                         if r["resolved"].get("loss") != c.get("loss", r["resolved"].get("loss"))
+                         else "")
+                print(f"  {label(c):22s} seed {seed}{chose}: " + ", ".join(
                     f"P@1/3/5@{e} {r['at'][str(e)]['P@1']:.4f} / {r['at'][str(e)]['P@3']:.4f} "
                     f"/ {r['at'][str(e)]['P@5']:.4f} ({r['at'][str(e)]['train_time']:.1f} s)"
                     for e in epochs), flush=True)
@@ -518,12 +546,15 @@ def print_study_table(table: dict, labels: list[str], default: str) -> list[dict
                 summary[-1]["mean_P@5"] = float(np.mean([mean(k, lab, "P@5") for k in keys]))
                 summary[-1]["train_s"] = float(np.sum([mean(k, lab, "train_time")
                                                        for k in keys]))
+                summary[-1]["probe_s"] = float(np.sum([
+                    np.mean([at.get("probe_s", 0.0) for at in table[k][lab]]) for k in keys]))
         print(f"\n{e} epochs, {len(keys)} datasets (default: {default}):")
         for s in (x for x in summary if x["epochs"] == e and x["mean_P@1"] is not None):
             print(f"  {s['config']:22s} mean P@1 {s['mean_P@1']:.4f}, worst shortfall "
                   f"{s['worst_gap']:.4f}, mean P@3 {s['mean_P@3']:.4f}, mean P@5 "
                   f"{s['mean_P@5']:.4f}, training "
-                  f"{s['train_s']:.1f} s in all")
+                  f"{s['train_s']:.1f} s in all"
+                  + (f" (+ {s['probe_s']:.1f} s of loss probe)" if s["probe_s"] else ""))
     return summary
 
 
@@ -592,6 +623,8 @@ def main(argv=None) -> int:
         return lr_probe_study(args, meta)
     if args.loss_study:
         return loss_study(args, meta)
+    if args.loss_auto_study:
+        return loss_auto_study(args, meta)
     out = Path(args.out)
     previous, napkin = {}, {}
     for path in [out, *args.previous] if args.resume else []:

@@ -36,8 +36,12 @@ __all__ = [
     "EVAL_ROWS",
     "FLAG_RULES",
     "LOSSES",
+    "LOSS_PROBE_HELDOUT",
+    "LOSS_PROBE_MIN_ROWS",
+    "LOSS_PROBE_ROWS",
     "OPTIMIZERS",
     "OUTPUTS",
+    "TRAIN_LOSSES",
     "AdaptiveConfig",
     "AlgorithmConfig",
     "AverageConfig",
@@ -51,9 +55,19 @@ __all__ = [
 
 #: Optimizers of :class:`~xmc_engine.model.MLPReplica`.
 OPTIMIZERS = ("sgd", "adagrad")
-#: Training losses of the output layer (:class:`TrainConfig` ``loss``): the softmax
-#: cross-entropy against ``y/|y|``, or the one-vs-all logistic loss (binary cross-entropy).
-LOSSES = ("softmax", "bce")
+#: Training losses of the output layer: the softmax cross-entropy against ``y/|y|``, or the
+#: one-vs-all logistic loss (binary cross-entropy).
+TRAIN_LOSSES = ("softmax", "bce")
+#: :class:`TrainConfig` ``loss`` values: a training loss, or ``"auto"`` (a short probe picks
+#: one, :func:`xmc_engine.training.choose_loss`).
+LOSSES = (*TRAIN_LOSSES, "auto")
+#: ``loss="auto"``'s probe (:func:`xmc_engine.training.choose_loss`): each loss trains one
+#: epoch over up to ``LOSS_PROBE_ROWS`` training rows and is scored by P@1 on up to
+#: ``LOSS_PROBE_HELDOUT`` others (a tenth of the rows at most); below ``LOSS_PROBE_MIN_ROWS``
+#: rows there is no probe and the softmax trains.
+LOSS_PROBE_ROWS = 10_000
+LOSS_PROBE_HELDOUT = 2_000
+LOSS_PROBE_MIN_ROWS = 2_000
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
 OUTPUTS = ("exact", "sampled", "auto")

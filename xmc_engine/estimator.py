@@ -113,9 +113,11 @@ class XMCClassifier:
     optimizer : {"adagrad", "sgd"}
         Adagrad (the default: per-parameter accumulators, row-sparse for ``W1``; each replica
         keeps its own, merges average parameters only) or plain SGD (the paper's).
-    loss : {"softmax", "bce"}
-        Training loss: the softmax cross-entropy against ``y/|y|`` or the one-vs-all logistic
-        loss (:attr:`xmc_engine.config.TrainConfig.loss`).
+    loss : {"softmax", "bce", "auto"}
+        Training loss: the softmax cross-entropy against ``y/|y|``, the one-vs-all logistic
+        loss, or ``"auto"``: a one-epoch probe of each on part of the training rows picks the
+        one with the higher held-out P@1 (:func:`xmc_engine.training.choose_loss`; the fitted
+        choice is ``loss_``) (:attr:`xmc_engine.config.TrainConfig.loss`).
     output : {"exact", "sampled", "auto"}
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks
@@ -168,6 +170,8 @@ class XMCClassifier:
         int64 ``(n_labels,)``: training rows per label (for the propensities).
     n_train_ : int
         Training rows.
+    loss_ : {"softmax", "bce"}
+        The loss the model was trained with (``loss``, or what ``loss="auto"`` chose).
 
     Notes
     -----
@@ -321,6 +325,7 @@ class XMCClassifier:
         self.label_frequency_ = np.asarray(result.get("label_counts", Y.sum(axis=0))).ravel() \
             .astype(np.int64)
         self.n_train_ = int(result.get("n_train", X.shape[0]))
+        self.loss_ = result["loss"]
         return self
 
     @property
@@ -437,7 +442,7 @@ class XMCClassifier:
     def _probabilities(self, X, scores) -> np.ndarray:
         """The probabilities of the logits ``scores`` (rows of validated ``X``) under the
         fitted loss: softmax over all labels, or each label's sigmoid."""
-        if self.loss == "bce":
+        if self.loss_ == "bce":
             return (0.5 * (1.0 + np.tanh(0.5 * scores.astype(np.float64)))).astype(np.float32)
         return np.exp(scores - self._log_normaliser(X)[:, None]).astype(np.float32)
 
@@ -466,7 +471,7 @@ class XMCClassifier:
         if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
                 or not 0 < threshold <= 1):
             raise ValueError(f"threshold must be a probability in (0, 1], got {threshold!r}")
-        if self.loss == "bce":
+        if self.loss_ == "bce":
             P = self._proba_reaching(X, threshold, None if k is None else check_k(k))
         else:
             most = int(1.0 / threshold)  # more labels cannot all reach the threshold
@@ -570,7 +575,7 @@ class XMCClassifier:
         from xmc_engine.checkpoint import save_model_dir
 
         self._check_fitted()
-        cfg = self.get_config()
+        cfg = dataclasses.replace(self.get_config(), loss=self.loss_)  # loss="auto": its choice
         shape = ModelShape(self.n_features_, self.n_labels_, tuple(cfg.hidden))
         config = {
             "format": MODEL_FORMAT,
@@ -609,6 +614,7 @@ class XMCClassifier:
         model.n_features_, model.n_labels_ = shape.n_features, shape.n_labels
         model.params_ = params
         model.n_train_ = int(config.get("n_train", 0))
+        model.loss_ = cfg.loss
         freq = arrays.get("label_frequency")
         model.label_frequency_ = (np.asarray(freq, dtype=np.int64) if freq is not None
                                   else np.zeros(shape.n_labels, dtype=np.int64))

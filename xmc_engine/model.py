@@ -28,7 +28,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
-from xmc_engine.config import EVAL_ROWS, LOSSES, NEGATIVE_SAMPLING, OPTIMIZERS, TrainConfig
+from xmc_engine.config import EVAL_ROWS, NEGATIVE_SAMPLING, OPTIMIZERS, TRAIN_LOSSES, TrainConfig
 from xmc_engine.output_layer import FrequencyProposal, LSHProposal, sample_candidates
 
 logger = logging.getLogger(__name__)
@@ -161,8 +161,8 @@ class MLPReplica:
                  fused: bool = True, loss: str = "softmax"):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        if loss not in LOSSES:
-            raise ValueError(f"loss={loss!r}: choose one of {', '.join(LOSSES)}")
+        if loss not in TRAIN_LOSSES:
+            raise ValueError(f"loss={loss!r}: choose one of {', '.join(TRAIN_LOSSES)}")
         if output not in ("exact", "sampled"):  # "auto" is resolved before (make_replica)
             raise ValueError(f"output={output!r}: choose exact or sampled")
         if negatives < 0:

@@ -28,7 +28,7 @@ import threading
 import numpy as np
 from numba import njit
 
-from xmc_engine.config import LOSSES
+from xmc_engine.config import TRAIN_LOSSES
 
 __all__ = ["FrequencyProposal", "LSHProposal", "output_layer_grad", "output_layer_step",
            "predict_scores_topk", "sample_candidates", "sampled_output_grad"]
@@ -47,10 +47,10 @@ BCE_WEIGHTED_NEGATIVES = False
 
 
 def is_bce(loss: str) -> bool:
-    """Whether ``loss`` (a :data:`~xmc_engine.config.LOSSES` name) is the logistic loss; any
+    """Whether ``loss`` (a :data:`~xmc_engine.config.TRAIN_LOSSES` name) is the logistic loss; any
     other name is refused (``ValueError``). The one check of the loss name below the config."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss={loss!r}: choose one of {', '.join(LOSSES)}")
+    if loss not in TRAIN_LOSSES:
+        raise ValueError(f"loss={loss!r}: choose one of {', '.join(TRAIN_LOSSES)}")
     return loss == "bce"
 
 

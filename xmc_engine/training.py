@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from xmc_engine import progress
-from xmc_engine.config import TrainConfig
+from xmc_engine.config import LOSSES, TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
@@ -59,7 +59,7 @@ def _short(metrics: dict) -> str:
 
 
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
-              resume: bool = False, simulate=None) -> dict:
+              resume: bool = False, simulate=None, progress_desc: str = "train") -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
     (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation). The
     feature rows of ``X`` and of ``eval_set`` are normalised first (``cfg.normalize``).
@@ -88,12 +88,29 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         eval_set = (normalize_rows(eval_set[0], cfg.normalize), eval_set[1])
     n_samples = X.shape[0]
     shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
-    params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
-    label_counts = np.asarray(Y.sum(axis=0)).ravel()
+    run_dir = Path(log_dir) if log_dir is not None else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    ckpts = CheckpointManager(run_dir) if run_dir is not None else None
+    found = _checkpoint_to_resume(ckpts, run_dir) if resume else None
 
     from xmc_engine.distributed import join_run, world
 
     comm = world()  # several nodes when the CLI set up MPI (DESIGN.md §6)
+    given = cfg
+    probe = None
+    if cfg.loss == "auto":  # one choice for every node: rank 0's
+        if found is not None and found[1].get("loss") in LOSSES:  # resumed: the run's loss
+            loss = found[1]["loss"]
+        elif comm.size > 1:
+            probe = choose_loss(cfg, X, Y, devices[0]) if comm.is_root else None
+            loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
+        else:
+            probe = choose_loss(cfg, X, Y, devices[0])
+            loss = probe["loss"]
+        cfg = dataclasses.replace(cfg, loss=loss)
+    params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
+    label_counts = np.asarray(Y.sum(axis=0)).ravel()
     if comm.size > 1:
         label_counts, n_samples = join_run(comm, cfg, params, label_counts, n_samples, resume)
         if not comm.is_root:  # rank 0 alone logs, checkpoints and evaluates
@@ -101,25 +118,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     # output="auto": one choice for every node, from the whole training set's label counts
     labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
     output = cfg.output_for(Y.shape[1], labels_per_row)
-    given = cfg
     cfg = dataclasses.replace(cfg, output=output)
-    run_dir = Path(log_dir) if log_dir is not None else None
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    ckpts = CheckpointManager(run_dir) if run_dir is not None else None
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
-    found = None
-    if resume:
-        if ckpts is None:
-            raise ConfigError("resume needs the run folder (log_dir)")
-        found = ckpts.latest_valid()
-        if found is None and ckpts.paths():
-            from xmc_engine.errors import CheckpointError
-
-            raise CheckpointError(f"{run_dir}: no valid checkpoint to resume from (every "
-                                  f"ckpt-*.npz there is truncated or corrupted)")
-        if found is None:  # killed before its first checkpoint: start over
-            logger.warning("%s holds no checkpoint yet: training from the start", run_dir)
     extra: dict = {}
     if found is not None:
         arrays, meta = found
@@ -133,13 +133,16 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         logger.info("resuming from epoch %s (%s samples)", state["epoch"], state["samples"])
 
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
+    if probe is not None:
+        log.write("loss_probe", **probe)
     evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
                  if eval_set is not None else None)
     if given.output != output:
         logger.info("output='%s': training the %s output layer (%d labels, %.2f per row; "
                     "batch %d, negatives %d)", given.output, output, Y.shape[1],
                     labels_per_row, cfg.batch_size, cfg.negatives)
-    log.write("start", config=given.to_dict(), output=output, lr=cfg.learning_rate,
+    log.write("start", config=given.to_dict(), output=output, loss=cfg.loss,
+              lr=cfg.learning_rate,
               lr_decay=cfg.learning_rate_decay, warmup_epochs=cfg.warmup_epochs,
               n_samples=n_samples, n_features=shape.n_features, n_labels=shape.n_labels,
               devices=[d.__dict__ for d in devices], resumed=bool(resume),
@@ -151,13 +154,74 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         if extra:
             restore_trainer(trainer, extra)
         driver = _Driver(cfg, trainer, n_samples, state, log, evaluator, ckpts,
-                         checkpoint_every, shape)
+                         checkpoint_every, shape, progress_desc)
         metrics = driver.run()
     finally:
         trainer.close()
         log.close()
     return {"params": host_params(trainer), "history": list(log.records), "metrics": metrics,
-            "label_counts": label_counts, "n_train": n_samples}
+            "label_counts": label_counts, "n_train": n_samples, "loss": cfg.loss}
+
+
+def _checkpoint_to_resume(ckpts, run_dir):
+    """``(arrays, meta)`` of the newest valid checkpoint in ``run_dir``, or None (with a
+    warning) where the run was stopped before its first one."""
+    if ckpts is None:
+        raise ConfigError("resume needs the run folder (log_dir)")
+    found = ckpts.latest_valid()
+    if found is None and ckpts.paths():
+        from xmc_engine.errors import CheckpointError
+
+        raise CheckpointError(f"{run_dir}: no valid checkpoint to resume from (every "
+                              f"ckpt-*.npz there is truncated or corrupted)")
+    if found is None:  # killed before its first checkpoint: start over
+        logger.warning("%s holds no checkpoint yet: training from the start", run_dir)
+    return found
+
+
+def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
+    """``loss="auto"``: which loss this data wants, by a short probe. Below
+    :data:`~xmc_engine.config.LOSS_PROBE_MIN_ROWS` training rows the softmax (the held-out
+    rows would be too few to tell the losses apart). Otherwise up to
+    :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT` rows (a tenth at most) are held out, and each
+    loss of :data:`~xmc_engine.config.LOSSES` trains one epoch over up to
+    :data:`~xmc_engine.config.LOSS_PROBE_ROWS` of the others, on ``device`` alone with every
+    other setting of ``cfg``; the loss with the higher held-out P@1 wins (a tie: the softmax).
+    The probe's models are thrown away. Returns the run log's ``loss_probe`` record: ``loss``,
+    ``p1`` per loss, ``rows``, ``heldout`` and ``seconds``. ``X`` holds normalised rows."""
+    from xmc_engine.config import (
+        LOSS_PROBE_HELDOUT,
+        LOSS_PROBE_MIN_ROWS,
+        LOSS_PROBE_ROWS,
+        TRAIN_LOSSES,
+    )
+
+    n = X.shape[0]
+    if n < LOSS_PROBE_MIN_ROWS:
+        logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
+                    LOSS_PROBE_MIN_ROWS)
+        return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "seconds": 0.0}
+    t0 = time.perf_counter()
+    order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
+    held = np.sort(order[:min(LOSS_PROBE_HELDOUT, n // 10)])
+    rows = np.sort(order[len(held):len(held) + LOSS_PROBE_ROWS])
+    per_row = float(Y.nnz) / n  # the output layer the run itself will train
+    base = dataclasses.replace(cfg, epochs=1.0, eval_every=0, max_train_seconds=None,
+                               devices=str(device), algorithm="single", algorithm_params={},
+                               output=cfg.output_for(Y.shape[1], per_row))
+    logger.info("loss='auto': training each loss for one epoch on %d rows, %d held out ...",
+                len(rows), len(held))
+    p1 = {}
+    for loss in TRAIN_LOSSES:
+        res = fit_model(dataclasses.replace(base, loss=loss), X[rows], Y[rows],
+                        (X[held], Y[held]), progress_desc=f"probe {loss}")
+        p1[loss] = float(res["metrics"]["P@1"])
+    best = max(TRAIN_LOSSES, key=lambda k: p1[k])  # the first (softmax) on a tie
+    seconds = time.perf_counter() - t0
+    logger.info("loss='auto': held-out P@1 %s (%.1f s): training with %s",
+                ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
+    return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
+            "seconds": seconds}
 
 
 #: Seconds of compiling after which :func:`compile_kernels` says what it is doing.
@@ -316,8 +380,8 @@ class _Driver:
     checkpoint; several nodes always run whole epochs (their periods are aligned)."""
 
     def __init__(self, cfg, trainer, n_samples, state, log, evaluator, ckpts, checkpoint_every,
-                 shape):
-        self.cfg, self.trainer, self.n = cfg, trainer, n_samples
+                 shape, desc="train"):
+        self.cfg, self.trainer, self.n, self.desc = cfg, trainer, n_samples, desc
         self.multi_node = trainer.comm is not None and trainer.comm.size > 1
         # Samples of the open epoch done by earlier calls (a resumed checkpoint may be mid-epoch).
         self.epoch_samples = state["samples"] - int(state["epoch"]) * n_samples
@@ -410,6 +474,7 @@ class _Driver:
         arrays = dict(zip(self.shape.param_names, host_params(self.trainer), strict=True))
         arrays.update(checkpoint_extra(self.trainer))
         meta = {k: self.state[k] for k in ("epoch", "samples", "train_time")}
+        meta["loss"] = self.cfg.loss  # what loss="auto" chose: a resumed run keeps it
         self._reset_ckpt_clock()  # a failed write is retried at the next checkpoint, not sooner
         try:
             path = self.ckpts.save(meta, arrays)
@@ -456,7 +521,7 @@ class _Driver:
     def run(self) -> dict | None:
         cfg, st, tr = self.cfg, self.state, self.trainer
         total = int(cfg.epochs * self.n)
-        bar = progress.bar(total=total, desc="train", unit="sample", initial=st["samples"])
+        bar = progress.bar(total=total, desc=self.desc, unit="sample", initial=st["samples"])
         previous = self._install_signals()
         try:
             epoch = int(st["epoch"])
