@@ -354,10 +354,10 @@ def normalize_study(args, meta) -> int:
 def loss_study(args, meta) -> int:
     """The defaults with each training loss at each learning rate of ``--loss-lrs``
     (:func:`config_study`)."""
-    from xmc_engine.config import LOSSES, TrainConfig
+    from xmc_engine.config import TRAIN_LOSSES, TrainConfig
 
     d = TrainConfig()
-    configs = [{"loss": loss, "lr": lr} for loss in LOSSES for lr in args.loss_lrs]
+    configs = [{"loss": loss, "lr": lr} for loss in TRAIN_LOSSES for lr in args.loss_lrs]
     return config_study(args, meta, configs, _loss_label,
                         _loss_label({"loss": d.loss, "lr": d.learning_rate}), "defaults_loss")
 
