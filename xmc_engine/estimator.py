@@ -115,9 +115,9 @@ class XMCClassifier:
         keeps its own, merges average parameters only) or plain SGD (the paper's).
     loss : {"softmax", "bce", "auto"}
         Training loss: the softmax cross-entropy against ``y/|y|``, the one-vs-all logistic
-        loss, or ``"auto"``: a one-epoch probe of each on part of the training rows picks the
-        one with the higher held-out P@1 (:func:`xmc_engine.training.choose_loss`; the fitted
-        choice is ``loss_``) (:attr:`xmc_engine.config.TrainConfig.loss`).
+        loss, or ``"auto"`` (the default): a short probe of each on part of the training rows
+        picks the one with the higher held-out P@1 (:func:`xmc_engine.training.choose_loss`;
+        the fitted choice is ``loss_``) (:attr:`xmc_engine.config.TrainConfig.loss`).
     output : {"exact", "sampled", "auto"}
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks

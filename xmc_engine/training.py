@@ -184,15 +184,18 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     :data:`~xmc_engine.config.LOSS_PROBE_MIN_ROWS` training rows the softmax (the held-out
     rows would be too few to tell the losses apart). Otherwise up to
     :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT` rows (a tenth at most) are held out, and each
-    loss of :data:`~xmc_engine.config.LOSSES` trains one epoch over up to
+    loss of :data:`~xmc_engine.config.TRAIN_LOSSES` trains over up to
     :data:`~xmc_engine.config.LOSS_PROBE_ROWS` of the others, on ``device`` alone with every
-    other setting of ``cfg``; the loss with the higher held-out P@1 wins (a tie: the softmax).
+    other setting of ``cfg``, for :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` samples (one
+    epoch at least); the loss with the higher held-out P@1 wins (a tie: the softmax).
     The probe's models are thrown away. Returns the run log's ``loss_probe`` record: ``loss``,
-    ``p1`` per loss, ``rows``, ``heldout`` and ``seconds``. ``X`` holds normalised rows."""
+    ``p1`` per loss, ``rows``, ``heldout``, ``epochs`` and ``seconds``. ``X`` holds
+    normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_MIN_ROWS,
         LOSS_PROBE_ROWS,
+        LOSS_PROBE_SAMPLES,
         TRAIN_LOSSES,
     )
 
@@ -200,17 +203,19 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     if n < LOSS_PROBE_MIN_ROWS:
         logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
                     LOSS_PROBE_MIN_ROWS)
-        return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "seconds": 0.0}
+        return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "epochs": 0.0,
+                "seconds": 0.0}
     t0 = time.perf_counter()
     order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
     held = np.sort(order[:min(LOSS_PROBE_HELDOUT, n // 10)])
     rows = np.sort(order[len(held):len(held) + LOSS_PROBE_ROWS])
     per_row = float(Y.nnz) / n  # the output layer the run itself will train
-    base = dataclasses.replace(cfg, epochs=1.0, eval_every=0, max_train_seconds=None,
+    epochs = max(1.0, LOSS_PROBE_SAMPLES / len(rows))  # a small set: several epochs
+    base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
                                devices=str(device), algorithm="single", algorithm_params={},
                                output=cfg.output_for(Y.shape[1], per_row))
-    logger.info("loss='auto': training each loss for one epoch on %d rows, %d held out ...",
-                len(rows), len(held))
+    logger.info("loss='auto': training each loss for %.3g epochs on %d rows, %d held out ...",
+                epochs, len(rows), len(held))
     p1 = {}
     for loss in TRAIN_LOSSES:
         res = fit_model(dataclasses.replace(base, loss=loss), X[rows], Y[rows],
@@ -221,7 +226,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     logger.info("loss='auto': held-out P@1 %s (%.1f s): training with %s",
                 ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
-            "seconds": seconds}
+            "epochs": epochs, "seconds": seconds}
 
 
 #: Seconds of compiling after which :func:`compile_kernels` says what it is doing.

@@ -35,7 +35,8 @@ _CONFIG_OPTIONS = {
                  "(default: the optimizer's, 0.5 for adagrad, 0 for sgd)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
-    "loss": ("--loss", str, "training loss: softmax (default) or bce (one-vs-all logistic)"),
+    "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "
+             "the training rows picks one), softmax or bce (one-vs-all logistic)"),
     "output": ("--output", str, "training output layer: auto (default: sampled for large "
                "label spaces, else exact), exact or sampled"),
     "negatives": ("--negatives", int, "negatives per batch of --output sampled"),
