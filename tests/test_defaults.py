@@ -83,7 +83,8 @@ def test_run_log_records_the_lr_in_effect_and_the_compile_time(small):
 
 def test_compile_kernels_logs_its_time_and_says_when_slow(small, monkeypatch, caplog):
     X, Y, _, _ = small
-    cfg = TrainConfig(hidden=[16, 12], devices="cpu,cpu", algorithm="adaptive", threads=1)
+    cfg = TrainConfig(hidden=[16, 12], devices="cpu,cpu", algorithm="adaptive", threads=1,
+                      loss="softmax")
     class FiresAtOnce(threading.Timer):
         """The notice's timer, firing when started (a real 0 s timer races the compile)."""
 

@@ -84,7 +84,11 @@ def test_cli_two_ranks_delicious_quality(tmp_path):
     assert (out / "model").is_dir() and (out / "log.jsonl").is_file()
     recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["event"] for r in recs].count("start") == 1
-    assert recs[0]["n_samples"] == 12920  # global rows, though rank 0 read only its half
+    start = next(r for r in recs if r["event"] == "start")
+    assert start["n_samples"] == 12920  # global rows, though rank 0 read only its half
+    # loss="auto": rank 0 probed (on its half) and every rank trained its choice
+    probe = [r for r in recs if r["event"] == "loss_probe"]
+    assert len(probe) == 1 and start["loss"] == probe[0]["loss"] in ("softmax", "bce")
     merges = [r for r in recs if r["event"] == "merge"]
     assert merges and all(len(r["node_weights"]) == 2 for r in merges)
     assert all(abs(sum(r["node_weights"]) - 1) < 1e-9 for r in merges)
@@ -128,7 +132,7 @@ def test_two_ranks_equal_one_process_with_two_devices(tmp_path):
     from xmc_engine.training import build_trainer, host_params
 
     data = _tiny_xc(tmp_path / "train.txt")
-    cfg = TrainConfig(hidden=[16], batch_size=32, lr=0.5, algorithm="adaptive",
+    cfg = TrainConfig(hidden=[16], batch_size=32, lr=0.5, algorithm="adaptive", loss="softmax",
                       algorithm_params={"merge_period": 128, "rule": "fixed", "boost": False,
                                         "momentum": 0.5})
     script = tmp_path / "equiv.py"

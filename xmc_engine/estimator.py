@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from xmc_engine.config import ALGORITHMS, EVAL_ROWS, TrainConfig
+from xmc_engine.config import ALGORITHMS, EVAL_ROWS, TRAIN_LOSSES, TrainConfig
 from xmc_engine.errors import CheckpointError, ConfigError
 from xmc_engine.model import ModelShape, predict_topk
 from xmc_engine.validation import check_k, check_X, check_Y, normalize_rows, parse_every
@@ -575,11 +575,12 @@ class XMCClassifier:
         from xmc_engine.checkpoint import save_model_dir
 
         self._check_fitted()
-        cfg = dataclasses.replace(self.get_config(), loss=self.loss_)  # loss="auto": its choice
+        cfg = self.get_config()
         shape = ModelShape(self.n_features_, self.n_labels_, tuple(cfg.hidden))
         config = {
             "format": MODEL_FORMAT,
             "train_config": cfg.to_dict(),
+            "fitted_loss": self.loss_,  # what loss="auto" chose (or the loss given)
             "n_features": self.n_features_,
             "n_labels": self.n_labels_,
             "n_train": int(self.n_train_),
@@ -614,7 +615,10 @@ class XMCClassifier:
         model.n_features_, model.n_labels_ = shape.n_features, shape.n_labels
         model.params_ = params
         model.n_train_ = int(config.get("n_train", 0))
-        model.loss_ = cfg.loss
+        model.loss_ = config.get("fitted_loss", cfg.loss)  # saved before "auto": the loss given
+        if model.loss_ not in TRAIN_LOSSES:
+            raise CheckpointError(f"{path}/config.json: fitted_loss {model.loss_!r} is not one "
+                                  f"of {', '.join(TRAIN_LOSSES)}")
         freq = arrays.get("label_frequency")
         model.label_frequency_ = (np.asarray(freq, dtype=np.int64) if freq is not None
                                   else np.zeros(shape.n_labels, dtype=np.int64))

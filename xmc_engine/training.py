@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from xmc_engine import progress
-from xmc_engine.config import LOSSES, TrainConfig
+from xmc_engine.config import LOSSES, TRAIN_LOSSES, TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
@@ -59,7 +59,8 @@ def _short(metrics: dict) -> str:
 
 
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
-              resume: bool = False, simulate=None, progress_desc: str = "train") -> dict:
+              resume: bool = False, simulate=None, progress_desc: str = "train",
+              one_node: bool = False) -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
     (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation). The
     feature rows of ``X`` and of ``eval_set`` are normalised first (``cfg.normalize``).
@@ -69,7 +70,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``i``'s step on ``n`` rows lasts ``simulate(i, n) / speed`` virtual seconds, so which device
     takes which batch, the adaptive batch sizes and the merge weights depend on that function
     and the devices' speed factors alone. Two runs with the same ``simulate`` follow the same
-    schedule on any backends (a GPU run can then be checked against a CPU run)."""
+    schedule on any backends (a GPU run can then be checked against a CPU run).
+
+    ``one_node``: train in this process alone even where the CLI set up MPI (the probe of
+    ``loss="auto"``, :func:`choose_loss`); ``progress_desc`` names the progress bar."""
     from xmc_engine.checkpoint import CheckpointManager
     from xmc_engine.devices import parse_devices
     from xmc_engine.runlog import RunLog
@@ -94,9 +98,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ckpts = CheckpointManager(run_dir) if run_dir is not None else None
     found = _checkpoint_to_resume(ckpts, run_dir) if resume else None
 
-    from xmc_engine.distributed import join_run, world
+    from xmc_engine.distributed import LocalComm, join_run, world
 
-    comm = world()  # several nodes when the CLI set up MPI (DESIGN.md §6)
+    comm = LocalComm() if one_node else world()  # several nodes: MPI (DESIGN.md §6)
     given = cfg
     probe = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
@@ -114,7 +118,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if comm.size > 1:
         label_counts, n_samples = join_run(comm, cfg, params, label_counts, n_samples, resume)
         if not comm.is_root:  # rank 0 alone logs, checkpoints and evaluates
-            log_dir, eval_set, checkpoint_every = None, None, None
+            run_dir, ckpts, eval_set, checkpoint_every = None, None, None, None
     # output="auto": one choice for every node, from the whole training set's label counts
     labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
     output = cfg.output_for(Y.shape[1], labels_per_row)
@@ -133,8 +137,6 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         logger.info("resuming from epoch %s (%s samples)", state["epoch"], state["samples"])
 
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
-    if probe is not None:
-        log.write("loss_probe", **probe)
     evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
                  if eval_set is not None else None)
     if given.output != output:
@@ -147,6 +149,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
               n_samples=n_samples, n_features=shape.n_features, n_labels=shape.n_labels,
               devices=[d.__dict__ for d in devices], resumed=bool(resume),
               samples=state["samples"], epoch=state["epoch"])
+    if probe is not None:  # what loss="auto" saw (it ran before the start)
+        log.write("loss_probe", **probe)
     compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
                             mode="threads" if simulate is None else "simulated", cost=simulate)
@@ -219,7 +223,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     p1 = {}
     for loss in TRAIN_LOSSES:
         res = fit_model(dataclasses.replace(base, loss=loss), X[rows], Y[rows],
-                        (X[held], Y[held]), progress_desc=f"probe {loss}")
+                        (X[held], Y[held]), progress_desc=f"probe {loss}", one_node=True)
         p1[loss] = float(res["metrics"]["P@1"])
     best = max(TRAIN_LOSSES, key=lambda k: p1[k])  # the first (softmax) on a tie
     seconds = time.perf_counter() - t0
@@ -238,9 +242,12 @@ COMPILE_WIDTH = 8
 def make_replica(cfg: TrainConfig, device, X, Y, params, index: int) -> MLPReplica:
     """The replica of ``cfg`` on ``device`` (a DeviceSpec), the ``index``-th of the run, from the
     host arrays ``params``: its backend, optimizer, loss, output layer and negative-sampling
-    seed."""
+    seed. ``cfg.loss`` must be a training loss: ``"auto"`` is :func:`fit_model`'s probe."""
     from xmc_engine.backends import get_backend
 
+    if cfg.loss not in TRAIN_LOSSES:
+        raise ConfigError(f"loss={cfg.loss!r} is chosen by fit_model's probe (choose_loss); a "
+                          f"trainer built directly needs one of {', '.join(TRAIN_LOSSES)}")
     be = get_backend(device.kind, device.index, threads=cfg.threads or device.threads)
     return MLPReplica(be, X, Y, params, label_chunk=cfg.label_chunk, optimizer=cfg.optimizer,
                       loss=cfg.loss, output=cfg.output_for(Y.shape[1], Y.nnz / max(Y.shape[0], 1)),

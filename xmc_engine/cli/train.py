@@ -226,7 +226,7 @@ def _stopped_before_training(run_dir: Path) -> bool:
 
     if not (run_dir / LOG_NAME).exists():
         return True
-    return all(r.get("event") in ("start", "threads") for r in read_log(run_dir))
+    return all(r.get("event") in ("start", "loss_probe", "threads") for r in read_log(run_dir))
 
 
 def cmd_train(args) -> int:
