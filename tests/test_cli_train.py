@@ -32,6 +32,8 @@ def test_train_evaluate_predict_plot(files, tmp_path):
     out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 4, "--batch-size", 32,
                   "--lr", 0.5, "--out", run, "--checkpoint-every", 300).stdout
     assert "P@1" in out and "model:" in out and "log:" in out
+    # the default loss="auto" says what it trained (300 rows: no probe, the softmax)
+    assert "loss:  softmax (auto: too few rows to probe; --loss softmax|bce" in out
     assert (run / "model" / "config.json").exists() and (run / "log.jsonl").exists()
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ev = run_cli("evaluate", run / "model", "--data", files).stdout

@@ -326,6 +326,12 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
         print("  ".join(f"{k} {m[k]:.4f}" for k in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@5")
                         if k in m))
     print(f"train time {final.get('train_time', float('nan')):.1f} s")
+    probe = next((r for r in model.history_ if r.get("event") == "loss_probe"), None)
+    if probe is not None:
+        seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
+        print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1 {seen} after "
+              f"{probe['seconds']:.1f} s of probing" if seen else "too few rows to probe")
+              + "; --loss softmax|bce skips the probe)")
     print(f"log:   {run_dir / LOG_NAME}")
     print(f"model: {model_dir}")
     if plot:
