@@ -55,7 +55,7 @@ def run(data, config: dict, init: str | None, seed: int, epochs: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    arms = [("softmax (default)", {}, None)] + [
+    arms = [("softmax", {"loss": "softmax"}, None)] + [
         (f"bce bias={init} decay={d:g}", {"loss": "bce", "lr_decay": d}, init)
         for init in INITS for d in args.decays]
     out = {**_common.result_metadata(), "benchmark": "bce_settings", "args": vars(args),

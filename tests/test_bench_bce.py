@@ -43,7 +43,7 @@ def test_bce_settings_bench_runs_every_arm_and_restores_the_start(data_dir, tmp_
     assert bench_bce_settings.main(["--datasets", "bibtex", "--epochs", "1", "--seeds", "0",
                                     "--decays", "0.5", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["arms"] == ["softmax (default)", "bce bias=minus_log_labels decay=0.5",
+    assert result["arms"] == ["softmax", "bce bias=minus_log_labels decay=0.5",
                               "bce bias=zero decay=0.5"]
     p1 = {r["arm"]: r["mean"]["P@1"] for r in result["rows"]}
     assert len(set(p1.values())) == 3  # the bias start changes the model

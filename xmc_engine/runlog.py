@@ -11,7 +11,13 @@ not know. The events the engine writes:
     (``"adaptive"``, ``"sync"``, ``"average"``, ``"easgd"``, ``"crossbow"``, ``"single"``),
     ``devices`` (the device spec string), ``dataset``, ``n_samples``, ``n_features``,
     ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions), ``lr`` and
-    ``warmup_epochs`` (the values in effect, defaults resolved).
+    ``warmup_epochs`` (the values in effect, defaults resolved), ``loss`` (the loss trained:
+    ``config``'s, or what ``"auto"`` chose).
+``loss_probe``
+    Right after ``start`` when ``config`` says ``loss="auto"``
+    (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),
+    ``p1`` (held-out P@1 per loss; empty where the rows were too few to probe), ``rows``,
+    ``heldout``, ``epochs`` and ``seconds`` (outside ``train_time``).
 ``compile``
     Once, before training: ``seconds`` spent compiling the kernels or loading them from Numba's
     cache (outside ``train_time``), ``devices``.
