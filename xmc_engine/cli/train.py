@@ -329,7 +329,7 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     probe = next((r for r in model.history_ if r.get("event") == "loss_probe"), None)
     if probe is not None:
         seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
-        print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1 {seen} after "
+        print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1: {seen} after "
               f"{probe['seconds']:.1f} s of probing" if seen else "too few rows to probe")
               + "; --loss softmax|bce skips the probe)")
     print(f"log:   {run_dir / LOG_NAME}")
