@@ -31,6 +31,12 @@ epochs=E, seed=s)`` (its learning rate then the loss's default) and PyTorch the 
 
     python bench/bench_torch_adam.py --loss bce --out bench/results/torch_adam_bce.json
 
+With ``--loss auto`` the engine trains its default ``loss="auto"`` (the probe picks a loss; its
+seconds count in the engine's time) and PyTorch's grid covers both losses::
+
+    python bench/bench_torch_adam.py --loss auto --engine-lrs \
+        --out bench/results/torch_adam_auto.json
+
 Needs ``pip install torch==2.13.0`` (the CPU build); without it the script says so and exits 0.
 """
 
@@ -46,7 +52,7 @@ import _common  # noqa: E402
 import bench_defaults  # noqa: E402
 import torch_baseline  # noqa: E402
 
-from xmc_engine.config import TrainConfig  # noqa: E402
+from xmc_engine.config import TRAIN_LOSSES, TrainConfig  # noqa: E402
 from xmc_engine.validation import normalize_rows  # noqa: E402
 
 DATASETS = ("bibtex", "delicious", "corel5k", "stackex_cooking", "stackex_cs", "rcv1sub1",
@@ -69,8 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "defaults (none: defaults only)")
     p.add_argument("--optimizers", nargs="+", default=["adam", "sparse_adam"],
                    choices=torch_baseline.TORCH_OPTIMIZERS)
-    p.add_argument("--loss", choices=("softmax", "bce"), default="softmax",
-                   help="the training loss of both sides")
+    p.add_argument("--loss", choices=("softmax", "bce", "auto"), default="softmax",
+                   help="the training loss of both sides; auto: the engine's default (its "
+                   "probe picks one) against PyTorch's best of both losses")
     p.add_argument("--torch-batch", type=int, default=256)
     p.add_argument("--torch-threads", type=int, default=1,
                    help="PyTorch intra-op threads (1: on this 2-core VM two spin-waiting "
@@ -90,26 +97,26 @@ def run_engine(data, epochs: int, seed: int, lr: float | None = None,
     config = ({} if lr is None else {"lr": lr}) | {"loss": loss}  # the loss PyTorch trains
     r = bench_defaults.run_one(data, config, seed, [epochs], None)
     at = r["at"][str(epochs)]
-    return {**{k: at[k] for k in METRICS}, "train_time": at["train_time"], "wall_s": r["wall_s"],
-            "resolved": r["resolved"]}
+    return {**{k: at[k] for k in METRICS}, "train_time": at["train_time"],
+            "probe_s": at["probe_s"], "wall_s": r["wall_s"], "resolved": r["resolved"]}
 
 
-def run_torch(data, args, optimizer: str, lr: float, seed: int) -> dict:
+def run_torch(data, args, optimizer: str, lr: float, seed: int, loss: str) -> dict:
     X, Y, Xt, Yt = data
     res = torch_baseline.train_torch(X, Y, Xt, Yt, lr=lr, epochs=args.epochs,
                                      batch_size=args.torch_batch, threads=args.torch_threads,
                                      seed=seed, eval_every=float(args.epochs),
-                                     optimizer=optimizer, loss=args.loss)
+                                     optimizer=optimizer, loss=loss)
     last = res["curve"][-1]
-    return {"optimizer": optimizer, "lr": lr, **{k: last[k] for k in METRICS},
+    return {"optimizer": optimizer, "lr": lr, "loss": loss, **{k: last[k] for k in METRICS},
             "train_time": res["train_time"]}
 
 
 def mean_over_seeds(runs: list[dict]) -> dict:
     """One configuration's runs (one per seed) as one record: the mean of the metrics and of
     the training time, the first run's other fields, the per-seed P@1 under ``per_seed``."""
-    return {**runs[0], **{k: sum(r[k] for r in runs) / len(runs) for k in (*METRICS,
-                                                                          "train_time")},
+    keys = (*METRICS, "train_time", *(["probe_s"] if "probe_s" in runs[0] else []))
+    return {**runs[0], **{k: sum(r[k] for r in runs) / len(runs) for k in keys},
             "per_seed": [r["P@1"] for r in runs]}
 
 
@@ -122,6 +129,7 @@ def main(argv=None) -> int:
     if torch_baseline.torch is None:
         print(f"SKIP: {torch_baseline.TORCH_HINT}")
         return 0
+    torch_losses = TRAIN_LOSSES if args.loss == "auto" else (args.loss,)
     payload = {**_common.result_metadata(), "benchmark": "torch_adam", "loss": args.loss,
                "epochs": args.epochs,
                "seeds": args.seeds, "torch_batch": args.torch_batch,
@@ -145,11 +153,12 @@ def main(argv=None) -> int:
                 print(f"{name} seed {seed}: engine lr={lr:g} {_fmt(engine_grid[-1])}",
                       flush=True)
             grid = []
-            for opt in args.optimizers:
-                for lr in args.lrs:
-                    grid.append(run_torch(torch_data, args, opt, lr, seed))
-                    print(f"{name} seed {seed}: torch {opt} lr={lr:g} {_fmt(grid[-1])}",
-                          flush=True)
+            for loss in torch_losses:
+                for opt in args.optimizers:
+                    for lr in args.lrs:
+                        grid.append(run_torch(torch_data, args, opt, lr, seed, loss))
+                        print(f"{name} seed {seed}: torch {loss} {opt} lr={lr:g} "
+                              f"{_fmt(grid[-1])}", flush=True)
             engines.append(engine)
             engine_grids.append(engine_grid)
             grids.append(grid)
@@ -164,9 +173,12 @@ def main(argv=None) -> int:
                "best_P@1_diff": engine_best["P@1"] - best["P@1"],
                "P@1_diff_per_seed": [e - t for e, t in zip(engine["per_seed"],
                                                             best["per_seed"], strict=True)],
-               "time_ratio": best["train_time"] / engine["train_time"]}
+               # the engine's time counts loss="auto"'s probe (outside its train_time)
+               "time_ratio": best["train_time"] / (engine["train_time"]
+                                                   + engine.get("probe_s", 0.0))}
         payload["rows"].append(row)
-        print(f"{name}: engine defaults - torch best ({best['optimizer']} lr={best['lr']:g}) "
+        print(f"{name}: engine defaults - torch best ({best['loss']} {best['optimizer']} "
+              f"lr={best['lr']:g}) "
               f"P@1 {row['P@1_diff']:+.4f} (per seed "
               + ", ".join(f"{d:+.4f}" for d in row["P@1_diff_per_seed"])
               + f"), engine best lr ({engine_best['resolved']['lr']:g}) "
@@ -185,7 +197,8 @@ def print_table(rows: list[dict]) -> None:
     print("|---|---|---|---|---:|---:|---|")
     for r in rows:
         b, e = r["torch_best"], r["engine_best"]
-        print(f"| {r['dataset']} | {_fmt(r['engine'])} | {_fmt(b)} | {b['optimizer']} "
+        print(f"| {r['dataset']} | {_fmt(r['engine'])} | {_fmt(b)} | "
+              f"{b.get('loss', '')} {b['optimizer']} "
               f"{b['lr']:g} | {r['P@1_diff']:+.4f} | {r['time_ratio']:.2f}x | "
               f"{e['resolved']['lr']:g}: {e['P@1'] - b['P@1']:+.4f} |")
 
