@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from xmc_engine import progress
-from xmc_engine.config import LOSSES, TRAIN_LOSSES, TrainConfig
+from xmc_engine.config import TRAIN_LOSSES, TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
@@ -104,7 +104,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     given = cfg
     probe = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
-        if found is not None and found[1].get("loss") in LOSSES:  # resumed: the run's loss
+        if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
             loss = found[1]["loss"]
         elif comm.size > 1:
             probe = choose_loss(cfg, X, Y, devices[0]) if comm.is_root else None
