@@ -135,3 +135,18 @@ def test_a_resumed_run_keeps_its_checkpoints_loss_without_a_new_probe(monkeypatc
     clf = XMCClassifier(epochs=2, **kw).fit(X, Y, resume=True)
     assert clf.loss_ == "bce"
     assert not [r for r in clf.history_ if r["event"] == "loss_probe"]
+
+
+def test_a_saved_model_with_an_unknown_fitted_loss_is_refused(tmp_path):
+    import json
+
+    from xmc_engine.errors import CheckpointError
+
+    X, Y = tiny_data(n=120)
+    folder = XMCClassifier(hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y).save(tmp_path / "m")
+    cfg_path = folder / "config.json"
+    config = json.loads(cfg_path.read_text())
+    assert config["fitted_loss"] == "softmax"  # the default "auto" with 120 rows: no probe
+    cfg_path.write_text(json.dumps({**config, "fitted_loss": "hinge"}))
+    with pytest.raises(CheckpointError, match="fitted_loss 'hinge'"):
+        XMCClassifier.load(folder)
