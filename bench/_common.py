@@ -190,6 +190,12 @@ def load_dataset(name: str):
 
 # -- timing ---------------------------------------------------------------------------------------
 
+def event_seconds(history, event: str) -> float:
+    """The ``seconds`` of a run's ``event`` records summed (``compile``, ``loss_probe``: the
+    time an engine run spends outside ``train_time``); 0 where it wrote none."""
+    return sum(r.get("seconds", 0.0) for r in history if r.get("event") == event)
+
+
 def timings(fn, repeat: int, warmup: int = 1) -> list[float]:
     """Seconds of each of ``repeat`` calls of ``fn()``, after ``warmup`` untimed calls."""
     import time

@@ -198,13 +198,13 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
     calibrated = [r["threads"] for r in clf.history_ if r["event"] == "threads"]
     resolved.update(output=start["output"], threads=calibrated[0] if calibrated else threads)
     # loss="auto"'s probe (outside train_time, like compiling): its seconds go with each entry
-    probe_s = sum(r["seconds"] for r in clf.history_ if r["event"] == "loss_probe")
+    probe_s = _common.event_seconds(clf.history_, "loss_probe")
     at = {}
     for r in clf.history_:
         if r["event"] == "eval" and round(r["epoch"]) in epochs:
             at[str(round(r["epoch"]))] = {**{k: r["metrics"][k] for k in ("P@1", "P@3", "P@5")},
                                           "train_time": r["train_time"], "probe_s": probe_s}
-    compile_s = sum(r.get("seconds", 0.0) for r in clf.history_ if r["event"] == "compile")
+    compile_s = _common.event_seconds(clf.history_, "compile")
     resolved["loss"] = start.get("loss", config.get("loss"))
     return {"config": config, "seed": seed, "resolved": {**resolved, "lr": start["lr"]},
             "at": at, "wall_s": wall, "compile_s": compile_s}
@@ -416,9 +416,7 @@ def config_study(args, meta, configs: list[dict], label, default: str, benchmark
                 for e in epochs:
                     table.setdefault((name, e), {}).setdefault(label(c), []).append(
                         r["at"][str(e)])
-                chose = (f" [{r['resolved']['loss']}]"
-                         if r["resolved"].get("loss") != c.get("loss", r["resolved"].get("loss"))
-                         else "")
+                chose = f" [{r['resolved']['loss']}]" if c.get("loss") == "auto" else ""
                 print(f"  {label(c):22s} seed {seed}{chose}: " + ", ".join(
                     f"P@1/3/5@{e} {r['at'][str(e)]['P@1']:.4f} / {r['at'][str(e)]['P@3']:.4f} "
                     f"/ {r['at'][str(e)]['P@5']:.4f} ({r['at'][str(e)]['train_time']:.1f} s)"

@@ -194,8 +194,8 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
     clf.fit(X, Y)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     final = next(r for r in clf.history_ if r["event"] == "final")
-    compile_s = sum(r.get("seconds", 0.0) for r in clf.history_ if r["event"] == "compile")
-    probe_s = sum(r["seconds"] for r in clf.history_ if r["event"] == "loss_probe")
+    compile_s = _common.event_seconds(clf.history_, "compile")
+    probe_s = _common.event_seconds(clf.history_, "loss_probe")
     t0 = time.perf_counter()
     top = clf.predict_topk(X_test, TOP_K)[0]
     predict = time.perf_counter() - t0

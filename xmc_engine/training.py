@@ -106,12 +106,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
             loss = found[1]["loss"]
-        elif comm.size > 1:
+        else:  # rank 0 probes (one process: it is rank 0 and the broadcast is the identity)
             probe = choose_loss(cfg, X, Y, devices[0]) if comm.is_root else None
             loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
-        else:
-            probe = choose_loss(cfg, X, Y, devices[0])
-            loss = probe["loss"]
         cfg = dataclasses.replace(cfg, loss=loss)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
     label_counts = np.asarray(Y.sum(axis=0)).ravel()
