@@ -53,7 +53,8 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
     def fake_fit(cfg, X, Y, eval_set, **kw):
         assert kw["one_node"]  # never across MPI ranks
         seen[cfg.loss] = (cfg, X.data.astype(int) - 1, eval_set[0].data.astype(int) - 1)
-        return {"metrics": {"P@1": p1[cfg.loss]}}
+        calibrated = [{"event": "threads", "threads": 2}] if cfg.threads is None else []
+        return {"metrics": {"P@1": p1[cfg.loss]}, "history": calibrated}
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
     X, Y = _indexed_rows(5000)
@@ -61,6 +62,7 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
                       max_train_seconds=30.0)
     rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
     assert rec["loss"] == chosen and rec["p1"] == p1
+    assert rec["threads"] == 2  # the first fit's calibration, passed on
     assert (rec["rows"], rec["heldout"], rec["epochs"]) == (900, 500, 3.0)  # a tenth held out
     assert set(seen) == set(config.TRAIN_LOSSES)
     (c1, rows1, held1), (c2, rows2, held2) = seen["softmax"], seen["bce"]
@@ -71,6 +73,36 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
         assert (c.epochs, c.algorithm, c.devices, c.max_train_seconds) == (3.0, "single",
                                                                            "cpu", None)
         assert c.hidden == cfg.hidden and c.seed == cfg.seed
+    assert (c1.threads, c2.threads) == (None, 2)  # one calibration, the other fit reuses it
+
+
+def test_one_thread_calibration_serves_the_probe_and_the_run(monkeypatch):
+    """Each calibration costs 0.2-0.6 s (more than a small set's training), and the loss does
+    not change which budget is faster: the probe's first fit calibrates, its second fit and the
+    run's device reuse the budget (a budget of 1 here, which no default gives a 2-core device)."""
+    import xmc_engine.devices as devices
+    from xmc_engine.model import MLPReplica
+
+    monkeypatch.setattr(devices, "available_cores", lambda: 2)
+    calls = []
+
+    def fake_calibrate(self, batch_size, max_threads):
+        calls.append(max_threads)
+        self.backend.threads = 1
+        return 1
+
+    monkeypatch.setattr(MLPReplica, "calibrate_threads", fake_calibrate)
+    X, Y = tiny_data(n=2400)
+    clf = XMCClassifier(loss="auto", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
+    assert calls == [2]
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    assert probe["threads"] == 1 and probe["rows"] > 0
+    (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
+    assert rec["threads"] == 1 and "loss probe" in rec["note"]
+    # a given thread count: nothing calibrated, nothing passed on
+    clf = XMCClassifier(loss="auto", hidden=8, epochs=1, seed=0, eval_every=0, threads=2).fit(X, Y)
+    assert calls == [2]
+    assert next(r for r in clf.history_ if r["event"] == "loss_probe")["threads"] is None
 
 
 def test_the_probe_picks_the_softmax_on_the_synthetic_topic_data():

@@ -150,7 +150,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         log.write("loss_probe", **probe)
     compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
-                            mode="threads" if simulate is None else "simulated", cost=simulate)
+                            mode="threads" if simulate is None else "simulated", cost=simulate,
+                            calibrated={0: probe["threads"]} if probe and probe.get("threads")
+                            else None)
     try:
         if extra:
             restore_trainer(trainer, extra)
@@ -189,9 +191,13 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     :data:`~xmc_engine.config.LOSS_PROBE_ROWS` of the others, on ``device`` alone with every
     other setting of ``cfg``, for :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` samples (one
     epoch at least); the loss with the higher held-out P@1 wins (a tie: the softmax).
-    The probe's models are thrown away. Returns the run log's ``loss_probe`` record: ``loss``,
-    ``p1`` per loss, ``rows``, ``heldout``, ``epochs`` and ``seconds``. ``X`` holds
-    normalised rows."""
+    The probe's models are thrown away. The device's CPU threads (``cfg.threads=None``) are
+    calibrated once, by the first loss's fit, and reused by the other's and by the run
+    (:func:`build_trainer`'s ``calibrated``): on a small set each calibration costs more than the
+    training, and the loss does not change which budget is faster. Returns the run log's
+    ``loss_probe`` record: ``loss``, ``p1`` per loss, ``rows``, ``heldout``, ``epochs``,
+    ``seconds`` and ``threads`` (the calibrated budget; ``None`` where none was calibrated).
+    ``X`` holds normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_MIN_ROWS,
@@ -218,16 +224,21 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     logger.info("loss='auto': training each loss for %.3g epochs on %d rows, %d held out ...",
                 epochs, len(rows), len(held))
     p1 = {}
+    threads = cfg.threads  # None: the first fit calibrates the device's threads, the rest reuse
     for loss in TRAIN_LOSSES:
-        res = fit_model(dataclasses.replace(base, loss=loss), X[rows], Y[rows],
+        res = fit_model(dataclasses.replace(base, loss=loss, threads=threads), X[rows], Y[rows],
                         (X[held], Y[held]), progress_desc=f"probe {loss}", one_node=True)
         p1[loss] = float(res["metrics"]["P@1"])
+        if threads is None:
+            threads = next((r["threads"] for r in res["history"] if r["event"] == "threads"),
+                           None)
     best = max(TRAIN_LOSSES, key=lambda k: p1[k])  # the first (softmax) on a tie
     seconds = time.perf_counter() - t0
     logger.info("loss='auto': held-out P@1 %s (%.1f s): training with %s",
                 ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
-            "epochs": epochs, "seconds": seconds}
+            "epochs": epochs, "seconds": seconds,
+            "threads": None if cfg.threads is not None else threads}
 
 
 #: Seconds of compiling after which :func:`compile_kernels` says what it is doing.
@@ -311,13 +322,16 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
 
 
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
-                  assignment: str = "shared", mode: str = "threads", cost=None):
+                  assignment: str = "shared", mode: str = "threads", cost=None,
+                  calibrated: dict[int, int] | None = None):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
     :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
     starting from the host arrays ``params``, and the algorithm's policy. ``log`` (a
     :class:`~xmc_engine.runlog.RunLog` or ``None``) receives its records; ``comm`` and
     ``assignment`` make it one node of a multi-node run; ``mode`` and ``cost`` are the
-    trainer's (``"simulated"``: a virtual clock, see :func:`fit_model`'s ``simulate``)."""
+    trainer's (``"simulated"``: a virtual clock, see :func:`fit_model`'s ``simulate``).
+    ``calibrated`` maps a device's index to a CPU thread budget already calibrated for it (by
+    the loss probe, :func:`choose_loss`), which is used instead of calibrating again."""
     from xmc_engine.algorithms import get_algorithm
     from xmc_engine.scheduler import Schedule, Trainer
 
@@ -327,10 +341,15 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
         rep = make_replica(cfg, d, X, Y, params, len(replicas))
         be = rep.backend
         if cfg.threads is None and be.name == "cpu" and d.threads > 1:
-            rep.calibrate_threads(cfg.batch_size, d.threads)
+            known = (calibrated or {}).get(len(replicas))
+            if known is None:
+                rep.calibrate_threads(cfg.batch_size, d.threads)
+            else:
+                be.threads = known
             if log is not None:
-                    log.write("threads", device=str(d), threads=be.threads,
-                          note="calibrated: the faster of 1 and all of the device's threads")
+                log.write("threads", device=str(d), threads=be.threads,
+                          note="calibrated: the faster of 1 and all of the device's threads"
+                          + ("" if known is None else " (by the loss probe)"))
         replicas.append(rep)
     schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs, cfg.learning_rate_decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
