@@ -29,6 +29,7 @@ def test_too_few_rows_train_the_softmax_without_a_probe():
     assert clf.loss_ == "softmax"
     probe = [r for r in clf.history_ if r["event"] == "loss_probe"]
     assert len(probe) == 1 and probe[0]["rows"] == 0 and probe[0]["p1"] == {}
+    assert probe[0]["threads"] is None and probe[0]["together"] is False
     start = next(r for r in clf.history_ if r["event"] == "start")
     assert start["loss"] == "softmax" and start["config"]["loss"] == "auto"
 
@@ -53,16 +54,16 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
     def fake_fit(cfg, X, Y, eval_set, **kw):
         assert kw["one_node"]  # never across MPI ranks
         seen[cfg.loss] = (cfg, X.data.astype(int) - 1, eval_set[0].data.astype(int) - 1)
-        calibrated = [{"event": "threads", "threads": 2}] if cfg.threads is None else []
-        return {"metrics": {"P@1": p1[cfg.loss]}, "history": calibrated}
+        return {"metrics": {"P@1": p1[cfg.loss]}}
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 2)  # two threads: in turn
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto", devices="cpu,cpu@0.5", algorithm="adaptive", epochs=7,
                       max_train_seconds=30.0)
     rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
     assert rec["loss"] == chosen and rec["p1"] == p1
-    assert rec["threads"] == 2  # the first fit's calibration, passed on
+    assert rec["threads"] == 2 and rec["together"] is False  # calibrated once, passed on
     assert (rec["rows"], rec["heldout"], rec["epochs"]) == (900, 500, 3.0)  # a tenth held out
     assert set(seen) == set(config.TRAIN_LOSSES)
     (c1, rows1, held1), (c2, rows2, held2) = seen["softmax"], seen["bce"]
@@ -73,7 +74,53 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
         assert (c.epochs, c.algorithm, c.devices, c.max_train_seconds) == (3.0, "single",
                                                                            "cpu", None)
         assert c.hidden == cfg.hidden and c.seed == cfg.seed
-    assert (c1.threads, c2.threads) == (None, 2)  # one calibration, the other fit reuses it
+    assert (c1.threads, c2.threads) == (2, 2)  # one calibration for both fits
+
+
+def test_one_thread_fits_run_side_by_side_and_leave_blas_as_it_was(monkeypatch):
+    """Calibrated to one thread on a device with a core per loss, the fits run at once, each on
+    one thread, the BLAS limit is 1 while they run and what it was afterwards."""
+    import threading
+
+    from threadpoolctl import threadpool_info
+
+    import xmc_engine.devices as devices
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    before = blas_threads()
+    monkeypatch.setattr(devices, "available_cores", lambda: 2)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 1)
+    started, seen = threading.Barrier(2, timeout=30), {}
+
+    def fake_fit(cfg, X, Y, eval_set, **kw):
+        started.wait()  # both fits are running at once (in turn, this would time out)
+        seen[cfg.loss] = (cfg.threads, threading.current_thread().name, blas_threads())
+        return {"metrics": {"P@1": {"softmax": 0.5, "bce": 0.4}[cfg.loss]}}
+
+    monkeypatch.setattr(training, "fit_model", fake_fit)
+    X, Y = _indexed_rows(5000)
+    cfg = TrainConfig(loss="auto")
+    rec = training.choose_loss(cfg, X, Y, parse_devices("cpu")[0])
+    assert rec["together"] is True and rec["threads"] == 1 and rec["loss"] == "softmax"
+    assert {t for t, _, _ in seen.values()} == {1}
+    assert seen["softmax"][1] == threading.current_thread().name  # the caller's thread
+    assert seen["bce"][1].startswith("xmc-probe")
+    assert all(set(b) <= {1} for _, _, b in seen.values())
+    assert blas_threads() == before
+    # a thread count given by the user is kept to: the fits go in turn, in the caller's thread
+    names = set()
+
+    def fit_in_turn(cfg, X, Y, eval_set, **kw):
+        names.add(threading.current_thread().name)
+        return {"metrics": {"P@1": 0.5}}
+
+    monkeypatch.setattr(training, "fit_model", fit_in_turn)
+    rec = training.choose_loss(TrainConfig(loss="auto", threads=1), X, Y,
+                               parse_devices("cpu")[0])
+    assert rec["together"] is False and rec["threads"] is None
+    assert names == {threading.current_thread().name}
 
 
 def test_one_thread_calibration_serves_the_probe_and_the_run(monkeypatch):
@@ -96,7 +143,7 @@ def test_one_thread_calibration_serves_the_probe_and_the_run(monkeypatch):
     clf = XMCClassifier(loss="auto", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
     assert calls == [2]
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
-    assert probe["threads"] == 1 and probe["rows"] > 0
+    assert probe["threads"] == 1 and probe["rows"] > 0 and probe["together"] is True
     (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
     assert rec["threads"] == 1 and "loss probe" in rec["note"]
     # a given thread count: nothing calibrated, nothing passed on

@@ -17,8 +17,9 @@ not know. The events the engine writes:
     Right after ``start`` when ``config`` says ``loss="auto"``
     (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),
     ``p1`` (held-out P@1 per loss; empty where the rows were too few to probe), ``rows``,
-    ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``) and ``threads`` (the CPU
-    thread budget its first fit calibrated, which the run reuses; ``null`` where none was).
+    ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``), ``threads`` (the CPU thread
+    budget calibrated once for the probe's fits and the run; ``null`` where none was) and
+    ``together`` (the fits ran side by side, one core each).
 ``compile``
     Once, before training: ``seconds`` spent compiling the kernels or loading them from Numba's
     cache (outside ``train_time``), ``devices``.

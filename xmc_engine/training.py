@@ -192,12 +192,14 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     other setting of ``cfg``, for :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` samples (one
     epoch at least); the loss with the higher held-out P@1 wins (a tie: the softmax).
     The probe's models are thrown away. The device's CPU threads (``cfg.threads=None``) are
-    calibrated once, by the first loss's fit, and reused by the other's and by the run
-    (:func:`build_trainer`'s ``calibrated``): on a small set each calibration costs more than the
-    training, and the loss does not change which budget is faster. Returns the run log's
-    ``loss_probe`` record: ``loss``, ``p1`` per loss, ``rows``, ``heldout``, ``epochs``,
-    ``seconds`` and ``threads`` (the calibrated budget; ``None`` where none was calibrated).
-    ``X`` holds normalised rows."""
+    calibrated once (:func:`calibrate_device`) for both fits and the run (:func:`build_trainer`'s
+    ``calibrated``): on a small set each calibration costs more than the training, and the loss
+    does not change which budget is faster. Where that budget is one thread, the device has a
+    core per loss and the memory planner says the host holds a fit per loss, the fits run side by
+    side, one per core. Returns the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss,
+    ``rows``, ``heldout``, ``epochs``, ``seconds``, ``threads`` (the calibrated budget; ``None``
+    where none was calibrated) and ``together`` (the fits ran side by side). ``X`` holds
+    normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_MIN_ROWS,
@@ -205,13 +207,14 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         LOSS_PROBE_SAMPLES,
         TRAIN_LOSSES,
     )
+    from xmc_engine.devices import parse_devices
 
     n = X.shape[0]
     if n < LOSS_PROBE_MIN_ROWS:
         logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
                     LOSS_PROBE_MIN_ROWS)
         return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "epochs": 0.0,
-                "seconds": 0.0}
+                "seconds": 0.0, "threads": None, "together": False}
     t0 = time.perf_counter()
     order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
     held = np.sort(order[:min(LOSS_PROBE_HELDOUT, n // 10)])
@@ -223,22 +226,67 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                                output=cfg.output_for(Y.shape[1], per_row))
     logger.info("loss='auto': training each loss for %.3g epochs on %d rows, %d held out ...",
                 epochs, len(rows), len(held))
-    p1 = {}
-    threads = cfg.threads  # None: the first fit calibrates the device's threads, the rest reuse
-    for loss in TRAIN_LOSSES:
-        res = fit_model(dataclasses.replace(base, loss=loss, threads=threads), X[rows], Y[rows],
-                        (X[held], Y[held]), progress_desc=f"probe {loss}", one_node=True)
-        p1[loss] = float(res["metrics"]["P@1"])
-        if threads is None:
-            threads = next((r["threads"] for r in res["history"] if r["event"] == "threads"),
-                           None)
+    probe_X, probe_Y, heldout = X[rows], Y[rows], (X[held], Y[held])
+    threads = cfg.threads
+    if threads is None:  # calibrated once, here: both fits and the run reuse the budget
+        threads = calibrate_device(dataclasses.replace(base, loss=TRAIN_LOSSES[0]), probe_X,
+                                   probe_Y)
+    # one thread per fit and cores to spare: the fits run side by side (1.7-2x sooner on the
+    # small shared sets, the same models: bench/RESULTS.md, "The loss probe's cost")
+    together = (cfg.threads is None and threads == 1
+                and parse_devices(base.devices)[0].threads >= len(TRAIN_LOSSES)
+                and _host_holds(len(TRAIN_LOSSES), base, probe_X, probe_Y, heldout))
+
+    def fit(loss):
+        return fit_model(dataclasses.replace(base, loss=loss, threads=threads), probe_X,
+                         probe_Y, heldout, progress_desc=f"probe {loss}", one_node=True)
+
+    if together:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from threadpoolctl import threadpool_limits
+
+        # the fits' workers enter and leave BLAS limits of 1 in any order: held at 1 around
+        # them, the process's own limit is what it was once both are done
+        with threadpool_limits(limits=1, user_api="blas"), \
+                ThreadPoolExecutor(len(TRAIN_LOSSES) - 1, thread_name_prefix="xmc-probe") as ex:
+            others = [ex.submit(fit, loss) for loss in TRAIN_LOSSES[1:]]
+            results = [fit(TRAIN_LOSSES[0])] + [f.result() for f in others]
+    else:
+        results = [fit(loss) for loss in TRAIN_LOSSES]
+    p1 = {loss: float(res["metrics"]["P@1"]) for loss, res in zip(TRAIN_LOSSES, results,
+                                                                  strict=True)}
     best = max(TRAIN_LOSSES, key=lambda k: p1[k])  # the first (softmax) on a tie
     seconds = time.perf_counter() - t0
     logger.info("loss='auto': held-out P@1 %s (%.1f s): training with %s",
                 ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
-            "threads": None if cfg.threads is not None else threads}
+            "threads": None if cfg.threads is not None else threads, "together": together}
+
+
+def calibrate_device(cfg: TrainConfig, X, Y) -> int | None:
+    """The CPU thread budget :func:`build_trainer` would calibrate for the first device of
+    ``cfg.devices`` (its :meth:`~xmc_engine.model.MLPReplica.calibrate_threads`, on a replica of
+    ``cfg`` built for the purpose and thrown away); ``None`` where it calibrates nothing (a
+    given ``threads``, a GPU, a one-thread device). ``X`` holds normalised rows."""
+    from xmc_engine.devices import parse_devices
+
+    device = parse_devices(cfg.devices)[0]
+    if cfg.threads is not None or device.kind != "cpu" or device.threads <= 1:
+        return None
+    shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
+    rep = make_replica(cfg, device, X, Y, init_params_for_data(shape, X, cfg.seed,
+                                                               loss=cfg.loss), 0)
+    return rep.calibrate_threads(cfg.batch_size, device.threads)
+
+
+def _host_holds(copies: int, cfg: TrainConfig, X, Y, eval_set) -> bool:
+    """Does the memory planner say the host holds ``copies`` runs of ``cfg`` at once?"""
+    from xmc_engine.memory import plan_for_data
+
+    plan = plan_for_data(cfg, X, Y, eval_set)
+    return all(p.available is not None and copies * p.total <= p.available for p in plan.pools)
 
 
 #: Seconds of compiling after which :func:`compile_kernels` says what it is doing.
