@@ -57,7 +57,8 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
         return {"metrics": {"P@1": p1[cfg.loss]}}
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 2)  # two threads: in turn
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 2)
+    monkeypatch.setattr(training, "_host_holds", lambda *a: False)  # the fits in turn
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto", devices="cpu,cpu@0.5", algorithm="adaptive", epochs=7,
                       max_train_seconds=30.0)
@@ -77,9 +78,16 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
     assert (c1.threads, c2.threads) == (2, 2)  # one calibration for both fits
 
 
-def test_one_thread_fits_run_side_by_side_and_leave_blas_as_it_was(monkeypatch):
-    """Calibrated to one thread on a device with a core per loss, the fits run at once, each on
-    one thread, the BLAS limit is 1 while they run and what it was afterwards."""
+@pytest.mark.parametrize("calibrated, holds, together, fit_threads", [
+    (1, True, True, 1),    # one thread won: one each, side by side
+    (4, True, True, 2),    # all four won: two each, side by side
+    (4, False, False, 4),  # the host holds one fit at a time: in turn, all four each
+])
+def test_the_probe_fits_run_side_by_side_and_leave_blas_as_it_was(
+        monkeypatch, calibrated, holds, together, fit_threads):
+    """On a device with a core per loss, where the host holds both, the fits run at once (each
+    on one thread where one thread won the calibration, else on its share); the BLAS limit is
+    theirs while they run and what it was afterwards."""
     import threading
 
     from threadpoolctl import threadpool_info
@@ -90,12 +98,14 @@ def test_one_thread_fits_run_side_by_side_and_leave_blas_as_it_was(monkeypatch):
         return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
 
     before = blas_threads()
-    monkeypatch.setattr(devices, "available_cores", lambda: 2)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 1)
+    monkeypatch.setattr(devices, "available_cores", lambda: 4)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: calibrated)
+    monkeypatch.setattr(training, "_host_holds", lambda *a: holds)
     started, seen = threading.Barrier(2, timeout=30), {}
 
     def fake_fit(cfg, X, Y, eval_set, **kw):
-        started.wait()  # both fits are running at once (in turn, this would time out)
+        if together:
+            started.wait()  # both fits are running at once (in turn, this would time out)
         seen[cfg.loss] = (cfg.threads, threading.current_thread().name, blas_threads())
         return {"metrics": {"P@1": {"softmax": 0.5, "bce": 0.4}[cfg.loss]}}
 
@@ -103,11 +113,13 @@ def test_one_thread_fits_run_side_by_side_and_leave_blas_as_it_was(monkeypatch):
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto")
     rec = training.choose_loss(cfg, X, Y, parse_devices("cpu")[0])
-    assert rec["together"] is True and rec["threads"] == 1 and rec["loss"] == "softmax"
-    assert {t for t, _, _ in seen.values()} == {1}
+    assert rec["together"] is together and rec["threads"] == calibrated  # the run's budget
+    assert rec["loss"] == "softmax"
+    assert {t for t, _, _ in seen.values()} == {fit_threads}
     assert seen["softmax"][1] == threading.current_thread().name  # the caller's thread
-    assert seen["bce"][1].startswith("xmc-probe")
-    assert all(set(b) <= {1} for _, _, b in seen.values())
+    assert seen["bce"][1].startswith("xmc-probe") is together
+    if together:
+        assert all(max(b, default=0) <= fit_threads for _, _, b in seen.values())
     assert blas_threads() == before
     # a thread count given by the user is kept to: the fits go in turn, in the caller's thread
     names = set()

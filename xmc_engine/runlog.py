@@ -19,7 +19,7 @@ not know. The events the engine writes:
     ``p1`` (held-out P@1 per loss; empty where the rows were too few to probe), ``rows``,
     ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``), ``threads`` (the CPU thread
     budget calibrated once for the probe's fits and the run; ``null`` where none was) and
-    ``together`` (the fits ran side by side, one core each).
+    ``together`` (the fits ran side by side, each on its share of the device's threads).
 ``compile``
     Once, before training: ``seconds`` spent compiling the kernels or loading them from Numba's
     cache (outside ``train_time``), ``devices``.

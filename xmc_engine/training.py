@@ -194,12 +194,12 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     The probe's models are thrown away. The device's CPU threads (``cfg.threads=None``) are
     calibrated once (:func:`calibrate_device`) for both fits and the run (:func:`build_trainer`'s
     ``calibrated``): on a small set each calibration costs more than the training, and the loss
-    does not change which budget is faster. Where that budget is one thread, the device has a
-    core per loss and the memory planner says the host holds a fit per loss, the fits run side by
-    side, one per core. Returns the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss,
-    ``rows``, ``heldout``, ``epochs``, ``seconds``, ``threads`` (the calibrated budget; ``None``
-    where none was calibrated) and ``together`` (the fits ran side by side). ``X`` holds
-    normalised rows."""
+    does not change which budget is faster. Where the device has a core per loss and the memory
+    planner says the host holds a fit per loss, the fits run side by side, each on one thread
+    where one thread won the calibration, else on its share of the device's threads. Returns
+    the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``rows``, ``heldout``,
+    ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
+    was calibrated) and ``together`` (the fits ran side by side). ``X`` holds normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_MIN_ROWS,
@@ -231,14 +231,16 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     if threads is None:  # calibrated once, here: both fits and the run reuse the budget
         threads = calibrate_device(dataclasses.replace(base, loss=TRAIN_LOSSES[0]), probe_X,
                                    probe_Y)
-    # one thread per fit and cores to spare: the fits run side by side (1.7-2x sooner on the
-    # small shared sets, the same models: bench/RESULTS.md, "The loss probe's cost")
-    together = (cfg.threads is None and threads == 1
-                and parse_devices(base.devices)[0].threads >= len(TRAIN_LOSSES)
+    # a core per loss: the fits run side by side, each on one thread where one thread won the
+    # calibration, else on its share of the device's threads (1.2-2x sooner than in turn, the
+    # same models: bench/RESULTS.md, "The loss probe's cost")
+    cores = parse_devices(base.devices)[0].threads
+    together = (cfg.threads is None and threads is not None and cores >= len(TRAIN_LOSSES)
                 and _host_holds(len(TRAIN_LOSSES), base, probe_X, probe_Y, heldout))
+    fit_threads = (1 if threads == 1 else cores // len(TRAIN_LOSSES)) if together else threads
 
     def fit(loss):
-        return fit_model(dataclasses.replace(base, loss=loss, threads=threads), probe_X,
+        return fit_model(dataclasses.replace(base, loss=loss, threads=fit_threads), probe_X,
                          probe_Y, heldout, progress_desc=f"probe {loss}", one_node=True)
 
     if together:
@@ -246,9 +248,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
 
         from threadpoolctl import threadpool_limits
 
-        # the fits' workers enter and leave BLAS limits of 1 in any order: held at 1 around
+        # the fits' workers enter and leave BLAS limits in any order: held at theirs around
         # them, the process's own limit is what it was once both are done
-        with threadpool_limits(limits=1, user_api="blas"), \
+        with threadpool_limits(limits=fit_threads, user_api="blas"), \
                 ThreadPoolExecutor(len(TRAIN_LOSSES) - 1, thread_name_prefix="xmc-probe") as ex:
             others = [ex.submit(fit, loss) for loss in TRAIN_LOSSES[1:]]
             results = [fit(TRAIN_LOSSES[0])] + [f.result() for f in others]
