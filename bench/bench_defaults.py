@@ -112,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "otherwise) on --datasets, evaluated at each --epochs")
     d.add_argument("--decay-lrs", type=float, nargs="+", default=[0.02, 0.05, 0.1])
     d.add_argument("--decays", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    d.add_argument("--decay-loss", choices=("softmax", "bce", "auto"),
+                   help="the training loss of every configuration (default: the engine's)")
     p.add_argument("--normalize-study", action="store_true",
                    help="instead of the grid: the defaults with each feature-row normalisation "
                    "on --datasets, evaluated at each --epochs")
@@ -331,11 +333,14 @@ def print_table(summary: list[dict], napkin: dict) -> None:
 
 def decay_study(args, meta) -> int:
     """P@1 of the defaults' optimizer at each learning rate x learning-rate decay
-    (``lr / (1 + decay x epoch)``), everything else at the defaults (:func:`config_study`)."""
+    (``lr / (1 + decay x epoch)``), with ``--decay-loss`` if given, everything else at the
+    defaults (:func:`config_study`)."""
     from xmc_engine.config import TrainConfig
 
-    d = TrainConfig()
-    configs = [{"lr": lr, "lr_decay": dec} for lr in args.decay_lrs for dec in args.decays]
+    loss = {"loss": args.decay_loss} if args.decay_loss else {}
+    d = TrainConfig(**loss)
+    configs = [{**loss, "lr": lr, "lr_decay": dec} for lr in args.decay_lrs
+               for dec in args.decays]
     return config_study(args, meta, configs, _decay_label,
                         _decay_label({"lr": d.learning_rate, "lr_decay": d.learning_rate_decay}),
                         "defaults_decay")
