@@ -34,6 +34,12 @@ def test_too_few_rows_train_the_softmax_without_a_probe():
     assert start["loss"] == "softmax" and start["config"]["loss"] == "auto"
 
 
+def _blas_threads():
+    from threadpoolctl import threadpool_info
+
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
 def _indexed_rows(n):
     """Rows whose single feature value is the row's number + 1 (so the probe's subsets can be
     traced), one label each."""
@@ -90,14 +96,9 @@ def test_the_probe_fits_run_side_by_side_and_leave_blas_as_it_was(
     theirs while they run and what it was afterwards."""
     import threading
 
-    from threadpoolctl import threadpool_info
-
     import xmc_engine.devices as devices
 
-    def blas_threads():
-        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-
-    before = blas_threads()
+    before = _blas_threads()
     monkeypatch.setattr(devices, "available_cores", lambda: 4)
     monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: calibrated)
     monkeypatch.setattr(training, "_host_holds", lambda *a: holds)
@@ -106,7 +107,7 @@ def test_the_probe_fits_run_side_by_side_and_leave_blas_as_it_was(
     def fake_fit(cfg, X, Y, eval_set, **kw):
         if together:
             started.wait()  # both fits are running at once (in turn, this would time out)
-        seen[cfg.loss] = (cfg.threads, threading.current_thread().name, blas_threads())
+        seen[cfg.loss] = (cfg.threads, threading.current_thread().name, _blas_threads())
         return {"metrics": {"P@1": {"softmax": 0.5, "bce": 0.4}[cfg.loss]}}
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
@@ -120,7 +121,7 @@ def test_the_probe_fits_run_side_by_side_and_leave_blas_as_it_was(
     assert seen["bce"][1].startswith("xmc-probe") is together
     if together:
         assert all(max(b, default=0) <= fit_threads for _, _, b in seen.values())
-    assert blas_threads() == before
+    assert _blas_threads() == before
     # a thread count given by the user is kept to: the fits go in turn, in the caller's thread
     names = set()
 
@@ -241,3 +242,27 @@ def test_a_saved_model_with_an_unknown_fitted_loss_is_refused(tmp_path):
     cfg_path.write_text(json.dumps({**config, "fitted_loss": "hinge"}))
     with pytest.raises(CheckpointError, match="fitted_loss 'hinge'"):
         XMCClassifier.load(folder)
+
+
+def test_a_failing_side_fit_fails_the_probe_and_restores_blas(monkeypatch):
+    """An error in the fit that runs beside the caller's (here a stand-in for, say, a
+    DivergenceError) reaches the caller once both are done; the BLAS limit is back."""
+    import xmc_engine.devices as devices
+
+    before = _blas_threads()
+    monkeypatch.setattr(devices, "available_cores", lambda: 2)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 1)
+    monkeypatch.setattr(training, "_host_holds", lambda *a: True)
+    done = []
+
+    def fake_fit(cfg, X, Y, eval_set, **kw):
+        if cfg.loss == "bce":
+            raise RuntimeError("bce fit failed")
+        done.append(cfg.loss)
+        return {"metrics": {"P@1": 0.5}}
+
+    monkeypatch.setattr(training, "fit_model", fake_fit)
+    X, Y = _indexed_rows(5000)
+    with pytest.raises(RuntimeError, match="bce fit failed"):
+        training.choose_loss(TrainConfig(loss="auto"), X, Y, parse_devices("cpu")[0])
+    assert done == ["softmax"] and _blas_threads() == before
