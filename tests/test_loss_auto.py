@@ -84,6 +84,30 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
     assert (c1.threads, c2.threads) == (2, 2)  # one calibration for both fits
 
 
+def test_a_device_with_a_share_of_the_cores_calibrates_itself(monkeypatch):
+    """With two CPU devices on four cores each device has two threads, while the probe's device
+    (the first alone) has four: its budget is not the run's devices', which calibrate their own."""
+    import xmc_engine.devices as devices
+    from xmc_engine.model import MLPReplica
+
+    monkeypatch.setattr(devices, "available_cores", lambda: 4)
+    calls = []
+
+    def fake_calibrate(self, batch_size, max_threads):
+        calls.append(max_threads)
+        self.backend.threads = max_threads
+        return max_threads
+
+    monkeypatch.setattr(MLPReplica, "calibrate_threads", fake_calibrate)
+    X, Y = tiny_data(n=2400)
+    clf = XMCClassifier(loss="auto", hidden=8, epochs=1, seed=0, eval_every=0,
+                        devices="cpu,cpu", algorithm="adaptive").fit(X, Y)
+    assert calls == [4, 2, 2]  # the probe's device, then each of the run's
+    recs = [r for r in clf.history_ if r["event"] == "threads"]
+    assert [r["threads"] for r in recs] == [2, 2]
+    assert not any("loss probe" in r["note"] for r in recs)
+
+
 @pytest.mark.parametrize("calibrated, holds, together, fit_threads", [
     (1, True, True, 1),    # one thread won: one each, side by side
     (4, True, True, 2),    # all four won: two each, side by side

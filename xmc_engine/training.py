@@ -152,6 +152,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
                             mode="threads" if simulate is None else "simulated", cost=simulate,
                             calibrated={0: probe["threads"]} if probe and probe.get("threads")
+                            and _probe_device(devices[0]).threads == devices[0].threads
                             else None)
     try:
         if extra:
@@ -207,7 +208,6 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         LOSS_PROBE_SAMPLES,
         TRAIN_LOSSES,
     )
-    from xmc_engine.devices import parse_devices
 
     n = X.shape[0]
     if n < LOSS_PROBE_MIN_ROWS:
@@ -234,7 +234,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     # a core per loss: the fits run side by side, each on one thread where one thread won the
     # calibration, else on its share of the device's threads (1.2-2x sooner than in turn, the
     # same models: bench/RESULTS.md, "The loss probe's cost")
-    cores = parse_devices(base.devices)[0].threads
+    cores = _probe_device(device).threads
     together = (cfg.threads is None and threads is not None and cores >= len(TRAIN_LOSSES)
                 and _host_holds(len(TRAIN_LOSSES), base, probe_X, probe_Y, heldout))
     fit_threads = (1 if threads == 1 else cores // len(TRAIN_LOSSES)) if together else threads
@@ -265,6 +265,15 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
             "threads": None if cfg.threads is not None else threads, "together": together}
+
+
+def _probe_device(device):
+    """The device the loss probe trains on: ``device`` alone, so with every core its kind gets
+    alone (a CPU device of a several-device run has a share of them; its calibrated budget is
+    then not the probe's)."""
+    from xmc_engine.devices import parse_devices
+
+    return parse_devices(str(device))[0]
 
 
 def calibrate_device(cfg: TrainConfig, X, Y) -> int | None:
