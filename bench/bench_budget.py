@@ -88,7 +88,7 @@ def run_one(spec: dict) -> dict:
                    "busy_s": sum(m["devices"][i]["busy_s"] for m in merges),
                    "last_batch": merges[-1]["devices"][i]["batch_size"] if merges else None}
                   for i, d in enumerate(devs)]
-    compile_s = next((r["seconds"] for r in hist if r.get("event") == "compile"), None)
+    compile_s = _common.event_seconds(hist, "compile")
     return {**spec, "wall_s": wall, "load_s": load_s, "compile_s": compile_s,
             "train_s": final["train_time"], "samples": final["samples"],
             "epochs_done": final["epoch"], "merges": len(merges),

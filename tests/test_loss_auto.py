@@ -181,6 +181,11 @@ def test_one_thread_calibration_serves_the_probe_and_the_run(monkeypatch):
     assert calls == [2]
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     assert probe["threads"] == 1 and probe["rows"] > 0 and probe["together"] is True
+    # both losses' kernels were loaded before the probe (its seconds are its own), the run's
+    # after the start, as without the probe
+    events = [r["event"] for r in clf.history_]
+    assert events[:4] == ["start", "compile", "loss_probe", "compile"]
+    assert clf.history_[1]["losses"] == list(config.TRAIN_LOSSES)
     (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
     assert rec["threads"] == 1 and "loss probe" in rec["note"]
     # a given thread count: nothing calibrated, nothing passed on

@@ -21,8 +21,10 @@ not know. The events the engine writes:
     budget calibrated once for the probe's fits and the run; ``null`` where none was) and
     ``together`` (the fits ran side by side, each on its share of the device's threads).
 ``compile``
-    Once, before training: ``seconds`` spent compiling the kernels or loading them from Numba's
-    cache (outside ``train_time``), ``devices``.
+    Before training: ``seconds`` spent compiling the kernels or loading them from Numba's
+    cache (outside ``train_time``), ``devices``. With ``loss="auto"`` a first one, before
+    ``loss_probe``, has the kernels of both losses on the first device (``losses``, ``note``):
+    the probe's ``seconds`` are then the probe's own.
 ``eval``
     After each evaluation. ``epoch`` (float, epochs of training data consumed), ``samples`` (int,
     training samples consumed), ``train_time`` (training seconds only; evaluation excluded),

@@ -107,7 +107,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
             loss = found[1]["loss"]
         else:  # rank 0 probes (one process: it is rank 0 and the broadcast is the identity)
-            probe = choose_loss(cfg, X, Y, devices[0]) if comm.is_root else None
+            if comm.is_root:  # both losses' kernels first: the probe's seconds are its own
+                probe_compile_s = sum(compile_kernels(dataclasses.replace(cfg, loss=loss),
+                                                      devices[:1], X, Y)
+                                      for loss in TRAIN_LOSSES)
+                probe = choose_loss(cfg, X, Y, devices[0])
             loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
         cfg = dataclasses.replace(cfg, loss=loss)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
@@ -146,7 +150,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
               n_samples=n_samples, n_features=shape.n_features, n_labels=shape.n_labels,
               devices=[d.__dict__ for d in devices], resumed=bool(resume),
               samples=state["samples"], epoch=state["epoch"])
-    if probe is not None:  # what loss="auto" saw (it ran before the start)
+    if probe is not None:  # what loss="auto" did and saw (before the start)
+        log.write("compile", seconds=probe_compile_s, devices=[str(devices[0])],
+                  losses=list(TRAIN_LOSSES), note="before the loss probe")
         log.write("loss_probe", **probe)
     compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,

@@ -221,12 +221,14 @@ def _read_run_file(run_dir: Path):
 
 def _stopped_before_training(run_dir: Path) -> bool:
     """Whether the run in ``run_dir`` stopped before it recorded any training: no log, or a log
-    with nothing but its ``start`` (and thread calibration) records."""
+    with nothing but its set-up records (``start``, the loss probe, compiling, thread
+    calibration)."""
     from xmc_engine.runlog import read_log
 
     if not (run_dir / LOG_NAME).exists():
         return True
-    return all(r.get("event") in ("start", "loss_probe", "threads") for r in read_log(run_dir))
+    return all(r.get("event") in ("start", "loss_probe", "compile", "threads")
+               for r in read_log(run_dir))
 
 
 def cmd_train(args) -> int:
