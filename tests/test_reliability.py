@@ -369,3 +369,26 @@ def test_loading_never_unpickles(tmp_path):
         load_arrays(tmp_path / "obj.npz")
     save_arrays(tmp_path / "ok.npz", {"a": np.arange(3)})
     assert load_arrays(tmp_path / "ok.npz")[0]["a"].tolist() == [0, 1, 2]
+
+
+def test_a_signal_during_the_final_evaluation_still_stops_the_run(monkeypatch):
+    """SIGINT while the last evaluation runs (after the loop's own check) stops the run like
+    one during training, instead of being dropped (a loss probe's fit would otherwise swallow
+    it and the whole run go on)."""
+    import os
+
+    from tests.test_estimator import tiny_data
+    from xmc_engine import training
+    from xmc_engine.errors import TrainingInterrupted
+
+    X, Y = tiny_data(n=300)
+    evaluate = training._Driver.evaluate
+
+    def evaluate_and_signal(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(training._Driver, "evaluate", evaluate_and_signal)
+    with pytest.raises(TrainingInterrupted, match="SIGINT"):
+        XMCClassifier(loss="softmax", hidden=8, epochs=1, seed=0, eval_every=0,
+                      threads=1).fit(X, Y, eval_set=(X, Y))

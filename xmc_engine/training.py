@@ -670,6 +670,8 @@ class _Driver:
             if (self.ckpts is not None and self.every is not None
                     and self.last_ckpt_samples != st["samples"]):
                 self.checkpoint(epoch)
+            if self._signal is not None:  # it came during the final evaluation or checkpoint
+                self._interrupted(epoch)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
