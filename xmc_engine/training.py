@@ -107,11 +107,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
             loss = found[1]["loss"]
         else:  # rank 0 probes (one process: it is rank 0 and the broadcast is the identity)
-            if comm.is_root:  # both losses' kernels first: the probe's seconds are its own
-                probe_compile_s = sum(compile_kernels(dataclasses.replace(cfg, loss=loss),
-                                                      devices[:1], X, Y)
-                                      for loss in TRAIN_LOSSES)
+            if comm.is_root:
                 probe = choose_loss(cfg, X, Y, devices[0])
+                probe_compile_s = probe.pop("compile_seconds")
             loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
         cfg = dataclasses.replace(cfg, loss=loss)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
@@ -151,8 +149,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
               devices=[d.__dict__ for d in devices], resumed=bool(resume),
               samples=state["samples"], epoch=state["epoch"])
     if probe is not None:  # what loss="auto" did and saw (before the start)
-        log.write("compile", seconds=probe_compile_s, devices=[str(devices[0])],
-                  losses=list(TRAIN_LOSSES), note="before the loss probe")
+        if probe["rows"]:
+            log.write("compile", seconds=probe_compile_s, devices=[str(devices[0])],
+                      losses=list(TRAIN_LOSSES), note="before the loss probe")
         log.write("loss_probe", **probe)
     compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
@@ -206,7 +205,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     where one thread won the calibration, else on its share of the device's threads. Returns
     the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``rows``, ``heldout``,
     ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
-    was calibrated) and ``together`` (the fits ran side by side). ``X`` holds normalised rows."""
+    was calibrated) and ``together`` (the fits ran side by side), plus ``compile_seconds``
+    (both losses' kernels, compiled or loaded before the probe and outside its ``seconds``;
+    :func:`fit_model` logs them as a ``compile`` record). ``X`` holds normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_MIN_ROWS,
@@ -220,7 +221,10 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
                     LOSS_PROBE_MIN_ROWS)
         return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "epochs": 0.0,
-                "seconds": 0.0, "threads": None, "together": False}
+                "seconds": 0.0, "threads": None, "together": False, "compile_seconds": 0.0}
+    # both losses' kernels first, outside the probe's seconds
+    compile_s = sum(compile_kernels(dataclasses.replace(cfg, loss=loss), [device], X, Y)
+                    for loss in TRAIN_LOSSES)
     t0 = time.perf_counter()
     order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
     held = np.sort(order[:min(LOSS_PROBE_HELDOUT, n // 10)])
@@ -270,7 +274,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                 ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
-            "threads": None if cfg.threads is not None else threads, "together": together}
+            "threads": None if cfg.threads is not None else threads, "together": together,
+            "compile_seconds": compile_s}
 
 
 def _probe_device(device):
