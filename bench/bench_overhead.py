@@ -34,11 +34,13 @@ def run_one(X, Y, X_test, Y_test, epochs: int, seed: int) -> dict:
     compile_s = _common.event_seconds(h, "compile")
     threads = [r["threads"] for r in h if r.get("event") == "threads"]
     together = [r.get("together") for r in h if r.get("event") == "loss_probe"]
+    timed = [r.get("threads_timed") for r in h if r.get("event") == "loss_probe"]
     p1 = clf.score(X_test, Y_test) if X_test is not None else None  # outside the timings
     return {"seed": seed, "loss": clf.loss_, "P@1": p1, "probe_together": together,
             "wall_s": wall, "probe_s": probe,
             "compile_s": compile_s, "train_s": train,
-            "other_s": wall - probe - compile_s - train, "threads": threads}
+            "other_s": wall - probe - compile_s - train, "threads": threads,
+            "threads_timed": timed}
 
 
 def main(argv=None) -> int:
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
     meta = _common.result_metadata()
     rows = []
     print(f"{'data':<18} {'seed':>4} {'loss':<8} {'wall s':>7} {'probe':>6} {'compile':>7} "
-          f"{'train':>6} {'other':>6} {'P@1':>6}")
+          f"{'train':>6} {'other':>6} {'P@1':>6} threads")
     for name in args.datasets:
         X, Y, X_test, Y_test = load_dataset(name)
         warm = min(3000, X.shape[0])
@@ -67,7 +69,9 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{name:<18} {seed:>4} {r['loss']:<8} {r['wall_s']:>7.2f} {r['probe_s']:>6.2f} "
                   f"{r['compile_s']:>7.2f} {r['train_s']:>6.2f} {r['other_s']:>6.2f} "
-                  f"{r['P@1'] if r['P@1'] is not None else float('nan'):>6.4f}", flush=True)
+                  f"{r['P@1'] if r['P@1'] is not None else float('nan'):>6.4f} "
+                  f"{r['threads']}{'' if r['threads_timed'] != [False] else ' (not timed)'}",
+                  flush=True)
     _common.write_result(args.out, {**meta, "benchmark": "overhead", "epochs": args.epochs,
                                     "seeds": args.seeds, "rows": rows})
     print(f"wrote {args.out}")

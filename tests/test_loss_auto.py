@@ -63,7 +63,7 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
         return {"metrics": {"P@1": p1[cfg.loss]}}
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 2)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 2)
     monkeypatch.setattr(training, "_host_holds", lambda *a: False)  # the fits in turn
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto", devices="cpu,cpu@0.5", algorithm="adaptive", epochs=7,
@@ -93,7 +93,7 @@ def test_a_device_with_a_share_of_the_cores_calibrates_itself(monkeypatch):
     monkeypatch.setattr(devices, "available_cores", lambda: 4)
     calls = []
 
-    def fake_calibrate(self, batch_size, max_threads):
+    def fake_calibrate(self, batch_size, max_threads, run_samples=None):
         calls.append(max_threads)
         self.backend.threads = max_threads
         return max_threads
@@ -124,7 +124,7 @@ def test_the_probe_fits_run_side_by_side_and_leave_blas_as_it_was(
 
     before = _blas_threads()
     monkeypatch.setattr(devices, "available_cores", lambda: 4)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: calibrated)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: calibrated)
     monkeypatch.setattr(training, "_host_holds", lambda *a: holds)
     started, seen = threading.Barrier(2, timeout=30), {}
 
@@ -170,7 +170,7 @@ def test_one_thread_calibration_serves_the_probe_and_the_run(monkeypatch):
     monkeypatch.setattr(devices, "available_cores", lambda: 2)
     calls = []
 
-    def fake_calibrate(self, batch_size, max_threads):
+    def fake_calibrate(self, batch_size, max_threads, run_samples=None):
         calls.append(max_threads)
         self.backend.threads = 1
         return 1
@@ -280,7 +280,7 @@ def test_a_failing_side_fit_fails_the_probe_and_restores_blas(monkeypatch):
 
     before = _blas_threads()
     monkeypatch.setattr(devices, "available_cores", lambda: 2)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y: 1)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 1)
     monkeypatch.setattr(training, "_host_holds", lambda *a: True)
     done = []
 

@@ -564,6 +564,37 @@ def test_thread_calibration_times_steps_in_a_fresh_thread_and_needs_a_margin():
         model.calibrate_threads(be, fail, 2)
 
 
+def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed():
+    """With 4 ms steps, timing the budgets costs about 3 rounds x 2 budgets x 50 ms: a run of
+    20 steps (80 ms on one thread, 40 ms to save at best) keeps one thread after the two warm-up
+    steps, even where two threads would be faster; a run of 2,000 steps (8 s) is timed."""
+    import time
+
+    import numba
+
+    from xmc_engine import model
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here: no budget to choose")
+    be = CPUBackend(threads=2)
+    calls = []
+
+    def step():
+        calls.append(numba.get_num_threads())
+        time.sleep(4e-3 if numba.get_num_threads() == 1 else 2e-3)
+
+    report = {}
+    assert model.calibrate_threads(be, step, 2, run_steps=20, report=report) == 1
+    assert calls == [1, 1] and report["timed"] is False  # the warm-up only
+    assert 0.06 < report["one_thread_run_s"] < 0.2
+    calls.clear()
+    assert model.calibrate_threads(be, step, 2, run_steps=2000, report=report) == 2
+    assert report["timed"] is True and 2 in calls
+    report.clear()
+    assert model.calibrate_threads(be, step, 2, report=report) == 2  # no run length: timed
+    assert report == {"timed": True, "one_thread_run_s": None}
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_sampled_training_on_the_cuda_stand_in_equals_the_cpu(monkeypatch, optimizer):
     """The CUDA backend's sampled path (over tests/fake_cupy.py: NumPy kernels, a ledger of

@@ -187,6 +187,9 @@ class MLPReplica:
         elif output == "sampled" and negative_sampling == "lsh":
             self._proposal = LSHProposal(Y.shape[1], int(np.shape(params[-2])[0]), seed=seed)
         self._rng = np.random.default_rng(seed)
+        #: was the thread budget timed (:meth:`calibrate_threads`)? False where the run was too
+        #: short to repay timing it; None where it was never calibrated
+        self.threads_timed: bool | None = None
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         self.n_dense = (len(self._params) - 4) // 2
         self._acc = ([backend.zeros(p.shape) for p in self._params]
@@ -206,10 +209,13 @@ class MLPReplica:
         # track_labels() asked for them (AdaptiveConfig.label_weights='positives')
         self._seen = None
 
-    def calibrate_threads(self, batch_size: int, max_threads: int) -> int:
+    def calibrate_threads(self, batch_size: int, max_threads: int,
+                          run_samples: float | None = None) -> int:
         """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``
         (:func:`calibrate_threads`, timing this replica's own step: its optimizer, output layer
-        and batch gather) and return it; other backends are left as they are.
+        and batch gather) and return it; other backends are left as they are. ``run_samples``
+        (the samples the budget will train, if known) lets a run too short to repay the timing
+        keep one thread untimed; :attr:`threads_timed` says afterwards whether it was timed.
 
         The timed steps run at learning rate 0 on one batch and with a throwaway random stream
         for the negatives; afterwards the optimizer state, the random stream, the negatives'
@@ -224,8 +230,12 @@ class MLPReplica:
         marks = [m for m in (self._changed, self._changed_cols, self._seen) if m is not None]
         saved_marks = [m.copy() for m in marks]
         self._rng = np.random.default_rng(0)
+        report: dict = {}
         try:
-            be.threads = calibrate_threads(be, lambda: self.train_batch(rows, 0.0), max_threads)
+            be.threads = calibrate_threads(
+                be, lambda: self.train_batch(rows, 0.0), max_threads, report=report,
+                run_steps=None if run_samples is None else run_samples / batch_size)
+            self.threads_timed = report["timed"]
         finally:
             self._rng, self._proposal = rng, proposal
             for a, saved in zip(self._acc or [], acc or [], strict=True):
@@ -606,7 +616,8 @@ THREADS_MARGIN = 0.95
 
 
 def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
-                      seconds: float = 0.05) -> int:
+                      seconds: float = 0.05, run_steps: float | None = None,
+                      report: dict | None = None) -> int:
     """The thread budget (1 or ``max_threads``) under which ``step()`` (a training step that
     leaves the model as it is) runs faster on backend ``be``.
 
@@ -621,6 +632,14 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     thread beat two on the small shared datasets (numba's OpenMP workers and OpenBLAS's both
     spin-wait, and fight over the cores) and two beat one on the large synthetic shapes; a
     many-core server gains more from threads: so it is measured, not assumed.
+
+    ``run_steps`` (the steps the budget will serve, if known) lets a short run skip the timing:
+    once one thread's warm-up step is timed, a run that would save less than the calibration
+    costs even if ``max_threads`` threads ran it ``max_threads`` times as fast keeps one thread
+    (on a small shared dataset the calibration took longer than the whole training). ``report``
+    (a dict), if given, receives ``timed`` (False where it was skipped) and
+    ``one_thread_run_s`` (the run's estimated seconds on one thread; ``None`` without
+    ``run_steps``).
     """
     import threading
     import time
@@ -631,6 +650,16 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     best = {n: float("inf") for n in budgets}
     steps = {n: 1 for n in budgets}  # per round, set from the first round's warm-up
     failure: list[BaseException] = []
+    estimate: dict = {"one_thread_run_s": None, "skip": False}
+
+    def too_short(first: float) -> bool:
+        """Can the run not repay the calibration? ``first``: one thread's warm step."""
+        if run_steps is None:
+            return False
+        run_s = float(run_steps) * first
+        estimate["one_thread_run_s"] = run_s
+        cost = (1 if first > 0.1 else rounds) * len(budgets) * max(seconds, first)
+        return run_s * (1.0 - 1.0 / budgets[1]) < cost
 
     def run(n: int, warm: bool) -> None:
         """One round of budget ``n`` in a fresh thread that enters the budget once, as a
@@ -644,6 +673,9 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
                     first = time.perf_counter() - t0
                 if warm:
                     steps[n] = max(1, min(200, int(seconds / max(first, 1e-6))))
+                    if n == 1 and too_short(first):
+                        estimate["skip"] = True
+                        return
                 t0 = time.perf_counter()
                 for _ in range(steps[n]):
                     step()
@@ -659,9 +691,17 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
             worker.join()
             if failure:
                 raise failure[0]
+            if estimate["skip"]:
+                logger.debug("thread calibration skipped: the run takes about %.3g s on one "
+                             "thread", estimate["one_thread_run_s"])
+                if report is not None:
+                    report.update(timed=False, one_thread_run_s=estimate["one_thread_run_s"])
+                return 1
         if max(best.values()) > 0.1:  # slow steps: one round is enough (and all we can afford)
             break
     logger.debug("thread calibration: %s ms/step", {n: round(1e3 * t, 3) for n, t in best.items()})
+    if report is not None:
+        report.update(timed=True, one_thread_run_s=estimate["one_thread_run_s"])
     return budgets[1] if best[budgets[1]] < THREADS_MARGIN * best[1] else 1
 
 

@@ -158,7 +158,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                             mode="threads" if simulate is None else "simulated", cost=simulate,
                             calibrated={0: probe["threads"]} if probe and probe.get("threads")
                             and _probe_device(devices[0]).threads == devices[0].threads
-                            else None)
+                            else None,
+                            run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]))
     try:
         if extra:
             restore_trainer(trainer, extra)
@@ -205,9 +206,11 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     where one thread won the calibration, else on its share of the device's threads. Returns
     the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``rows``, ``heldout``,
     ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
-    was calibrated) and ``together`` (the fits ran side by side), plus ``compile_seconds``
-    (both losses' kernels, compiled or loaded before the probe and outside its ``seconds``;
-    :func:`fit_model` logs them as a ``compile`` record). ``X`` holds normalised rows."""
+    was calibrated), ``threads_timed`` (False: the run was too short to repay timing the
+    budgets and keeps one thread) and ``together`` (the fits ran side by side), plus
+    ``compile_seconds`` (both losses' kernels, compiled or loaded before the probe and outside
+    its ``seconds``; :func:`fit_model` logs them as a ``compile`` record). ``X`` holds
+    normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_MIN_ROWS,
@@ -221,7 +224,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
                     LOSS_PROBE_MIN_ROWS)
         return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "epochs": 0.0,
-                "seconds": 0.0, "threads": None, "together": False, "compile_seconds": 0.0}
+                "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
+                "compile_seconds": 0.0}
     # both losses' kernels first, outside the probe's seconds
     compile_s = sum(compile_kernels(dataclasses.replace(cfg, loss=loss), [device], X, Y)
                     for loss in TRAIN_LOSSES)
@@ -237,10 +241,13 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     logger.info("loss='auto': training each loss for %.3g epochs on %d rows, %d held out ...",
                 epochs, len(rows), len(held))
     probe_X, probe_Y, heldout = X[rows], Y[rows], (X[held], Y[held])
-    threads = cfg.threads
+    threads, calibration = cfg.threads, {"timed": None}
     if threads is None:  # calibrated once, here: both fits and the run reuse the budget
+        # the samples the budget serves: a probe fit's and the run's (a short run keeps one
+        # thread untimed: the timing would cost more than it could save)
         threads = calibrate_device(dataclasses.replace(base, loss=TRAIN_LOSSES[0]), probe_X,
-                                   probe_Y)
+                                   probe_Y, run_samples=epochs * len(rows) + cfg.epochs * n,
+                                   report=calibration)
     # a core per loss: the fits run side by side, each on one thread where one thread won the
     # calibration, else on its share of the device's threads (1.2-2x sooner than in turn, the
     # same models: bench/RESULTS.md, "The loss probe's cost")
@@ -274,7 +281,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                 ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
-            "threads": None if cfg.threads is not None else threads, "together": together,
+            "threads": None if cfg.threads is not None else threads,
+            "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s}
 
 
@@ -287,11 +295,14 @@ def _probe_device(device):
     return parse_devices(str(device))[0]
 
 
-def calibrate_device(cfg: TrainConfig, X, Y) -> int | None:
+def calibrate_device(cfg: TrainConfig, X, Y, run_samples: float | None = None,
+                     report: dict | None = None) -> int | None:
     """The CPU thread budget :func:`build_trainer` would calibrate for the first device of
     ``cfg.devices`` (its :meth:`~xmc_engine.model.MLPReplica.calibrate_threads`, on a replica of
-    ``cfg`` built for the purpose and thrown away); ``None`` where it calibrates nothing (a
-    given ``threads``, a GPU, a one-thread device). ``X`` holds normalised rows."""
+    ``cfg`` built for the purpose and thrown away, for a run of ``run_samples`` samples);
+    ``None`` where it calibrates nothing (a given ``threads``, a GPU, a one-thread device).
+    ``report`` (a dict), if given, receives ``timed``: whether the budgets were timed (False:
+    the run was too short to repay it and keeps one thread). ``X`` holds normalised rows."""
     from xmc_engine.devices import parse_devices
 
     device = parse_devices(cfg.devices)[0]
@@ -300,7 +311,10 @@ def calibrate_device(cfg: TrainConfig, X, Y) -> int | None:
     shape = ModelShape(X.shape[1], Y.shape[1], tuple(cfg.hidden))
     rep = make_replica(cfg, device, X, Y, init_params_for_data(shape, X, cfg.seed,
                                                                loss=cfg.loss), 0)
-    return rep.calibrate_threads(cfg.batch_size, device.threads)
+    threads = rep.calibrate_threads(cfg.batch_size, device.threads, run_samples)
+    if report is not None:
+        report["timed"] = rep.threads_timed
+    return threads
 
 
 def _host_holds(copies: int, cfg: TrainConfig, X, Y, eval_set) -> bool:
@@ -393,7 +407,8 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
 
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                   assignment: str = "shared", mode: str = "threads", cost=None,
-                  calibrated: dict[int, int] | None = None):
+                  calibrated: dict[int, int] | None = None,
+                  run_samples: float | None = None):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
     :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
     starting from the host arrays ``params``, and the algorithm's policy. ``log`` (a
@@ -401,7 +416,9 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     ``assignment`` make it one node of a multi-node run; ``mode`` and ``cost`` are the
     trainer's (``"simulated"``: a virtual clock, see :func:`fit_model`'s ``simulate``).
     ``calibrated`` maps a device's index to a CPU thread budget already calibrated for it (by
-    the loss probe, :func:`choose_loss`), which is used instead of calibrating again."""
+    the loss probe, :func:`choose_loss`), which is used instead of calibrating again.
+    ``run_samples`` (the samples the run has left to train, if known) lets a run too short to
+    repay the calibration keep one thread untimed."""
     from xmc_engine.algorithms import get_algorithm
     from xmc_engine.scheduler import Schedule, Trainer
 
@@ -413,13 +430,15 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
         if cfg.threads is None and be.name == "cpu" and d.threads > 1:
             known = (calibrated or {}).get(len(replicas))
             if known is None:
-                rep.calibrate_threads(cfg.batch_size, d.threads)
+                rep.calibrate_threads(cfg.batch_size, d.threads, run_samples)
             else:
                 be.threads = known
             if log is not None:
-                log.write("threads", device=str(d), threads=be.threads,
-                          note="calibrated: the faster of 1 and all of the device's threads"
-                          + ("" if known is None else " (by the loss probe)"))
+                note = ("not timed: the run is too short to repay timing the budgets"
+                        if known is None and rep.threads_timed is False else
+                        "calibrated: the faster of 1 and all of the device's threads"
+                        if known is None else "by the loss probe (its record says how)")
+                log.write("threads", device=str(d), threads=be.threads, note=note)
         replicas.append(rep)
     schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs, cfg.learning_rate_decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
