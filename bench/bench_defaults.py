@@ -32,6 +32,13 @@ runs (each then repeated with ``--resume`` once the defaults were fixed)::
     python bench/bench_defaults.py --datasets debian_builddeps synth10k \
         --out bench/results/defaults_heavy.json
     python bench/bench_defaults.py --warmup-study --out bench/results/defaults_warmup.json
+
+and the grid again with the defaults of ``loss="auto"``, both losses in stage 1, Adagrad only
+(SGD's best lost to Adagrad's on every set of the first grid), the small shared sets::
+
+    python bench/bench_defaults.py --grid-optimizers adagrad --grid-losses softmax bce \
+        --datasets bibtex delicious corel5k stackex_cooking stackex_cs rcv1sub1 imdb \
+        debian_debtags --out bench/results/defaults_grid_auto.json
     python bench/bench_defaults.py --normalize-study --datasets bibtex delicious corel5k \
         stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags debian_builddeps synth1k \
         --out bench/results/defaults_normalize.json
@@ -97,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-train", type=int, default=30_000,
                    help="subsample larger training sets to this many rows (imdb: 96,735)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--grid-optimizers", nargs="+", choices=("sgd", "adagrad"),
+                   default=["sgd", "adagrad"], help="stage 1's optimizers")
+    p.add_argument("--grid-losses", nargs="*", choices=("softmax", "bce"), default=[],
+                   help="stage 1 at each of these losses (none: the engine's default loss, "
+                        "in the committed grids before loss='auto' the softmax)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "defaults.json"))
     p.add_argument("--resume", action="store_true",
                    help="reuse the grid runs (not the defaults' runs) already in --out and "
@@ -261,30 +273,35 @@ class Grid:
 def _label(config: dict) -> str:
     if not config:
         return "defaults"
-    return (f"{config['optimizer']} lr={config['lr']:g} b={config['batch_size']} "
+    loss = f" {config['loss']}" if "loss" in config else ""
+    return (f"{config['optimizer']}{loss} lr={config['lr']:g} b={config['batch_size']} "
             f"h={config['hidden']}")
 
 
-def _cfg(optimizer, lr, batch, hidden) -> dict:
-    return {"optimizer": optimizer, "lr": lr, "batch_size": batch, "hidden": hidden}
+def _cfg(optimizer, lr, batch, hidden, loss=None) -> dict:
+    """A grid configuration; ``loss`` None leaves the engine's default loss."""
+    return {"optimizer": optimizer, "lr": lr, "batch_size": batch, "hidden": hidden,
+            **({} if loss is None else {"loss": loss})}
 
 
 def search(grid: Grid, points, shapes) -> None:
     """Stages 1-3 of the module docstring on ``grid``: ``points`` are the stage-1
-    ``(optimizer, lr)`` pairs, ``shapes`` the stage-2 ``(batch, hidden)`` pairs."""
+    ``(optimizer, lr)`` or ``(optimizer, lr, loss)`` tuples, ``shapes`` the stage-2
+    ``(batch, hidden)`` pairs (at the stage-1 winner, and at the best Adagrad point where the
+    winner is another optimizer)."""
     e = min(grid.epochs)
     stage1 = {}
-    for opt, lr in points:
-        c = _cfg(opt, lr, BASE_BATCH, BASE_HIDDEN)
-        stage1[(opt, lr)] = grid.score(grid.run(c, "opt x lr"), e)
+    for point in points:
+        c = _cfg(point[0], point[1], BASE_BATCH, BASE_HIDDEN, *point[2:])
+        stage1[tuple(point)] = grid.score(grid.run(c, "opt x lr"), e)
     best = max(stage1, key=stage1.get)
     centres = [best]
-    if best[0] != "adagrad":
+    if best[0] != "adagrad" and any(k[0] == "adagrad" for k in stage1):
         centres.append(max((k for k in stage1 if k[0] == "adagrad"), key=stage1.get))
-    for opt, lr in centres:
+    for point in centres:
         for batch, hidden in shapes:
             if (batch, hidden) != (BASE_BATCH, BASE_HIDDEN):
-                grid.run(_cfg(opt, lr, batch, hidden), "b x h")
+                grid.run(_cfg(point[0], point[1], batch, hidden, *point[2:]), "b x h")
     grid.run({}, "defaults")
 
 
@@ -652,7 +669,9 @@ def main(argv=None) -> int:
         if heavy:
             search(grid, heavy_points, heavy_shapes)
         else:
-            search(grid, [("sgd", lr) for lr in SGD_LRS] + [("adagrad", lr) for lr in ADAGRAD_LRS],
+            lrs = {"sgd": SGD_LRS, "adagrad": ADAGRAD_LRS}
+            search(grid, [(opt, lr, *loss) for loss in ([(x,) for x in args.grid_losses] or [()])
+                          for opt in args.grid_optimizers for lr in lrs[opt]],
                    [(b, h) for b in BATCHES for h in HIDDENS])
         if name in args.napkinxc and name not in napkin:
             from xmc_libraries import run_napkinxc_plt
@@ -665,6 +684,8 @@ def main(argv=None) -> int:
                    if (s := summarise(rows, n, e)) is not None]
         _common.write_result(out, {**meta, "benchmark": "defaults", "datasets": notes,
                                    "grid": {"sgd_lrs": SGD_LRS, "adagrad_lrs": ADAGRAD_LRS,
+                                            "optimizers": args.grid_optimizers,
+                                            "losses": args.grid_losses,
                                             "batches": BATCHES, "hiddens": HIDDENS,
                                             "heavy_shapes": heavy_shapes,
                                             "heavy_points": heavy_points,

@@ -265,3 +265,34 @@ def test_xmc_libraries_engine_params_are_json_objects_applied_on_top_of_the_defa
     r = run_engine_defaults(X, Y, X, Y, epochs=1, seed=1, params={"hidden": [16]})
     assert r["model"] == '{"hidden":[16]}' and r["seed"] == 1 and 0.0 <= r["P@1"] <= 1.0
     assert run_engine_defaults(X, Y, X, Y, epochs=1)["model"] == "defaults"
+
+
+def test_the_defaults_grid_carries_each_loss_and_widens_the_winner():
+    """bench_defaults.search: stage 1 runs every (optimizer, lr, loss) point at the base shape,
+    stage 2 every other shape at the winner only (it is Adagrad here), then the defaults."""
+    import bench_defaults
+
+    runs = []
+
+    class FakeGrid:
+        epochs = [5]
+
+        def run(self, config, stage):
+            runs.append((stage, config))
+            return [config]
+
+        def score(self, out, epochs):  # the logistic loss at lr 0.1 wins
+            c = out[0]
+            return 1.0 if (c.get("loss"), c["lr"]) == ("bce", 0.1) else 0.5
+
+    points = [("adagrad", lr, loss) for loss in ("softmax", "bce") for lr in (0.05, 0.1)]
+    bench_defaults.search(FakeGrid(), points, [(64, 128), (256, 128), (64, 256)])
+    stage1 = [c for s, c in runs if s == "opt x lr"]
+    assert [(c["loss"], c["lr"], c["batch_size"]) for c in stage1] == [
+        ("softmax", 0.05, 256), ("softmax", 0.1, 256), ("bce", 0.05, 256), ("bce", 0.1, 256)]
+    stage2 = [c for s, c in runs if s == "b x h"]
+    assert [(c["loss"], c["lr"], c["batch_size"], c["hidden"]) for c in stage2] == [
+        ("bce", 0.1, 64, 128), ("bce", 0.1, 64, 256)]  # the base shape is not run twice
+    assert runs[-1] == ("defaults", {})
+    assert bench_defaults._label(stage2[0]) == "adagrad bce lr=0.1 b=64 h=128"
+    assert "loss" not in bench_defaults._cfg("adagrad", 0.05, 64, 128)  # the engine's default
