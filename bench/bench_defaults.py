@@ -321,8 +321,12 @@ def summarise(rows, dataset: str, epochs: int) -> dict | None:
              | {"seeds": len(runs)} for lab, runs in groups.items()}
     best = max((lab for lab in stats if lab != "defaults"), key=lambda lab: stats[lab]["P@1"])
     d = groups["defaults"][0]["resolved"]
+    # what the defaults resolved to, per seed where it differs (loss="auto" picks per seed)
+    per_seed = list(dict.fromkeys(
+        (f"{r['resolved']['loss']} " if r["resolved"].get("loss") else "")
+        + f"lr={r['resolved']['lr']:g}" for r in groups["defaults"]))
     return {"dataset": dataset, "epochs": epochs, "best": best, "best_stats": stats[best],
-            "defaults": (f"{d['optimizer']} lr={d['lr']:g} b={d['batch_size']} "
+            "defaults": (f"{d['optimizer']} {' / '.join(per_seed)} b={d['batch_size']} "
                          f"h={d['hidden'][0]}"),
             "defaults_stats": stats["defaults"],
             "gap_P@1": stats[best]["P@1"] - stats["defaults"]["P@1"],
