@@ -9,7 +9,9 @@ Sections (``--sections``, default all, in this order):
 
 ``kernels``     every backend launcher against :mod:`xmc_engine.kernels.reference` on small
                 random inputs (an empty row, a row without labels, sizes that are not multiples of
-                the block size), Adagrad and the label-chunked output layer included.
+                the block size), Adagrad, the label-chunked output layer, the logistic
+                loss, the sampled output layer's column kernels and gradient (both losses) and
+                the row- and column-sparse merge included.
 ``fit_single``  ``XMCClassifier(devices="cuda:0")`` with the default algorithm on delicious; P@1
                 within ``FIT_TOLERANCE`` of the CPU run with the same seed.
 ``throughput``  the Amazon-670K shape (135,909 features, 670,091 labels, hidden 128, batch 256)
@@ -762,8 +764,103 @@ def check_merge_and_adagrad(ctx, be, ref, pb):
     _close(ctx, "adagrad_rows acc", be.to_host(Ad), A_r, 1e-5)
 
 
+def check_sampled_layer(ctx, be, ref, pb):
+    """The sampled output layer's kernels (``output="sampled"``): the column gather, scatter
+    and Adagrad, and the gradient on the candidate labels with each loss."""
+    rng, f32, f64 = pb["rng"], np.float32, np.float64
+    X, Y, W1, b1, W2, b2 = pb["X"], pb["Y"], pb["W1"], pb["b1"], pb["W2"], pb["b2"]
+    nh, L = pb["nh"], pb["L"]
+    cols = np.unique(np.concatenate([Y.indices, rng.integers(0, L, 200)])).astype(np.int64)
+    m = cols.size
+    W2s, b2s = be.empty((nh, m)), be.empty(m)
+    be.gather_columns(be.asarray(W2), be.asarray(b2), be.asarray(cols), W2s, b2s)
+    W2_r, b2_r = ref.gather_columns(W2, b2, cols)
+    _close(ctx, "gather_columns W2", be.to_host(W2s), W2_r, 0.0, 0.0)
+    _close(ctx, "gather_columns b2", be.to_host(b2s), b2_r, 0.0, 0.0)
+    dW2s = rng.standard_normal((nh, m)).astype(f32)
+    db2s = rng.standard_normal(m).astype(f32)
+    W2d, b2d = be.asarray(W2.copy()), be.asarray(b2.copy())
+    be.scatter_add_columns(W2d, b2d, be.asarray(cols), be.asarray(dW2s), be.asarray(db2s), -0.1)
+    W_r, b_r = ref.scatter_add_columns(W2, b2, cols, dW2s, db2s, -0.1)
+    _close(ctx, "scatter_add_columns W2", be.to_host(W2d), W_r, 1e-6)
+    _close(ctx, "scatter_add_columns b2", be.to_host(b2d), b_r, 1e-6)
+    aW, ab = np.abs(W2).astype(f32), np.abs(b2).astype(f32)
+    W2d, b2d, aWd, abd = (be.asarray(a.copy()) for a in (W2, b2, aW, ab))
+    be.adagrad_columns(W2d, b2d, aWd, abd, be.asarray(cols), be.asarray(dW2s),
+                       be.asarray(db2s), 0.05, 1e-10)
+    for name, got, want in zip(("W2", "b2", "acc_W2", "acc_b2"), (W2d, b2d, aWd, abd),
+                               ref.adagrad_columns(W2, b2, aW, ab, cols, dW2s, db2s, 0.05,
+                                                   1e-10), strict=True):
+        _close(ctx, f"adagrad_columns {name}", be.to_host(got), want, 1e-5)
+    # the gradient on the candidates: the batch's labels first, then negatives
+    pos = np.unique(Y.indices).astype(np.int64)
+    neg = np.setdiff1d(cols, pos)
+    cand = np.concatenate([pos, neg]).astype(np.int64)
+    where = {int(c): j for j, c in enumerate(cand)}
+    local = np.array([where[int(y)] for y in Y.indices], dtype=np.int32)
+    H = ref.sparse_forward(X.indptr, X.indices, X.data, W1, b1).astype(f32)
+    B, log_w = H.shape[0], -1.5
+    yp = be.asarray(Y.indptr)
+    for loss in ("softmax", "bce"):
+        got = be.sampled_output_grad(be.asarray(H), be.asarray(W2), be.asarray(b2),
+                                     be.asarray(cand), pos.size, log_w, yp, be.asarray(local),
+                                     loss=loss)
+        Ws, H64 = W2[:, cand].astype(f64), H.astype(f64)
+        Zs = H64 @ Ws + b2[cand]
+        if loss == "softmax":  # the negatives' logits carry the sampled-softmax weight
+            Zs[:, pos.size:] += log_w
+            dZ, want_loss = ref.softmax_xent(Zs, Y.indptr, local, 1.0 / B)
+        else:  # each candidate's term counted once
+            dZ, want_loss = ref.bce_xent(Zs, Y.indptr, local, 1.0 / B)
+        _loss_close(ctx, f"sampled_output_grad {loss} loss", be, got[0], want_loss)
+        for name, g, want in zip(("dW2s", "db2s", "dH"), got[1:],
+                                 (H64.T @ dZ, dZ.sum(axis=0), dZ @ Ws.T), strict=True):
+            _close(ctx, f"sampled_output_grad {loss} {name}", be.to_host(g), want, 1e-5)
+
+
+def check_sparse_merge(ctx, be, ref, pb):
+    """The row- and column-sparse merge and broadcast of ``adaptive`` / ``average``."""
+    rng, f32 = pb["rng"], np.float32
+    A = [rng.standard_normal((300, 70)).astype(f32) for _ in range(2)]
+    out0 = rng.standard_normal((300, 70)).astype(f32)
+    rows = np.unique(rng.integers(0, 300, 90)).astype(np.int64)
+    out = be.asarray(out0.copy())
+    finite, delta = be.merge_rows([be.asarray(a) for a in A], [0.3, 0.7], rows, out)
+    want = out0.astype(np.float64).copy()
+    want[rows] = ref.weighted_sum([a[rows] for a in A], [0.3, 0.7])
+    ctx.check("merge_rows finite", bool(finite))
+    _close(ctx, "merge_rows", be.to_host(out), want, 1e-5)
+    want_delta = float((want[rows] ** 2).sum() - (out0[rows].astype(np.float64) ** 2).sum())
+    ctx.check("merge_rows norm change", abs(delta - want_delta) <= 1e-3 * max(1.0, abs(want_delta)),
+              got=float(delta), want=want_delta)
+    dst = be.asarray(A[0].copy())
+    be.copy_rows(dst, be.asarray(A[1]), rows)
+    want = A[0].copy()
+    want[rows] = A[1][rows]
+    _close(ctx, "copy_rows", be.to_host(dst), want, 0.0, 0.0)
+    cols = np.unique(rng.integers(0, 70, 30)).astype(np.int64)
+    Q = rng.random((2, cols.size)).astype(f32)
+    out = be.asarray(out0.copy())
+    ok = be.merge_columns([be.asarray(a) for a in A], Q, cols, out)
+    want = out0.astype(np.float64).copy()
+    want[:, cols] = Q[0] * A[0][:, cols] + Q[1] * A[1][:, cols]
+    ctx.check("merge_columns finite", bool(ok))
+    _close(ctx, "merge_columns", be.to_host(out), want, 1e-5)
+    dst = be.asarray(A[0].copy())
+    be.copy_columns(dst, be.asarray(A[1]), cols)
+    want = A[0].copy()
+    want[:, cols] = A[1][:, cols]
+    _close(ctx, "copy_columns", be.to_host(dst), want, 0.0, 0.0)
+    bad = A[1].copy()
+    bad[rows[0], 3] = np.nan
+    finite, _ = be.merge_rows([be.asarray(A[0]), be.asarray(bad)], [0.5, 0.5], rows,
+                              be.asarray(out0.copy()))
+    ctx.check("merge_rows reports a NaN", not finite)
+
+
 KERNEL_GROUPS = {"sparse_layer": check_sparse_layer, "output_layer": check_output_layer,
-                 "merge_and_adagrad": check_merge_and_adagrad}
+                 "merge_and_adagrad": check_merge_and_adagrad,
+                 "sampled_layer": check_sampled_layer, "sparse_merge": check_sparse_merge}
 
 
 def section_kernels(ctx: Context) -> None:

@@ -271,7 +271,10 @@ def test_kernel_section_passes_on_a_correct_backend_and_catches_a_wrong_one(tmp_
     assert out["status"] == "passed", out.get("reason")
     checks = out["figures"]["checks"]
     for name in ("sparse_forward", "output_layer_step chunk=300 W2", "topk", "elastic diff",
-                 "adagrad_dense w", "adagrad_rows acc", "predict_scores_topk chunk=300"):
+                 "adagrad_dense w", "adagrad_rows acc", "predict_scores_topk chunk=300",
+                 "gather_columns b2", "adagrad_columns acc_W2", "sampled_output_grad bce dH",
+                 "sampled_output_grad softmax loss", "merge_rows norm change", "copy_columns",
+                 "merge_rows reports a NaN"):
         assert checks[name]["ok"]
 
     real = gc.engine_backend
@@ -283,6 +286,11 @@ def test_kernel_section_passes_on_a_correct_backend_and_catches_a_wrong_one(tmp_
         def no_momentum(*a):
             raise RuntimeError("launch failed")
         be.momentum = no_momentum
+        gather = be.gather_columns
+
+        def gather_stale_bias(W2, b2, cols, W2s, b2s):  # leaves b2s as it was
+            gather(W2, b2, cols, W2s, b2s.copy())
+        be.gather_columns = gather_stale_bias
         return be
 
     monkeypatch.setattr(gc, "engine_backend", broken_backend)
@@ -292,8 +300,30 @@ def test_kernel_section_passes_on_a_correct_backend_and_catches_a_wrong_one(tmp_
     assert not checks["relu_backward"]["ok"]
     assert not checks["merge_and_adagrad ran"]["ok"]
     assert "launch failed" in checks["merge_and_adagrad ran"]["error"]
+    assert not checks["gather_columns b2"]["ok"] and checks["gather_columns W2"]["ok"]
+    assert not checks["sampled_output_grad softmax loss"]["ok"]  # the gradient gathers too
     assert checks["weighted_sum"]["ok"] and checks["softmax_xent dZ"]["ok"]  # the rest ran
-    assert out["reason"] == "checks failed: relu_backward, merge_and_adagrad ran"
+    assert checks["merge_columns"]["ok"]
+    assert out["reason"].startswith("checks failed: relu_backward, merge_and_adagrad ran, "
+                                    "gather_columns b2")
+
+
+def test_kernel_section_runs_on_the_cuda_backend_stand_in(tmp_path, monkeypatch):
+    """Every check of the kernels section calls the CUDA backend as it expects (host or device
+    arrays, streams): over tests/fake_cupy.py (NumPy kernels) the section passes and the
+    stand-in's ledger shows no unordered access, so a device run spends its time on the
+    kernels, not on the check's own mistakes."""
+    from tests import fake_cupy
+
+    ledger = fake_cupy.install(monkeypatch, n_devices=1)
+    from xmc_engine.backends.cuda import CUDABackend
+
+    monkeypatch.setattr(gc, "engine_backend",
+                        lambda device: CUDABackend(0, launch=fake_cupy.launch))
+    out = gc.run_section_here(gc.SECTIONS["kernels"], gc.Context(_args(tmp_path), 600))
+    assert out["status"] == "passed", out.get("reason")
+    assert len(out["figures"]["checks"]) > 60
+    assert ledger.hazards == [] and ledger.null_stream_ops == []
 
 
 @pytest.fixture(scope="module")
