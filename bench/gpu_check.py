@@ -851,6 +851,18 @@ def check_sparse_merge(ctx, be, ref, pb):
     want = A[0].copy()
     want[:, cols] = A[1][:, cols]
     _close(ctx, "copy_columns", be.to_host(dst), want, 0.0, 0.0)
+    # the merges that write the merged values back (the scheduler's sparse merge)
+    Ad = [be.asarray(a.copy()) for a in A]
+    be.merge_rows(Ad, [0.3, 0.7], rows, be.asarray(out0.copy()), broadcast=True)
+    merged = 0.3 * A[0][rows].astype(np.float64) + 0.7 * A[1][rows]
+    for i, a in enumerate(Ad):
+        _close(ctx, f"merge_rows broadcast replica {i}", be.to_host(a)[rows], merged, 1e-5)
+    Ad = [be.asarray(a.copy()) for a in A]
+    be.merge_columns(Ad, Q, cols, be.asarray(out0.copy()), broadcast=True)
+    merged = Q[0] * A[0][:, cols].astype(np.float64) + Q[1] * A[1][:, cols]
+    for i, a in enumerate(Ad):
+        _close(ctx, f"merge_columns broadcast replica {i}", be.to_host(a)[:, cols], merged,
+               1e-5)
     bad = A[1].copy()
     bad[rows[0], 3] = np.nan
     finite, _ = be.merge_rows([be.asarray(A[0]), be.asarray(bad)], [0.5, 0.5], rows,

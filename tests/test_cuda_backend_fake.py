@@ -190,8 +190,38 @@ CROSS_STREAM_READS = {
     "copy_columns": lambda be, a, out: be.copy_columns(out, a, np.array([0, 2])),
     "merge_columns": lambda be, a, out: be.merge_columns([a], np.ones((1, 2)), np.array([1, 3]),
                                                          out),
+    "merge_rows broadcast": lambda be, a, out: be.merge_rows([a], [1.0], np.array([1]), out,
+                                                             broadcast=True),
+    "merge_columns broadcast": lambda be, a, out: be.merge_columns(
+        [a], np.ones((1, 2)), np.array([1, 3]), out, broadcast=True),
     "all_finite": lambda be, a, out: be.all_finite(a),
 }
+
+
+def test_merges_that_broadcast_write_the_finite_merged_values_back(ledger):
+    """``broadcast=True``: the merged rows / columns go back to every replica, except a row
+    with a non-finite value (rows) or anything when a value is non-finite (columns)."""
+    be = cuda(0)
+    a = np.arange(12, dtype=F32).reshape(3, 4)
+    b = a + 10
+    b[2, 0] = np.nan
+    A, B = be.asarray(a), be.asarray(b)
+    out = be.zeros((3, 4))
+    ok, _ = be.merge_rows([A, B], [0.5, 0.5], np.array([0, 2]), out, broadcast=True)
+    assert ok is False
+    for x, orig in ((A, a), (B, b)):
+        np.testing.assert_array_equal(be.to_host(x)[0], (a[0] + b[0]) / 2)
+        np.testing.assert_array_equal(be.to_host(x)[1:], orig[1:])  # row 2 bad, row 1 unlisted
+    A, B = be.asarray(a), be.asarray(b)
+    assert be.merge_columns([A, B], np.full((2, 2), 0.5), np.array([1, 3]), out,
+                            broadcast=True) is True
+    for x, orig in ((A, a), (B, b)):
+        np.testing.assert_array_equal(be.to_host(x)[:, [1, 3]], (a[:, [1, 3]] + b[:, [1, 3]]) / 2)
+        np.testing.assert_array_equal(be.to_host(x)[:, [0, 2]], orig[:, [0, 2]])
+    assert be.merge_columns([A, B], np.full((2, 2), 0.5), np.array([0, 1]), out,
+                            broadcast=True) is False
+    np.testing.assert_array_equal(be.to_host(A)[:, 0], a[:, 0])  # nothing written back
+    clean(ledger)
 
 
 @pytest.mark.parametrize("op", sorted(CROSS_STREAM_READS))

@@ -12,7 +12,12 @@ from xmc_engine.backends import get_backend
 from xmc_engine.devices import parse_devices
 from xmc_engine.model import MLPReplica, ModelShape, init_params
 from xmc_engine.scheduler import FakeReplica
-from xmc_engine.scheduler.merge import merge_changed_rows, sq_norms, weighted_merge
+from xmc_engine.scheduler.merge import (
+    find_nonfinite,
+    merge_changed_rows,
+    sq_norms,
+    weighted_merge,
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +77,26 @@ def test_merge_rows_reports_a_nonfinite_value(be, bad):
     assert be.merge_rows(arrays, [0.5, 0.5], np.array([0, 1, 5]), out)[0] is True
 
 
+def test_merge_rows_broadcast_writes_the_finite_merged_rows_back(be):
+    """With ``broadcast`` each merged row goes back to every replica in the same pass, except a
+    row with a non-finite value: its replicas keep what they had (the NaN stays findable)."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((20, 5)).astype(np.float32) for _ in range(3)]
+    arrays[2][7, 1] = np.nan
+    before = [a.copy() for a in arrays]
+    rows = np.array([2, 7, 11, 19], np.int64)
+    out = np.zeros((20, 5), np.float32)
+    ok, _ = be.merge_rows(arrays, [0.2, 0.3, 0.5], rows, out, broadcast=True)
+    assert ok is False
+    good = np.array([2, 11, 19])
+    for a, b in zip(arrays, before, strict=True):
+        np.testing.assert_array_equal(a[good], out[good])  # merged and written back
+        np.testing.assert_array_equal(a[7], b[7])  # the bad row: left as it was
+        rest = np.setdiff1d(np.arange(20), rows)
+        np.testing.assert_array_equal(a[rest], b[rest])  # rows not listed: not touched
+    assert np.isnan(arrays[2][7, 1])
+
+
 def test_copy_rows_copies_only_the_rows(be):
     src = np.arange(40, dtype=np.float32).reshape(10, 4)
     dst = np.zeros_like(src)
@@ -99,6 +124,39 @@ def test_merge_columns_matches_numpy_on_the_columns_only(be, n, shape):
     be.copy_columns(dst, arrays[0], cols)
     assert np.array_equal(dst[..., cols], arrays[0][..., cols])
     assert not dst[..., untouched].any()
+
+
+@pytest.mark.parametrize("n_cols", [5, 700])  # one block of columns, and several
+def test_merge_columns_broadcast_writes_back_all_but_a_nonfinite_block(be, n_cols):
+    from xmc_engine.kernels.merge import COLUMN_BLOCK
+
+    rng = np.random.default_rng(n_cols)
+    L = 2 * n_cols + 3
+    arrays = [rng.standard_normal((4, L)).astype(np.float32) for _ in range(2)]
+    cols = np.sort(rng.choice(L, n_cols, replace=False)).astype(np.int64)
+    Q = rng.random((2, n_cols)).astype(np.float32)
+    out = np.zeros((4, L), np.float32)
+    expect = Q[0] * arrays[0][:, cols] + Q[1] * arrays[1][:, cols]
+    before = [a.copy() for a in arrays]
+    assert be.merge_columns(arrays, Q, cols, out, broadcast=True) is True
+    np.testing.assert_allclose(out[:, cols], expect, rtol=1e-6, atol=1e-6)
+    rest = np.setdiff1d(np.arange(L), cols)
+    for a, b in zip(arrays, before, strict=True):
+        np.testing.assert_array_equal(a[:, cols], out[:, cols])
+        np.testing.assert_array_equal(a[:, rest], b[:, rest])
+    # a NaN in row 1, column cols[-1]: that row's last block stays as it was, the rest is merged
+    arrays = [b.copy() for b in before]
+    arrays[1][1, cols[-1]] = np.nan
+    assert be.merge_columns(arrays, Q, cols, np.zeros((4, L), np.float32),
+                            broadcast=True) is False
+    last = cols[(n_cols - 1) // COLUMN_BLOCK * COLUMN_BLOCK:]
+    kept = [before[0][1, last], before[1][1, last].copy()]
+    kept[1][-1] = np.nan
+    for i in range(2):
+        np.testing.assert_array_equal(arrays[i][1, last], kept[i])  # the bad block: as it was
+        np.testing.assert_allclose(arrays[i][[0, 2, 3]][:, cols], expect[[0, 2, 3]],
+                                   rtol=1e-6, atol=1e-6)  # the other rows: merged
+    assert not np.isnan(arrays[0]).any()
 
 
 def test_merge_columns_reports_a_nonfinite_value(be):
@@ -295,20 +353,22 @@ def test_sampled_replicas_merge_only_changed_columns_and_give_the_dense_merge(be
 
 
 def test_a_nonfinite_changed_column_sends_a_sampled_merge_to_the_dense_path(be, many_labels):
+    """The merge writes the finite merged blocks back as it goes; the non-finite value stays in
+    the replica that holds it (the dense merge then finds and drops that one) and reaches no
+    other replica."""
     X, Y = many_labels
     reps = [mlp(be, X, Y, output="sampled") for _ in range(2)]
     central = [np.array(a) for a in reps[0].params()]
     _period(reps)
     col = int(np.flatnonzero(reps[1].changed_columns())[0])
     reps[1].params()[-2][3, col] = np.inf
-    before = [[np.array(x) for x in r.params()] for r in reps]
     assert merge_changed_rows(reps, [0.5, 0.5], central, be) is None
-    for r, b in zip(reps, before, strict=True):
-        for x, y in zip(r.params(), b, strict=True):
-            np.testing.assert_array_equal(x, y)
+    assert reps[1].params()[-2][3, col] == np.inf
+    assert find_nonfinite([r.params() for r in reps], be) == [1]
+    assert reps[1].changed_columns().any()  # not reset: the dense merge resets it
 
 
-def test_merge_changed_rows_leaves_replicas_alone_when_one_is_nonfinite(be, wide):
+def test_a_nonfinite_row_stays_in_its_replica_and_the_merge_goes_dense(be, wide):
     X, Y = wide
     reps = [mlp(be, X, Y) for _ in range(2)]
     central = [np.array(p) for p in reps[0].params()]
@@ -317,12 +377,19 @@ def test_merge_changed_rows_leaves_replicas_alone_when_one_is_nonfinite(be, wide
     reps[1].params()[0][row, 0] = np.nan
     before = [[np.array(x) for x in r.params()] for r in reps]
     assert merge_changed_rows(reps, [0.5, 0.5], central, be) is None
+    assert np.isnan(reps[1].params()[0][row, 0])
+    assert find_nonfinite([r.params() for r in reps], be) == [1]
+    for r, b in zip(reps, before, strict=True):  # W1's merge failed: nothing else written
+        for x, y in zip(r.params()[1:], b[1:], strict=True):
+            np.testing.assert_array_equal(x, y)
+    reps[1].params()[0][row, 0] = 0.0
+    before = [[np.array(x) for x in r.params()] for r in reps]
+    reps[1].params()[1][0] = np.inf  # in a dense parameter: found before anything is written
+    assert merge_changed_rows(reps, [0.5, 0.5], central, be) is None
+    before[1][1][0] = np.inf
     for r, b in zip(reps, before, strict=True):
         for x, y in zip(r.params(), b, strict=True):
             np.testing.assert_array_equal(x, y)
-    reps[1].params()[0][row, 0] = 0.0
-    reps[1].params()[1][0] = np.inf  # in a dense parameter: found before anything is written
-    assert merge_changed_rows(reps, [0.5, 0.5], central, be) is None
 
 
 def test_merge_changed_rows_does_not_apply_without_a_record_or_with_a_zero_weight(be, wide):

@@ -126,17 +126,23 @@ class SchedulerBackend(Protocol):
         """``diff_out = alpha * (x - center)``; ``x -= diff_out``; returns ``diff_out``."""
 
     def merge_rows(self, arrays: Sequence, weights: Sequence[float], rows,
-                   out) -> tuple[bool, float]:
+                   out, broadcast: bool = False) -> tuple[bool, float]:
         """``out[r] = sum_i weights[i] arrays[i][r]`` for ``r`` in ``rows`` (float32 2-D);
-        returns ``(all finite, change of sum(out**2))`` (waits for the result)."""
+        returns ``(all finite, change of sum(out**2))`` (waits for the result). With
+        ``broadcast`` each merged row whose values are all finite is also written back to every
+        array of ``arrays`` (the merge's broadcast); a row with a non-finite value is not."""
 
     def copy_rows(self, dst, src, rows) -> None:
         """``dst[r] = src[r]`` for ``r`` in ``rows`` (int64, host)."""
 
-    def merge_columns(self, arrays: Sequence, weights, cols, out) -> bool:
+    def merge_columns(self, arrays: Sequence, weights, cols, out,
+                      broadcast: bool = False) -> bool:
         """``out[:, c_j] = sum_i weights[i, j] arrays[i][:, c_j]`` for the columns ``c_j`` of
         ``cols`` (int64, host; ``weights`` (n_arrays, len(cols)), host; 2-D arrays, a 1-D one
-        is one row); returns whether all merged values are finite (waits for the result)."""
+        is one row); returns whether all merged values are finite (waits for the result). With
+        ``broadcast`` the merged values are also written back to every array of ``arrays``,
+        except where a non-finite value is among them (per row, or per block of a row's
+        columns)."""
 
     def copy_columns(self, dst, src, cols) -> None:
         """``dst[:, c] = src[:, c]`` for ``c`` in ``cols`` (int64, host; 1-D arrays: entries)."""

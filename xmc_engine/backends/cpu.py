@@ -464,12 +464,13 @@ class CPUBackend:
         return merge.weighted_sum_cpu(arrays, weights, out)
 
     @staticmethod
-    def merge_rows(arrays, weights, rows, out) -> tuple[bool, float]:
+    def merge_rows(arrays, weights, rows, out, broadcast: bool = False) -> tuple[bool, float]:
         """``out[r] = sum_i weights[i] arrays[i][r]`` for ``r`` in ``rows`` (float32 2-D, C order);
         returns ``(all finite, change of sum(out**2))`` (the row-sparse merge,
-        :func:`xmc_engine.scheduler.merge.merge_changed_rows`)."""
+        :func:`xmc_engine.scheduler.merge.merge_changed_rows`). ``broadcast``: each finite
+        merged row is also written back to every array of ``arrays``, in the same pass."""
         ok, delta = merge.merge_rows_cpu(tuple(arrays), np.asarray(weights, np.float64),
-                                         np.asarray(rows, np.int64), out)
+                                         np.asarray(rows, np.int64), out, bool(broadcast))
         return bool(ok), float(delta)
 
     @staticmethod
@@ -478,13 +479,16 @@ class CPUBackend:
         merge.copy_rows_cpu(dst, src, np.asarray(rows, np.int64))
 
     @staticmethod
-    def merge_columns(arrays, weights, cols, out) -> bool:
+    def merge_columns(arrays, weights, cols, out, broadcast: bool = False) -> bool:
         """``out[:, c_j] = sum_i weights[i, j] arrays[i][:, c_j]`` for the columns of ``cols``
         (2-D float32, C order; a 1-D array is one row); returns whether all are finite (the
-        column-sparse merge of ``W2``, ``b2``)."""
+        column-sparse merge of ``W2``, ``b2``). ``broadcast``: the merged values are also
+        written back to every array of ``arrays`` in the same pass, except in a block of
+        columns of a row that holds a non-finite value."""
         return bool(merge.merge_columns_cpu(tuple(_as_rows(a) for a in arrays),
                                             np.asarray(weights, np.float32),
-                                            np.asarray(cols, np.int64), _as_rows(out)))
+                                            np.asarray(cols, np.int64), _as_rows(out),
+                                            bool(broadcast)))
 
     @staticmethod
     def copy_columns(dst, src, cols) -> None:

@@ -557,9 +557,10 @@ class CUDABackend:
             self._release()
         return out
 
-    def merge_rows(self, arrays, weights, rows, out) -> tuple[bool, float]:
+    def merge_rows(self, arrays, weights, rows, out, broadcast=False) -> tuple[bool, float]:
         """``out[r] = sum_i weights[i] arrays[i][r]`` for ``r`` in ``rows``; returns ``(all
-        finite, change of sum(out**2))`` (waits for the result)."""
+        finite, change of sum(out**2))`` (waits for the result). ``broadcast``: the finite
+        merged rows are also written back to every array of ``arrays``."""
         cp = self.xp
         with self.activate():
             self.fence()
@@ -569,7 +570,12 @@ class CUDABackend:
             for a, w in zip(arrays, weights, strict=True):
                 new += _F32(w) * self._readable(a, "merge_rows_src")[r]
             out[r] = new
-            ok = cp.isfinite(new).all()
+            finite_rows = cp.isfinite(new).all(axis=1)
+            if broadcast:
+                keep = r[finite_rows]
+                for a in arrays:
+                    a[keep] = new[finite_rows]
+            ok = finite_rows.all()
             delta = (new.astype(np.float64) ** 2).sum() - (old.astype(np.float64) ** 2).sum()
             ok, delta = self.to_host(cp.stack([ok.astype(np.float64), delta]))  # synchronize!
         return bool(ok), float(delta)
@@ -582,9 +588,11 @@ class CUDABackend:
             dst[r] = self._readable(src, "copy_rows_src")[r]
             self._release()
 
-    def merge_columns(self, arrays, weights, cols, out) -> bool:
+    def merge_columns(self, arrays, weights, cols, out, broadcast=False) -> bool:
         """``out[..., c_j] = sum_i weights[i, j] arrays[i][..., c_j]`` for the columns of
-        ``cols``; returns whether all are finite (waits for the result)."""
+        ``cols``; returns whether all are finite (waits for the result). ``broadcast``: the
+        merged values are also written back to every array of ``arrays``, all of them where
+        they are finite, none otherwise."""
         cp = self.xp
         with self.activate():
             self.fence()
@@ -594,8 +602,12 @@ class CUDABackend:
             for i, a in enumerate(arrays):
                 new += w[i] * self._readable(a, "merge_columns_src")[..., c]
             out[..., c] = new
-            ok = self.to_host(cp.isfinite(new).all())  # synchronize!
-        return bool(ok)
+            ok = bool(self.to_host(cp.isfinite(new).all()))  # synchronize!
+            if broadcast and ok:
+                for a in arrays:
+                    a[..., c] = new
+                self._release()  # the replicas' own streams after these writes
+        return ok
 
     def copy_columns(self, dst, src, cols) -> None:
         """``dst[..., c] = src[..., c]`` for ``c`` in ``cols`` (int64, host), after ``src``'s

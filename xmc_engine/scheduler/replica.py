@@ -128,7 +128,7 @@ class HostBackend:
         x -= diff_out
         return diff_out
 
-    def merge_rows(self, arrays, weights, rows, out):
+    def merge_rows(self, arrays, weights, rows, out, broadcast=False):
         raise NotImplementedError("HostBackend.tracks_rows is False: no row-sparse merge "
                                   "(merge densely with weighted_sum)")
 
@@ -136,7 +136,7 @@ class HostBackend:
         raise NotImplementedError("HostBackend.tracks_rows is False: no row-sparse copy "
                                   "(copy whole arrays with copy_into)")
 
-    def merge_columns(self, arrays, weights, cols, out) -> bool:
+    def merge_columns(self, arrays, weights, cols, out, broadcast=False) -> bool:
         raise NotImplementedError("HostBackend.tracks_rows is False: no column-sparse merge "
                                   "(merge densely with weighted_sum)")
 
