@@ -15,6 +15,10 @@ share a merge period of the Amazon-670K shape changes, about 11 %): the engine's
 ``merge_columns_cpu`` (``kernels/merge.py``) on one and on two threads (the trainer's
 ``MERGE_ONE_THREAD_MAX_S`` cites them), against a label-major version written here, one thread.
 
+And the merge with its broadcast to both replicas, on two threads: the merge and then a copy
+per replica (the engine's sparse merge before ``336cde2``), against the merge that writes the
+merged columns back in the same pass (``broadcast=True``, the engine's since).
+
 Not an engine feature: the measurement behind issue 18's open "label-major W2"::
 
     python bench/bench_w2_layout.py
@@ -76,7 +80,7 @@ def label_major_kernels():
 def measure(n_labels: int, n_hidden: int, m: int, calls: int, flush,
             merge_share: float) -> dict:
     from xmc_engine.kernels import sampled_output as so
-    from xmc_engine.kernels.merge import merge_columns_cpu
+    from xmc_engine.kernels.merge import copy_columns_cpu, merge_columns_cpu
 
     gather_rows, adagrad_rows_t, merge_rows_t = label_major_kernels()
     rng = np.random.default_rng(0)
@@ -96,14 +100,23 @@ def measure(n_labels: int, n_hidden: int, m: int, calls: int, flush,
     }
     n_merged = max(1, int(merge_share * n_labels))
     central, centralT = np.zeros_like(W2), np.zeros_like(W2T)
+    def half(c):
+        return np.full((2, c.size), 0.5, np.float32)
+
+    def merge_then_copy(c):  # the merge, then the broadcast as a copy per replica
+        merge_columns_cpu((W2, acc), half(c), c, central, False)
+        copy_columns_cpu(W2, central, c)
+        copy_columns_cpu(acc, central, c)
+
     cases.update({
         "merge, (hidden, labels), 1 thread": lambda c: merge_columns_cpu(
-            (W2, acc), np.full((2, c.size), 0.5, np.float32), c, central),
-        "merge, (hidden, labels), 2 threads": lambda c: _threads(2, merge_columns_cpu, (W2, acc),
-                                                                 np.full((2, c.size), 0.5,
-                                                                         np.float32), c, central),
-        "merge, label-major, 1 thread": lambda c: merge_rows_t(
-            W2T, accT, np.full((2, c.size), 0.5, np.float32), c, centralT),
+            (W2, acc), half(c), c, central, False),
+        "merge, (hidden, labels), 2 threads": lambda c: _threads(
+            2, merge_columns_cpu, (W2, acc), half(c), c, central, False),
+        "merge, label-major, 1 thread": lambda c: merge_rows_t(W2T, accT, half(c), c, centralT),
+        "merge then two copies, 2 threads": lambda c: _threads(2, merge_then_copy, c),
+        "merge and broadcast in one pass, 2 threads": lambda c: _threads(
+            2, merge_columns_cpu, (W2, acc), half(c), c, central, True),
     })
     times = {k: [] for k in cases}
     for _ in range(calls):
@@ -122,7 +135,9 @@ def measure(n_labels: int, n_hidden: int, m: int, calls: int, flush,
           f"{ms['Adagrad, label-major']:.3f} ms ((hidden, labels) / label-major); merge of "
           f"{n_merged} columns {ms['merge, (hidden, labels), 1 thread']:.2f} ms (2 threads "
           f"{ms['merge, (hidden, labels), 2 threads']:.2f}) / "
-          f"{ms['merge, label-major, 1 thread']:.2f} ms", flush=True)
+          f"{ms['merge, label-major, 1 thread']:.2f} ms; merge + broadcast to both replicas, "
+          f"2 threads: {ms['merge then two copies, 2 threads']:.2f} ms in turn, "
+          f"{ms['merge and broadcast in one pass, 2 threads']:.2f} ms in one pass", flush=True)
     return {"n_labels": n_labels, "n_hidden": n_hidden, "m": m, "merged_columns": n_merged,
             "ms": ms, "runs_ms": times}
 
