@@ -18,8 +18,14 @@ not know. The events the engine writes:
     (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),
     ``p1`` (held-out P@1 per loss; empty where the rows were too few to probe), ``rows``,
     ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``), ``threads`` (the CPU thread
-    budget calibrated once for the probe's fits and the run; ``null`` where none was) and
-    ``together`` (the fits ran side by side, each on its share of the device's threads).
+    budget calibrated once for the probe's fits and the run; ``null`` where none was),
+    ``threads_timed`` (``false`` where the run was too short to repay timing the budgets and
+    kept one thread) and ``together`` (the fits ran side by side, each on its share of the
+    device's threads).
+``threads``
+    Before training, per CPU device with several threads and no ``threads`` given: ``device``,
+    ``threads`` (the budget it trains with) and ``note`` (timed, not timed because the run is
+    too short, or taken from the loss probe).
 ``compile``
     Before training: ``seconds`` spent compiling the kernels or loading them from Numba's
     cache (outside ``train_time``), ``devices``. With ``loss="auto"`` a first one, before
