@@ -295,3 +295,35 @@ def test_a_failing_side_fit_fails_the_probe_and_restores_blas(monkeypatch):
     with pytest.raises(RuntimeError, match="bce fit failed"):
         training.choose_loss(TrainConfig(loss="auto"), X, Y, parse_devices("cpu")[0])
     assert done == ["softmax"] and _blas_threads() == before
+
+
+def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed(monkeypatch):
+    """The calibration is told how many samples its budget serves (the probe's fits and the
+    run): a tiny run keeps one thread without timing two, and the run log says so; the same
+    run told it is long is timed."""
+    import numba
+
+    import xmc_engine.devices as devices
+    from xmc_engine.model import MLPReplica
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here: no budget to choose")
+    monkeypatch.setattr(devices, "available_cores", lambda: 2)
+    X, Y = tiny_data(n=2400)
+    clf = XMCClassifier(loss="auto", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    assert probe["threads"] == 1 and probe["threads_timed"] is False
+    clf = XMCClassifier(loss="softmax", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
+    (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
+    assert rec["threads"] == 1 and rec["note"].startswith("not timed")
+    seen = []
+    real = MLPReplica.calibrate_threads
+
+    def told_long(self, batch_size, max_threads, run_samples=None):
+        seen.append(run_samples)
+        return real(self, batch_size, max_threads, 1e9)  # a very long run: timed
+
+    monkeypatch.setattr(MLPReplica, "calibrate_threads", told_long)
+    clf = XMCClassifier(loss="softmax", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
+    (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
+    assert rec["note"].startswith("calibrated") and seen == [2400]  # 1 epoch of 2,400 rows
