@@ -303,6 +303,27 @@ def test_plan_refuses_a_model_too_large_and_its_suggestion_fits():
     assert parse_size("8GiB") == 8 * 2**30 and parse_size("1.5k") == 1500
 
 
+def test_plan_counts_the_process_once_on_the_host(monkeypatch):
+    from xmc_engine.datasets import make_synthetic
+
+    from xmc_engine import training
+    from xmc_engine.memory import RUNTIME_BYTES, RUNTIME_ITEM
+
+    cfg = TrainConfig(devices="cpu,cpu", algorithm="adaptive")
+    plan = plan_memory(cfg, n_samples=1000, n_features=100, n_labels=50, nnz=10000,
+                       label_nnz=2000, budget="1GiB")
+    (host,) = plan.pools
+    assert host.items[RUNTIME_ITEM] == RUNTIME_BYTES
+    X, Y, _, _ = make_synthetic("default", n_train=300, n_test=10, n_features=40, n_labels=10,
+                                seed=0)
+    total = plan_memory(TrainConfig(), n_samples=300, n_features=40, n_labels=10, nnz=X.nnz,
+                        label_nnz=Y.nnz, budget="1GiB").pools[0].total
+    room = 2 * total - RUNTIME_BYTES  # two fits in one process: the process once
+    for budget, holds in ((room, True), (room - 4096, False)):
+        monkeypatch.setenv("XMC_MEMORY_BUDGET", str(budget))
+        assert training._host_holds(2, TrainConfig(), X, Y, None) is holds
+
+
 def test_fit_refuses_at_once_with_the_estimate(toy, monkeypatch, tmp_path):
     Xtr, Ytr, _, _ = toy
     monkeypatch.setenv("XMC_MEMORY_BUDGET", "300KiB")

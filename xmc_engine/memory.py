@@ -33,7 +33,8 @@ On the host, shared by every device: the data (CSR ``X`` and ``Y`` of the traini
 held-out set: 4-byte values and indices, 8-byte ``indptr``), with ``normalize="l2"`` a second
 copy of the feature values (made only where some row's norm is not 1; counted always), and two
 host copies of the parameters (the initial model, and the copy taken for checkpoints and the
-result).
+result); and the process itself (:data:`RUNTIME_BYTES`: the interpreter, the libraries and the
+compiled kernels, a constant measured on the development machine).
 
 Available memory: ``MemAvailable`` of ``/proc/meminfo`` for the host, free memory of each GPU from
 CuPy, each taken at 90 % (headroom for fragmentation and the rest of the process); a budget
@@ -58,6 +59,14 @@ __all__ = ["MemoryPlan", "check_memory", "format_size", "parse_size", "plan_memo
 
 F32 = 4
 HEADROOM = 0.9
+#: The process itself, counted once on the host: the interpreter, NumPy / SciPy / Numba and the
+#: kernels a run compiles or loads. Measured on the development VM (Python 3.11, numba 0.68):
+#: 117 MiB after ``import xmc_engine``, 243 MiB once a run of each output layer and loss had
+#: loaded its kernels; without it the plan was 16-21 % below the measured peak of one-device
+#: runs at the Amazon-670K shape (``bench/RESULTS.md``, "Amazon-670K shape at equal wall time").
+RUNTIME_BYTES = 250 * 2**20
+#: The name of that item in a plan's host pool.
+RUNTIME_ITEM = "process (Python, libraries, kernels)"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -281,6 +290,7 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     if cfg.normalize == "l2":  # at most: nothing is copied when every row has norm 1
         add(host, "normalised row values (at most)", int((nnz + test_nnz) * F32))
     add(host, "host parameter copies (2 x P)", 2 * P)
+    add(host, RUNTIME_ITEM, RUNTIME_BYTES)
     settings = {"n_samples": int(n_samples), "n_features": int(n_features),
                 "n_labels": int(n_labels), "hidden": list(cfg.hidden), "devices": cfg.devices,
                 "algorithm": cfg.algorithm, "batch_size": cfg.batch_size, "b_max": b,

@@ -318,11 +318,14 @@ def calibrate_device(cfg: TrainConfig, X, Y, run_samples: float | None = None,
 
 
 def _host_holds(copies: int, cfg: TrainConfig, X, Y, eval_set) -> bool:
-    """Does the memory planner say the host holds ``copies`` runs of ``cfg`` at once?"""
-    from xmc_engine.memory import plan_for_data
+    """Does the memory planner say the host holds ``copies`` runs of ``cfg`` at once (in one
+    process: the process itself counted once)?"""
+    from xmc_engine.memory import RUNTIME_ITEM, plan_for_data
 
     plan = plan_for_data(cfg, X, Y, eval_set)
-    return all(p.available is not None and copies * p.total <= p.available for p in plan.pools)
+    return all(p.available is not None
+               and copies * p.total - (copies - 1) * p.items.get(RUNTIME_ITEM, 0) <= p.available
+               for p in plan.pools)
 
 
 #: Seconds of compiling after which :func:`compile_kernels` says what it is doing.
