@@ -331,9 +331,13 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     # The sampled output layer: only the W2 columns (b2 entries) some replica changed.
     cols = (np.flatnonzero(np.logical_or.reduce(changed)).astype(np.int64)
             if sparse_cols else None)
-    merged_cols = None  # W2 columns (b2 entries) the column merge wrote back itself
+    # What set_params still copies to the replicas: the merge kernels wrote W1's rows and the
+    # merged W2 columns (b2 entries) back themselves, while in cache
+    nothing = np.empty(0, dtype=np.int64)
+    copy_cols = nothing
     if not per_label and cols is None:
         weighted_merge([ps[1:] for ps in params], w, central[1:], backend, check=False)
+        copy_cols = None  # W2 and b2 merged densely: copied in full
     else:
         weighted_merge([ps[1:-2] for ps in params], w, central[1:-2], backend, check=False)
         if per_label:  # a label's weights over the replicas that held it as a positive
@@ -353,14 +357,10 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
             if not backend.merge_columns([ps[k] for ps in params], Q, idx, central[k],
                                          broadcast=True):
                 return None
-        merged_cols = np.empty(0, dtype=np.int64)
         if stats is not None and cols is not None:
             stats["labels_changed"] = int(cols.size)
-    # W1's rows and the merged columns are in the replicas already (written back by the merge
-    # kernels, while in cache); the rest of the parameters are copied
-    nothing = np.empty(0, dtype=np.int64)
     for r in replicas:
-        r.set_params(central, rows=nothing, cols=cols if merged_cols is None else merged_cols)
+        r.set_params(central, rows=nothing, cols=copy_cols)
     return delta
 
 
