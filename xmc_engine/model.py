@@ -650,14 +650,14 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     best = {n: float("inf") for n in budgets}
     steps = {n: 1 for n in budgets}  # per round, set from the first round's warm-up
     failure: list[BaseException] = []
-    estimate: dict = {"one_thread_run_s": None, "skip": False}
+    outcome: dict = {"timed": True, "one_thread_run_s": None}  # what ``report`` receives
 
     def too_short(first: float) -> bool:
         """Can the run not repay the calibration? ``first``: one thread's warm step."""
         if run_steps is None:
             return False
         run_s = float(run_steps) * first
-        estimate["one_thread_run_s"] = run_s
+        outcome["one_thread_run_s"] = run_s
         cost = (1 if first > 0.1 else rounds) * len(budgets) * max(seconds, first)
         return run_s * (1.0 - 1.0 / budgets[1]) < cost
 
@@ -674,7 +674,7 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
                 if warm:
                     steps[n] = max(1, min(200, int(seconds / max(first, 1e-6))))
                     if n == 1 and too_short(first):
-                        estimate["skip"] = True
+                        outcome["timed"] = False
                         return
                 t0 = time.perf_counter()
                 for _ in range(steps[n]):
@@ -691,17 +691,17 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
             worker.join()
             if failure:
                 raise failure[0]
-            if estimate["skip"]:
+            if not outcome["timed"]:
                 logger.debug("thread calibration skipped: the run takes about %.3g s on one "
-                             "thread", estimate["one_thread_run_s"])
+                             "thread", outcome["one_thread_run_s"])
                 if report is not None:
-                    report.update(timed=False, one_thread_run_s=estimate["one_thread_run_s"])
+                    report.update(outcome)
                 return 1
         if max(best.values()) > 0.1:  # slow steps: one round is enough (and all we can afford)
             break
     logger.debug("thread calibration: %s ms/step", {n: round(1e3 * t, 3) for n, t in best.items()})
     if report is not None:
-        report.update(timed=True, one_thread_run_s=estimate["one_thread_run_s"])
+        report.update(outcome)
     return budgets[1] if best[budgets[1]] < THREADS_MARGIN * best[1] else 1
 
 
