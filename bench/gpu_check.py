@@ -806,15 +806,17 @@ def check_sampled_layer(ctx, be, ref, pb):
                                      be.asarray(cand), pos.size, log_w, yp, be.asarray(local),
                                      loss=loss)
         Ws, H64 = W2[:, cand].astype(f64), H.astype(f64)
-        Zs = H64 @ Ws + b2[cand]
         if loss == "softmax":  # the negatives' logits carry the sampled-softmax weight
-            Zs[:, pos.size:] += log_w
-            dZ, want_loss = ref.softmax_xent(Zs, Y.indptr, local, 1.0 / B)
-        else:  # each candidate's term counted once
-            dZ, want_loss = ref.bce_xent(Zs, Y.indptr, local, 1.0 / B)
+            offs = np.zeros(cand.size)
+            offs[pos.size:] = log_w
+            want_loss, dW2, db2, dH = ref.sampled_output_grad(
+                H64, W2.astype(f64), b2.astype(f64), Y.indptr, Y.indices, cand, offs)
+            wants = (dW2[:, cand], db2[cand], dH)
+        else:  # each candidate's term counted once (the reference has no sampled form)
+            dZ, want_loss = ref.bce_xent(H64 @ Ws + b2[cand], Y.indptr, local, 1.0 / B)
+            wants = (H64.T @ dZ, dZ.sum(axis=0), dZ @ Ws.T)
         _loss_close(ctx, f"sampled_output_grad {loss} loss", be, got[0], want_loss)
-        for name, g, want in zip(("dW2s", "db2s", "dH"), got[1:],
-                                 (H64.T @ dZ, dZ.sum(axis=0), dZ @ Ws.T), strict=True):
+        for name, g, want in zip(("dW2s", "db2s", "dH"), got[1:], wants, strict=True):
             _close(ctx, f"sampled_output_grad {loss} {name}", be.to_host(g), want, 1e-5)
 
 
