@@ -71,6 +71,7 @@ def run_one(spec: dict) -> dict:
         Xte, Yte = Xte[:spec["test_rows"]], Yte[:spec["test_rows"]]
     options = {k: spec[k] for k in ("output", "negatives", "label_chunk", "threads")
                if spec.get(k) is not None}
+    options.update(spec.get("params") or {})
     clf = XMCClassifier(epochs=spec["max_epochs"], max_train_seconds=spec["seconds"],
                         devices=spec["devices"], algorithm=spec["algorithm"], seed=spec["seed"],
                         eval_every=spec["eval_every"], **options)
@@ -98,7 +99,8 @@ def run_one(spec: dict) -> dict:
                       for r in evals],
             "eval_s": sum(r["eval_time"] for r in evals),
             "final": {k: final["metrics"][k] for k in METRICS},
-            "lr": cfg.learning_rate, "batch_size": cfg.batch_size,
+            "lr": cfg.learning_rate, "lr_decay": cfg.learning_rate_decay,
+            "normalize": cfg.normalize, "loss": clf.loss_, "batch_size": cfg.batch_size,
             "peak_rss_mib": _common.peak_rss_mib(),
             "planned_host_bytes": plan.pools[0].total,
             "planned": {k: int(v) for k, v in plan.pools[0].items.items()},
@@ -138,6 +140,9 @@ def main(argv=None) -> None:
                    help="evaluate on the first N test rows (0: all)")
     p.add_argument("--eval-every", type=float, default=2.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--params", type=json.loads, default=None,
+                   help="more XMCClassifier options for every run, as JSON "
+                        "(e.g. '{\"lr_decay\": 0}')")
     p.add_argument("--out", default=None,
                    help="results JSON (default bench/results/budget_<data>.json)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one spec as JSON
@@ -148,7 +153,8 @@ def main(argv=None) -> None:
     meta = _common.result_metadata()
     base = {"data": args.data, "seconds": args.seconds, "max_epochs": args.max_epochs,
             "output": args.output, "negatives": args.negatives, "label_chunk": args.label_chunk,
-            "test_rows": args.test_rows, "eval_every": args.eval_every, "seed": args.seed}
+            "test_rows": args.test_rows, "eval_every": args.eval_every, "seed": args.seed,
+            "params": args.params}
     specs = []
     for algo in args.algorithms:
         if algo == "single":
