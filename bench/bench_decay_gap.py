@@ -2,11 +2,11 @@
 learning-rate decay would have to read.
 
 The default decay (``lr / (1 + 0.5 e)``, ``DEFAULT_LR_DECAY``) was chosen on the shared sets,
-which overfit without it; the synthetic shapes want none (``bench/RESULTS.md``, "The decay at
-scale"). A rule that switches the decay on for data that overfits needs a signal that separates
-the two. This prints one candidate, the gap between P@1 on (up to) 5,000 training rows and on
-(up to) 5,000 test rows after the first epoch of a run with the engine's defaults (the decay
-does not act in the first epoch), one seed:
+which overfit without it; the synthetic shapes want none (``bench/RESULTS.md``, "The decay and
+the merge weights at the Amazon-670K shape"). A rule that switches the decay on for data that
+overfits needs a signal that separates the two. This prints one candidate, the gap between
+P@1 on (up to) 5,000 training rows and on (up to) 5,000 test rows after the first epoch of a
+run with the engine's defaults (the decay does not act in the first epoch), one seed:
 
     python bench/bench_decay_gap.py --datasets bibtex corel5k stackex_cooking delicious imdb \\
         debian_debtags debian_builddeps rcv1sub1 synth1k synth10k synthetic-amazon670k
