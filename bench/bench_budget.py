@@ -90,6 +90,7 @@ def run_one(spec: dict) -> dict:
                    "last_batch": merges[-1]["devices"][i]["batch_size"] if merges else None}
                   for i, d in enumerate(devs)]
     compile_s = _common.event_seconds(hist, "compile")
+    timeline = _timeline(evals, merges, len(devs))
     return {**spec, "wall_s": wall, "load_s": load_s, "compile_s": compile_s,
             "train_s": final["train_time"], "samples": final["samples"],
             "epochs_done": final["epoch"], "merges": len(merges),
@@ -97,6 +98,7 @@ def run_one(spec: dict) -> dict:
             "per_device": per_device,
             "curve": [(r["train_time"], r["epoch"], *(r["metrics"][k] for k in METRICS))
                       for r in evals],
+            "timeline": timeline,
             "eval_s": sum(r["eval_time"] for r in evals),
             "final": {k: final["metrics"][k] for k in METRICS},
             "lr": cfg.learning_rate, "lr_decay": cfg.learning_rate_decay,
@@ -106,6 +108,30 @@ def run_one(spec: dict) -> dict:
             "planned": {k: int(v) for k, v in plan.pools[0].items.items()},
             "data_shape": {"n_train": Xtr.shape[0], "n_features": Xtr.shape[1],
                            "n_labels": Ytr.shape[1], "n_test": Xte.shape[0]}}
+
+
+def _timeline(evals: list[dict], merges: list[dict], n_devices: int) -> list[dict]:
+    """Per interval between evaluations: the merges, their seconds and, per device, the samples,
+    busy / idle / CPU seconds and the last batch size (CPU seconds well below busy seconds: the
+    worker was not on a core, e.g. a noisy neighbour on the VM). What tells a slowdown of the
+    engine (batch sizes, merges) from one of the machine."""
+    out, k = [], 0
+    for ev in evals:
+        group = []
+        while k < len(merges) and merges[k]["progress"] <= ev["epoch"] + 1e-9:
+            group.append(merges[k])
+            k += 1
+        per_dev = []
+        for i in range(n_devices):
+            rows = [m["devices"][i] for m in group]
+            per_dev.append({key: round(sum(r[key] for r in rows), 3)
+                            for key in ("samples", "busy_s", "idle_s", "cpu_s")}
+                           | {"batch": rows[-1]["batch_size"] if rows else None})
+        out.append({"train_s": round(ev["train_time"], 2), "epoch": ev["epoch"],
+                    "merges": len(group),
+                    "merge_s": round(sum(m.get("merge_s", 0.0) for m in group), 3),
+                    "devices": per_dev})
+    return out
 
 
 def print_table(runs, seconds: float) -> None:

@@ -47,3 +47,21 @@ def test_budget_bench_passes_params_to_the_engine():
     spec["params"] = None  # the engine's defaults
     r = bench_budget.run_one(spec)
     assert r["lr_decay"] == 0.5
+
+
+def test_budget_bench_timeline_accounts_for_every_merge():
+    import bench_budget
+
+    spec = {"data": "synthetic:600:300:40", "seconds": 30.0, "max_epochs": 1.0,
+            "output": None, "negatives": None, "label_chunk": None, "test_rows": 0,
+            "eval_every": 0.5, "seed": 0, "algorithm": "adaptive", "devices": "cpu,cpu@0.5",
+            "threads": None, "params": {"algorithm_params": {"merge_period": 128}}}
+    r = bench_budget.run_one(spec)
+    tl = r["timeline"]
+    assert len(tl) == len(r["curve"]) == 2  # evaluations at 0.5 and 1.0 epochs
+    assert sum(t["merges"] for t in tl) == r["merges"]
+    assert all(t["merges"] > 0 for t in tl)
+    for i, dev in enumerate(r["per_device"]):
+        assert sum(t["devices"][i]["samples"] for t in tl) == dev["samples"]
+        assert tl[-1]["devices"][i]["batch"] == dev["last_batch"]
+    assert sum(sum(d["samples"] for d in t["devices"]) for t in tl) == r["samples"]
