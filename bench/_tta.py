@@ -18,14 +18,21 @@ import numpy as np
 
 def load_data(name: str):
     """``(X_train, Y_train, X_test, Y_test)`` for a dataset name or path, or for a synthetic
-    shape ``synthetic:N_TRAIN:N_FEATURES:N_LABELS`` (``make_synthetic("default", ...)``, seed 0,
-    a test set of N_TRAIN / 5 rows): the small real sets are dominated by per-step overheads,
-    a wider output layer shows how the algorithms scale."""
+    shape ``synthetic:N_TRAIN:N_FEATURES:N_LABELS[:PRESET]`` (``make_synthetic(PRESET, ...)``,
+    PRESET ``default`` unless given, e.g. ``amazon670k`` for that shape's non-zeros and labels
+    per row at other sizes; seed 0, a test set of N_TRAIN / 5 rows): the small real sets are
+    dominated by per-step overheads, a wider output layer shows how the algorithms scale."""
     if name.startswith("synthetic:"):
         from xmc_engine.datasets import make_synthetic
+        from xmc_engine.datasets.synthetic import PRESETS
 
-        n_train, n_features, n_labels = (int(v) for v in name.split(":")[1:4])
-        return make_synthetic("default", n_train=n_train, n_test=max(n_train // 5, 1),
+        parts = name.split(":")[1:]
+        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] not in PRESETS):
+            raise SystemExit(f"--data {name!r}: expected synthetic:N_TRAIN:N_FEATURES:N_LABELS"
+                             f"[:PRESET], PRESET one of {', '.join(PRESETS)}")
+        n_train, n_features, n_labels = (int(v) for v in parts[:3])
+        preset = parts[3] if len(parts) == 4 else "default"
+        return make_synthetic(preset, n_train=n_train, n_test=max(n_train // 5, 1),
                               n_features=n_features, n_labels=n_labels, seed=0)
     from xmc_engine.datasets import load_dataset
 

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import _common  # noqa: E402
-from _tta import summarise, time_to_target  # noqa: E402
+from _tta import load_data, summarise, time_to_target  # noqa: E402
 from bench_time_to_accuracy import pick_lr  # noqa: E402
 from bench_tta_sweep import median_quartiles, parse_config, standard_configs  # noqa: E402
 
@@ -43,6 +43,17 @@ def test_summary_is_median_over_seeds_with_ratios_to_the_reference():
     assert rows["adaptive"]["time_to_target_s"] == 2.0
     assert rows["sync"]["time_to_target_s"] == 6.0
     assert rows["sync"]["ratio_vs_adaptive"] == pytest.approx(3.0)
+
+
+def test_synthetic_shape_takes_a_preset_s_statistics_at_other_sizes():
+    Xd, Yd, Xt, _ = load_data("synthetic:600:300:200")
+    Xa, Ya, _, _ = load_data("synthetic:600:300:200:amazon670k")
+    assert Xd.shape == Xa.shape == (600, 300) and Yd.shape == Ya.shape == (600, 200)
+    assert Xt.shape[0] == 120
+    # the Amazon-670K preset's rows are denser (75.7 non-zeros, 5.45 labels against 40 and 4)
+    assert Xa.nnz > 1.3 * Xd.nnz and Ya.nnz > 1.1 * Yd.nnz
+    with pytest.raises(SystemExit, match="PRESET one of default"):
+        load_data("synthetic:600:300:200:nosuch")
 
 
 def test_pick_lr_by_time_prefers_the_fastest_near_the_top():

@@ -327,6 +327,9 @@ class AdaptiveConfig(AlgorithmConfig):
         the median run, the two together at 0.590 (the best method's level) reaching it in 2.1 s;
         on debian_builddeps 0.88-0.90x the time; on the small exact-softmax sets level within
         the seeds' spread (0.79-1.37x).
+    weights_from_epoch : int
+        The epoch (0-based) from which ``row_weights`` / ``label_weights`` apply; the merges
+        of earlier epochs use the paper's weights. 0 (the default): from the start.
     optimizer_state : {'keep', 'average', 'reset'}
         What a merge does to each replica's Adagrad accumulators (nothing with SGD). ``'keep'``:
         every replica keeps its own across merges. ``'average'``: every replica gets the
@@ -356,6 +359,7 @@ class AdaptiveConfig(AlgorithmConfig):
     sparse_merge: bool = True
     row_weights: str = "touched"
     label_weights: str = "positives"
+    weights_from_epoch: int = 0
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
     delta_stats: bool = False
@@ -363,6 +367,7 @@ class AdaptiveConfig(AlgorithmConfig):
     def __post_init__(self):
         super().__post_init__()
         self._check_min(1, "merge_period", "delta_b")
+        self._check_min(0, "weights_from_epoch")
         self._check_choice("row_weights", ROW_WEIGHTS)
         self._check_choice("label_weights", LABEL_WEIGHTS)
         self._check_choice("optimizer_state", OPTIMIZER_STATES)

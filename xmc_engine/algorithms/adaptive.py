@@ -133,9 +133,10 @@ class AdaptiveSGD(Policy):
         if norm_rise and self._sq_w1 is None:
             self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]
         stats: dict = {}
+        own = ctx.epoch >= self.config.weights_from_epoch  # else the paper's weights
         delta = self.merge_rows_only(replicas, p, ctx,
-                                     per_row=self.config.per_row_weights,
-                                     per_label=self.config.per_label_weights,
+                                     per_row=own and self.config.per_row_weights,
+                                     per_label=own and self.config.per_label_weights,
                                      stats=stats)
         if delta is None:
             return None
