@@ -34,13 +34,19 @@ def test_decay_gap_bench_measures_train_and_test_p1(data_dir, tmp_path, capsys):
     assert "bibtex" in capsys.readouterr().out
 
 
-def test_budget_bench_passes_params_to_the_engine():
-    import bench_budget
-
+def budget_spec(**changes) -> dict:
+    """One ``bench_budget.run_one`` spec: a small generated shape, one epoch, two evaluations."""
     spec = {"data": "synthetic:600:300:40", "seconds": 30.0, "max_epochs": 1.0,
             "output": None, "negatives": None, "label_chunk": None, "test_rows": 0,
             "eval_every": 0.5, "seed": 0, "algorithm": "single", "devices": "cpu",
-            "threads": 1, "params": {"lr_decay": 0.0, "lr": 0.02}}
+            "threads": 1, "params": None}
+    return {**spec, **changes}
+
+
+def test_budget_bench_passes_params_to_the_engine():
+    import bench_budget
+
+    spec = budget_spec(params={"lr_decay": 0.0, "lr": 0.02})
     r = bench_budget.run_one(spec)
     assert r["lr_decay"] == 0.0 and r["lr"] == 0.02
     assert r["epochs_done"] == pytest.approx(1.0)
@@ -52,10 +58,8 @@ def test_budget_bench_passes_params_to_the_engine():
 def test_budget_bench_timeline_accounts_for_every_merge():
     import bench_budget
 
-    spec = {"data": "synthetic:600:300:40", "seconds": 30.0, "max_epochs": 1.0,
-            "output": None, "negatives": None, "label_chunk": None, "test_rows": 0,
-            "eval_every": 0.5, "seed": 0, "algorithm": "adaptive", "devices": "cpu,cpu@0.5",
-            "threads": None, "params": {"algorithm_params": {"merge_period": 128}}}
+    spec = budget_spec(algorithm="adaptive", devices="cpu,cpu@0.5", threads=None,
+                       params={"algorithm_params": {"merge_period": 128}})
     r = bench_budget.run_one(spec)
     tl = r["timeline"]
     assert len(tl) == len(r["curve"]) == 2  # evaluations at 0.5 and 1.0 epochs
