@@ -91,6 +91,7 @@ def run_one(spec: dict) -> dict:
                   for i, d in enumerate(devs)]
     compile_s = _common.event_seconds(hist, "compile")
     timeline = _timeline(evals, merges, len(devs))
+    stats = model_stats(clf.params_, Xtr, Xte) if spec.get("model_stats") else None
     return {**spec, "wall_s": wall, "load_s": load_s, "compile_s": compile_s,
             "train_s": final["train_time"], "samples": final["samples"],
             "epochs_done": final["epoch"], "merges": len(merges),
@@ -99,6 +100,7 @@ def run_one(spec: dict) -> dict:
             "curve": [(r["train_time"], r["epoch"], *(r["metrics"][k] for k in METRICS))
                       for r in evals],
             "timeline": timeline,
+            "model_stats": stats,
             "eval_s": sum(r["eval_time"] for r in evals),
             "final": {k: final["metrics"][k] for k in METRICS},
             "lr": cfg.learning_rate, "lr_decay": cfg.learning_rate_decay,
@@ -108,6 +110,33 @@ def run_one(spec: dict) -> dict:
             "planned": {k: int(v) for k, v in plan.pools[0].items.items()},
             "data_shape": {"n_train": Xtr.shape[0], "n_features": Xtr.shape[1],
                            "n_labels": Ytr.shape[1], "n_test": Xte.shape[0]}}
+
+
+#: Feature-frequency bands of :func:`model_stats`: training rows holding the feature, [lo, hi).
+FREQ_BANDS = ((1, 10), (10, 100), (100, 1000), (1000, None))
+
+
+def model_stats(params, Xtr, Xte) -> dict:
+    """What training left in the model's first layer (``--model-stats``): the median L2 norm
+    of ``W1``'s rows per band of feature frequency (training rows holding the feature;
+    ``None`` for an empty band), the share of hidden units active (ReLU > 0) per test row and
+    the units no test row activates, and the mean of ``b1``. The merge weights differ in how
+    far a period moves a row one replica alone changed; this shows the result on the model."""
+    import numpy as np
+
+    W1, b1 = np.asarray(params[0]), np.asarray(params[1])
+    freq = np.diff(Xtr.tocsc().indptr)
+    norms = np.linalg.norm(W1, axis=1)
+    bands = {}
+    for lo, hi in FREQ_BANDS:
+        m = (freq >= lo) & (freq < (hi if hi is not None else np.inf))
+        bands[f"{lo}-{hi if hi is not None else 'inf'}"] = (
+            {"features": int(m.sum()), "median_norm": float(np.median(norms[m]))}
+            if m.any() else {"features": 0, "median_norm": None})
+    H = np.asarray(Xte @ W1) + b1 > 0
+    return {"w1_row_norm_by_frequency": bands, "hidden_active_share": float(H.mean()),
+            "hidden_units_never_active": int((~H.any(axis=0)).sum()),
+            "b1_mean": float(b1.mean())}
 
 
 def _timeline(evals: list[dict], merges: list[dict], n_devices: int) -> list[dict]:
@@ -169,6 +198,9 @@ def main(argv=None) -> None:
     p.add_argument("--params", type=json.loads, default=None,
                    help="more XMCClassifier options for every run, as JSON "
                         "(e.g. '{\"lr_decay\": 0}')")
+    p.add_argument("--model-stats", action="store_true",
+                   help="record W1's row norms by feature frequency and the hidden units' "
+                        "activity on the test rows after each run")
     p.add_argument("--out", default=None,
                    help="results JSON (default bench/results/budget_<data>.json)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one spec as JSON
@@ -180,7 +212,7 @@ def main(argv=None) -> None:
     base = {"data": args.data, "seconds": args.seconds, "max_epochs": args.max_epochs,
             "output": args.output, "negatives": args.negatives, "label_chunk": args.label_chunk,
             "test_rows": args.test_rows, "eval_every": args.eval_every, "seed": args.seed,
-            "params": args.params}
+            "params": args.params, "model_stats": args.model_stats}
     specs = []
     for algo in args.algorithms:
         if algo == "single":
@@ -206,6 +238,13 @@ def main(argv=None) -> None:
               f" s; P@1 {f['P@1']:.4f} P@3 {f['P@3']:.4f} P@5 {f['P@5']:.4f} PSP@5 "
               f"{f['PSP@5']:.4f}; peak {r['peak_rss_mib']:,.0f} MiB, planned "
               f"{r['planned_host_bytes'] / 2**20:,.0f} MiB", flush=True)
+        if r.get("model_stats"):
+            ms = r["model_stats"]
+            norms = ", ".join(f"{k}: {v['median_norm']:.3f}"
+                              for k, v in ms["w1_row_norm_by_frequency"].items() if v["features"])
+            print(f"  W1 row norms by feature frequency (median) {norms}; hidden units active "
+                  f"{ms['hidden_active_share']:.3f}, never {ms['hidden_units_never_active']}; "
+                  f"b1 mean {ms['b1_mean']:+.4f}", flush=True)
         # written after every run: a crash later keeps what ran
         _common.write_result(out, {**meta, "benchmark": "equal training-time budget",
                                    "runs": runs})

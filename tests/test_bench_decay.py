@@ -69,3 +69,23 @@ def test_budget_bench_timeline_accounts_for_every_merge():
         assert sum(t["devices"][i]["samples"] for t in tl) == dev["samples"]
         assert tl[-1]["devices"][i]["batch"] == dev["last_batch"]
     assert sum(sum(d["samples"] for d in t["devices"]) for t in tl) == r["samples"]
+
+
+def test_budget_bench_model_stats_describe_the_first_layer():
+    import bench_budget
+    import numpy as np
+
+    spec = budget_spec(algorithm="adaptive", devices="cpu,cpu@0.5", threads=None,
+                       model_stats=True)
+    r = bench_budget.run_one(spec)
+    ms = r["model_stats"]
+    Xtr, _, _, _ = bench_budget.load(spec["data"])
+    bands = ms["w1_row_norm_by_frequency"]
+    # every feature that occurs falls in exactly one band
+    occurring = np.count_nonzero(np.diff(Xtr.tocsc().indptr))
+    assert sum(b["features"] for b in bands.values()) == occurring
+    assert all((b["median_norm"] is None) == (b["features"] == 0) for b in bands.values())
+    assert all(b["median_norm"] > 0 for b in bands.values() if b["features"])
+    assert 0 < ms["hidden_active_share"] < 1
+    assert 0 <= ms["hidden_units_never_active"] <= 128
+    assert bench_budget.run_one(budget_spec())["model_stats"] is None  # only when asked
