@@ -81,6 +81,44 @@ def test_run_log_records_the_lr_in_effect_and_the_compile_time(small):
     assert m.history_[compile_at]["seconds"] >= 0.0
 
 
+def test_weights_from_epoch_auto_follows_the_training_rows():
+    from xmc_engine import config
+    from xmc_engine.config import AdaptiveConfig
+
+    c = AdaptiveConfig()
+    assert c.weights_from_epoch == "auto"
+    n = config.AUTO_WEIGHTS_FROM_EPOCH_ROWS
+    assert c.weights_from_epoch_for(n - 1) == 0 and c.weights_from_epoch_for(n) == 1
+    assert AdaptiveConfig(weights_from_epoch=3).weights_from_epoch_for(10) == 3
+    assert AdaptiveConfig(weights_from_epoch=0).weights_from_epoch_for(10 * n) == 0
+    with pytest.raises(ConfigError, match="'often'"):
+        AdaptiveConfig(weights_from_epoch="often")
+    with pytest.raises(ConfigError, match="weights_from_epoch must be >= 0"):
+        AdaptiveConfig(weights_from_epoch=-1)
+    # from JSON / --algo-param: an epoch or "auto"
+    cfg = TrainConfig.from_dict({"algorithm": "adaptive",
+                                 "algorithm_params": {"weights_from_epoch": 2}})
+    assert cfg.algorithm_params.weights_from_epoch == 2
+    # a config saved before the option keeps its behaviour (from the start), a newer one its value
+    old = TrainConfig.from_saved({"algorithm": "adaptive", "algorithm_params": {}})
+    assert old.algorithm_params.weights_from_epoch == 0
+    new = TrainConfig.from_saved(TrainConfig(algorithm="adaptive").to_dict())
+    assert new.algorithm_params.weights_from_epoch == "auto"
+
+
+@pytest.mark.parametrize("threshold, expected", [(10**9, 0), (1, 1)])
+def test_run_log_records_the_resolved_weights_from_epoch(small, monkeypatch, threshold,
+                                                          expected):
+    from xmc_engine import config
+
+    monkeypatch.setattr(config, "AUTO_WEIGHTS_FROM_EPOCH_ROWS", threshold)
+    X, Y, _, _ = small
+    m = XMCClassifier(epochs=0.5, algorithm="adaptive", devices="cpu,cpu@0.5").fit(X, Y)
+    start = next(r for r in m.history_ if r["event"] == "start")
+    assert start["config"]["algorithm_params"]["weights_from_epoch"] == "auto"
+    assert start["algorithm_params"]["weights_from_epoch"] == expected
+
+
 def test_compile_kernels_logs_its_time_and_says_when_slow(small, monkeypatch, caplog):
     X, Y, _, _ = small
     cfg = TrainConfig(hidden=[16, 12], devices="cpu,cpu", algorithm="adaptive", threads=1,

@@ -532,11 +532,16 @@ def test_delta_stats_measure_each_replica_s_change_by_row_sharing_and_label_tail
     assert log.merges and all(len(m["delta_w2_tail"]) == 2 for m in log.merges)
 
 
-def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide, monkeypatch):
+@pytest.mark.parametrize("value, threshold, first", [(1, None, 1), ("auto", "rows", 1),
+                                                     ("auto", "rows+1", 0)])
+def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide, monkeypatch,
+                                                                        value, threshold, first):
     """``weights_from_epoch=1``: the merges of epoch 0 run with the paper's weights (no
     per-row / per-label renormalization), those from epoch 1 on with ``row_weights`` /
-    ``label_weights``."""
+    ``label_weights``. ``'auto'``: the same from :data:`AUTO_WEIGHTS_FROM_EPOCH_ROWS` training
+    rows on, from the start below."""
     import xmc_engine.algorithms.base as base
+    from xmc_engine import config
 
     calls = []
 
@@ -546,15 +551,18 @@ def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide,
 
     monkeypatch.setattr(base, "merge_changed_rows", spy)
     X, Y = wide
+    if threshold is not None:
+        monkeypatch.setattr(config, "AUTO_WEIGHTS_FROM_EPOCH_ROWS",
+                            X.shape[0] + (threshold == "rows+1"))
     reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
     log = MergeLog()
     with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
                       lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
-                      weights_from_epoch=1, seed=3, mode="simulated",
+                      weights_from_epoch=value, seed=3, mode="simulated",
                       cost=lambda i, b: 1e-3 * b, log=log) as tr:
         for epoch in range(3):
             tr.run_epoch(epoch)
     epochs = [m["epoch"] for m in log.merges]
     assert len(calls) == len(epochs) and epochs.count(0) >= 2 and epochs.count(2) >= 2
     for epoch, (per_row, per_label) in zip(epochs, calls, strict=True):
-        assert per_row is per_label is (epoch >= 1)
+        assert per_row is per_label is (epoch >= first)

@@ -118,6 +118,15 @@ FLAG_RULES = ("norm_rise", "always", "never")
 ROW_WEIGHTS = ("updates", "touched")
 #: merge weights of an output label (AdaptiveConfig.label_weights)
 LABEL_WEIGHTS = ("updates", "positives")
+#: ``AdaptiveConfig.weights_from_epoch="auto"``: the per-row / per-label merge weights from epoch
+#: 1 (the paper's weights in epoch 0, the one at the full learning rate) when the training set
+#: has at least this many rows, from the start below it. Chosen by synthetic shapes with the
+#: Amazon-670K statistics on ``cpu,cpu@0.5`` (``bench/RESULTS.md``, "From which epoch the
+#: per-row / per-label weights apply"): from epoch 1 was ahead at 250,000 rows (P@1 +0.022 after
+#: 3 epochs, 2 seeds) and at the Amazon-670K shape's 490,449 (+0.028 / +0.032 at 300 s, +0.041
+#: at 900 s), from the start ahead or level at 100,000 rows and below (debian_builddeps, the
+#: 20,000-100,000-row synthetic shapes).
+AUTO_WEIGHTS_FROM_EPOCH_ROWS = 150_000
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
 #: a device's learning rate against its batch size (AdaptiveConfig.lr_scaling)
@@ -327,9 +336,15 @@ class AdaptiveConfig(AlgorithmConfig):
         the median run, the two together at 0.590 (the best method's level) reaching it in 2.1 s;
         on debian_builddeps 0.88-0.90x the time; on the small exact-softmax sets level within
         the seeds' spread (0.79-1.37x).
-    weights_from_epoch : int
+    weights_from_epoch : int or 'auto'
         The epoch (0-based) from which ``row_weights`` / ``label_weights`` apply; the merges
-        of earlier epochs use the paper's weights. 0 (the default): from the start.
+        of earlier epochs use the paper's weights (0: from the start). ``'auto'`` (the
+        default): 1 for a training set of at least :data:`AUTO_WEIGHTS_FROM_EPOCH_ROWS` rows, 0
+        below (:meth:`weights_from_epoch_for`; the run log's ``start`` record gives the value).
+        On large sets the renormalized weights in the first epoch, the one at the full
+        learning rate, leave ``W1``'s rows larger and fewer hidden units active, a deficit
+        the later epochs did not make up (P@1 0.7022 against 0.7432 after 15 minutes at the
+        Amazon-670K shape); on the smaller sets they win from the start.
     optimizer_state : {'keep', 'average', 'reset'}
         What a merge does to each replica's Adagrad accumulators (nothing with SGD). ``'keep'``:
         every replica keeps its own across merges. ``'average'``: every replica gets the
@@ -359,15 +374,28 @@ class AdaptiveConfig(AlgorithmConfig):
     sparse_merge: bool = True
     row_weights: str = "touched"
     label_weights: str = "positives"
-    weights_from_epoch: int = 0
+    weights_from_epoch: int | str = "auto"
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
     delta_stats: bool = False
 
+    def weights_from_epoch_for(self, n_samples: int) -> int:
+        """The epoch from which ``row_weights`` / ``label_weights`` apply on a training set of
+        ``n_samples`` rows: ``weights_from_epoch``, or for ``'auto'`` 1 from
+        :data:`AUTO_WEIGHTS_FROM_EPOCH_ROWS` rows on, else 0."""
+        if self.weights_from_epoch != "auto":
+            return int(self.weights_from_epoch)
+        return 1 if n_samples >= AUTO_WEIGHTS_FROM_EPOCH_ROWS else 0
+
     def __post_init__(self):
         super().__post_init__()
         self._check_min(1, "merge_period", "delta_b")
-        self._check_min(0, "weights_from_epoch")
+        if isinstance(self.weights_from_epoch, str):
+            if self.weights_from_epoch != "auto":
+                raise ConfigError(f"weights_from_epoch must be an epoch >= 0 or 'auto', got "
+                                  f"{self.weights_from_epoch!r}")
+        else:
+            self._check_min(0, "weights_from_epoch")
         self._check_choice("row_weights", ROW_WEIGHTS)
         self._check_choice("label_weights", LABEL_WEIGHTS)
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
@@ -732,9 +760,15 @@ class TrainConfig(ConfigMixin):
     def from_saved(cls, d: dict[str, Any], *, source: str = "config") -> TrainConfig:
         """:meth:`from_dict` for a config the engine wrote itself (a saved model, a run
         folder): keys added since are given the value that reproduces the old behaviour, not
-        today's default (``normalize``: ``"none"``, the rows as given, as they were trained)."""
+        today's default (``normalize``: ``"none"``, the rows as given, as they were trained;
+        ``adaptive``'s ``weights_from_epoch``: 0, the per-row / per-label weights from the
+        start)."""
         if isinstance(d, dict):
             d = {"normalize": "none", **d}
+            ap = d.get("algorithm_params")
+            if d.get("algorithm", cls.algorithm) == "adaptive" and (ap is None
+                                                                   or isinstance(ap, dict)):
+                d["algorithm_params"] = {"weights_from_epoch": 0, **(ap or {})}
         return cls.from_dict(d, source=source)
 
     @classmethod

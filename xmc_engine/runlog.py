@@ -12,7 +12,8 @@ not know. The events the engine writes:
     ``devices`` (the device spec string), ``dataset``, ``n_samples``, ``n_features``,
     ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions), ``lr`` and
     ``warmup_epochs`` (the values in effect, defaults resolved), ``loss`` (the loss trained:
-    ``config``'s, or what ``"auto"`` chose).
+    ``config``'s, or what ``"auto"`` chose), ``algorithm_params`` (the algorithm's options in
+    effect, ``"auto"`` ones resolved: ``adaptive``'s ``weights_from_epoch``).
 ``loss_probe``
     Right after ``start`` when ``config`` says ``loss="auto"``
     (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),

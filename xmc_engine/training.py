@@ -122,6 +122,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
     output = cfg.output_for(Y.shape[1], labels_per_row)
     cfg = dataclasses.replace(cfg, output=output)
+    # AdaptiveConfig.weights_from_epoch="auto": likewise one choice, from the whole set's rows
+    algo = cfg.algorithm_params
+    if getattr(algo, "weights_from_epoch", None) == "auto":
+        cfg = dataclasses.replace(cfg, algorithm_params=dataclasses.replace(
+            algo, weights_from_epoch=algo.weights_from_epoch_for(n_samples)))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
     if found is not None:
@@ -143,6 +148,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                     "batch %d, negatives %d)", given.output, output, Y.shape[1],
                     labels_per_row, cfg.batch_size, cfg.negatives)
     log.write("start", config=given.to_dict(), output=output, loss=cfg.loss,
+              algorithm_params=cfg.algorithm_params.to_dict(),
               lr=cfg.learning_rate,
               lr_decay=cfg.learning_rate_decay, warmup_epochs=cfg.warmup_epochs,
               n_samples=n_samples, n_features=shape.n_features, n_labels=shape.n_labels,

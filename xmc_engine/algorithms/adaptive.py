@@ -60,6 +60,8 @@ class AdaptiveSGD(Policy):
             self.n_devices, self.batch_size, b_min=c.b_min, b_max=c.b_max, delta_b=c.delta_b,
             rule=c.rule, warmup_epochs=self.warmup_epochs, deadband=c.deadband)
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
+        # the epoch from which the per-row / per-label weights apply ('auto': by the rows)
+        self.weights_from_epoch = c.weights_from_epoch_for(self.n_samples)
         if c.per_label_weights:  # the replicas record the labels they see
             for r in replicas:
                 if hasattr(r, "track_labels"):
@@ -133,7 +135,7 @@ class AdaptiveSGD(Policy):
         if norm_rise and self._sq_w1 is None:
             self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]
         stats: dict = {}
-        own = ctx.epoch >= self.config.weights_from_epoch  # else the paper's weights
+        own = ctx.epoch >= self.weights_from_epoch  # else the paper's weights
         delta = self.merge_rows_only(replicas, p, ctx,
                                      per_row=own and self.config.per_row_weights,
                                      per_label=own and self.config.per_label_weights,
