@@ -81,13 +81,13 @@ def test_run_log_records_the_lr_in_effect_and_the_compile_time(small):
     assert m.history_[compile_at]["seconds"] >= 0.0
 
 
-def test_weights_from_epoch_auto_follows_the_training_rows():
+def test_weights_from_epoch_auto_follows_the_label_count():
     from xmc_engine import config
     from xmc_engine.config import AdaptiveConfig
 
     c = AdaptiveConfig()
     assert c.weights_from_epoch == "auto"
-    n = config.AUTO_WEIGHTS_FROM_EPOCH_ROWS
+    n = config.AUTO_WEIGHTS_FROM_EPOCH_LABELS
     assert c.weights_from_epoch_for(n - 1) == 0 and c.weights_from_epoch_for(n) == 1
     assert AdaptiveConfig(weights_from_epoch=3).weights_from_epoch_for(10) == 3
     assert AdaptiveConfig(weights_from_epoch=0).weights_from_epoch_for(10 * n) == 0
@@ -111,7 +111,7 @@ def test_run_log_records_the_resolved_weights_from_epoch(small, monkeypatch, thr
                                                           expected):
     from xmc_engine import config
 
-    monkeypatch.setattr(config, "AUTO_WEIGHTS_FROM_EPOCH_ROWS", threshold)
+    monkeypatch.setattr(config, "AUTO_WEIGHTS_FROM_EPOCH_LABELS", threshold)
     X, Y, _, _ = small
     m = XMCClassifier(epochs=0.5, algorithm="adaptive", devices="cpu,cpu@0.5").fit(X, Y)
     start = next(r for r in m.history_ if r["event"] == "start")

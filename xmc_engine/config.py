@@ -30,6 +30,7 @@ from xmc_engine.faults import parse_faults
 
 __all__ = [
     "ALGORITHMS",
+    "AUTO_WEIGHTS_FROM_EPOCH_LABELS",
     "BATCH_RULES",
     "DEFAULT_LR",
     "DEFAULT_LR_BCE",
@@ -119,14 +120,14 @@ ROW_WEIGHTS = ("updates", "touched")
 #: merge weights of an output label (AdaptiveConfig.label_weights)
 LABEL_WEIGHTS = ("updates", "positives")
 #: ``AdaptiveConfig.weights_from_epoch="auto"``: the per-row / per-label merge weights from epoch
-#: 1 (the paper's weights in epoch 0, the one at the full learning rate) when the training set
-#: has at least this many rows, from the start below it. Chosen by synthetic shapes with the
+#: 1 (the paper's weights in epoch 0, the one at the full learning rate) when the data has at
+#: least this many labels, from the start below it. Chosen by synthetic shapes with the
 #: Amazon-670K statistics on ``cpu,cpu@0.5`` (``bench/RESULTS.md``, "From which epoch the
-#: per-row / per-label weights apply"): from epoch 1 was ahead at 250,000 rows (P@1 +0.022 after
-#: 3 epochs, 2 seeds) and at the Amazon-670K shape's 490,449 (+0.028 / +0.032 at 300 s, +0.041
-#: at 900 s), from the start ahead or level at 100,000 rows and below (debian_builddeps, the
-#: 20,000-100,000-row synthetic shapes).
-AUTO_WEIGHTS_FROM_EPOCH_ROWS = 150_000
+#: per-row / per-label weights apply"): from epoch 1 was ahead at 220,000 labels (P@1 +0.007
+#: after 3 epochs, 2 seeds), 335,000 (+0.022) and the Amazon-670K shape's 670,091 (+0.028 /
+#: +0.032 at 300 s, +0.041 at 900 s); from the start was ahead at 100,000 labels with 100,000
+#: and with 250,000 rows, and on the smaller label spaces (debian_builddeps, 30,000 labels).
+AUTO_WEIGHTS_FROM_EPOCH_LABELS = 150_000
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
 #: a device's learning rate against its batch size (AdaptiveConfig.lr_scaling)
@@ -339,12 +340,12 @@ class AdaptiveConfig(AlgorithmConfig):
     weights_from_epoch : int or 'auto'
         The epoch (0-based) from which ``row_weights`` / ``label_weights`` apply; the merges
         of earlier epochs use the paper's weights (0: from the start). ``'auto'`` (the
-        default): 1 for a training set of at least :data:`AUTO_WEIGHTS_FROM_EPOCH_ROWS` rows, 0
-        below (:meth:`weights_from_epoch_for`; the run log's ``start`` record gives the value).
-        On large sets the renormalized weights in the first epoch, the one at the full
-        learning rate, leave ``W1``'s rows larger and fewer hidden units active, a deficit
-        the later epochs did not make up (P@1 0.7022 against 0.7432 after 15 minutes at the
-        Amazon-670K shape); on the smaller sets they win from the start.
+        default): 1 for data of at least :data:`AUTO_WEIGHTS_FROM_EPOCH_LABELS` labels, 0 below
+        (:meth:`weights_from_epoch_for`; the run log's ``start`` record gives the value).
+        On large label spaces the renormalized weights in the first epoch, the one at the full
+        learning rate, leave ``W1``'s rows longer and fewer hidden units active, a deficit the
+        later epochs did not make up (P@1 0.7022 against 0.7432 after 15 minutes at the
+        Amazon-670K shape); up to 100,000 labels they win from the start.
     optimizer_state : {'keep', 'average', 'reset'}
         What a merge does to each replica's Adagrad accumulators (nothing with SGD). ``'keep'``:
         every replica keeps its own across merges. ``'average'``: every replica gets the
@@ -379,13 +380,13 @@ class AdaptiveConfig(AlgorithmConfig):
     lr_scaling: str = "linear"
     delta_stats: bool = False
 
-    def weights_from_epoch_for(self, n_samples: int) -> int:
-        """The epoch from which ``row_weights`` / ``label_weights`` apply on a training set of
-        ``n_samples`` rows: ``weights_from_epoch``, or for ``'auto'`` 1 from
-        :data:`AUTO_WEIGHTS_FROM_EPOCH_ROWS` rows on, else 0."""
+    def weights_from_epoch_for(self, n_labels: int) -> int:
+        """The epoch from which ``row_weights`` / ``label_weights`` apply on data with
+        ``n_labels`` labels: ``weights_from_epoch``, or for ``'auto'`` 1 from
+        :data:`AUTO_WEIGHTS_FROM_EPOCH_LABELS` labels on, else 0."""
         if self.weights_from_epoch != "auto":
             return int(self.weights_from_epoch)
-        return 1 if n_samples >= AUTO_WEIGHTS_FROM_EPOCH_ROWS else 0
+        return 1 if n_labels >= AUTO_WEIGHTS_FROM_EPOCH_LABELS else 0
 
     def __post_init__(self):
         super().__post_init__()

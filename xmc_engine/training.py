@@ -122,11 +122,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
     output = cfg.output_for(Y.shape[1], labels_per_row)
     cfg = dataclasses.replace(cfg, output=output)
-    # AdaptiveConfig.weights_from_epoch="auto": likewise one choice, from the whole set's rows
+    # AdaptiveConfig.weights_from_epoch="auto": by the label count, written to the start record
     algo = cfg.algorithm_params
     if getattr(algo, "weights_from_epoch", None) == "auto":
         cfg = dataclasses.replace(cfg, algorithm_params=dataclasses.replace(
-            algo, weights_from_epoch=algo.weights_from_epoch_for(n_samples)))
+            algo, weights_from_epoch=algo.weights_from_epoch_for(Y.shape[1])))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
     if found is not None:

@@ -60,8 +60,9 @@ class AdaptiveSGD(Policy):
             self.n_devices, self.batch_size, b_min=c.b_min, b_max=c.b_max, delta_b=c.delta_b,
             rule=c.rule, warmup_epochs=self.warmup_epochs, deadband=c.deadband)
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
-        # the epoch from which the per-row / per-label weights apply ('auto': by the rows)
-        self.weights_from_epoch = c.weights_from_epoch_for(self.n_samples)
+        # the epoch from which the per-row / per-label weights apply ('auto': by the label
+        # count, b2's length)
+        self.weights_from_epoch = c.weights_from_epoch_for(len(self.central[-1]))
         if c.per_label_weights:  # the replicas record the labels they see
             for r in replicas:
                 if hasattr(r, "track_labels"):
