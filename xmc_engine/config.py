@@ -124,9 +124,10 @@ LABEL_WEIGHTS = ("updates", "positives")
 #: least this many labels, from the start below it. Chosen by synthetic shapes with the
 #: Amazon-670K statistics on ``cpu,cpu@0.5`` (``bench/RESULTS.md``, "From which epoch the
 #: per-row / per-label weights apply"): from epoch 1 was ahead at 220,000 labels (P@1 +0.007
-#: after 3 epochs, 2 seeds), 335,000 (+0.022) and the Amazon-670K shape's 670,091 (+0.028 /
-#: +0.032 at 300 s, +0.041 at 900 s); from the start was ahead at 100,000 labels with 100,000
-#: and with 250,000 rows, and on the smaller label spaces (debian_builddeps, 30,000 labels).
+#: after 3 epochs, 2 seeds), 335,000 (+0.022 with 250,000 rows, +0.007 with 100,000) and the
+#: Amazon-670K shape's 670,091 (+0.028 / +0.032 at 300 s, +0.041 at 900 s); from the start was
+#: ahead at 100,000 labels with 100,000 and with 250,000 rows, and on the smaller label spaces
+#: (debian_builddeps, 30,000 labels).
 AUTO_WEIGHTS_FROM_EPOCH_LABELS = 150_000
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
