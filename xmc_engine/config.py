@@ -126,9 +126,9 @@ LABEL_WEIGHTS = ("updates", "positives")
 #: per-row / per-label weights apply"): from epoch 1 was ahead at 220,000 labels (P@1 +0.007
 #: after 3 epochs, 2 seeds), 335,000 (+0.022 with 250,000 rows, +0.007 with 100,000) and the
 #: Amazon-670K shape's 670,091 (+0.028 / +0.032 at 300 s, +0.041 at 900 s); from the start was
-#: ahead at 100,000 labels with 100,000 and with 250,000 rows, and on the smaller label spaces
-#: (debian_builddeps, 30,000 labels).
-AUTO_WEIGHTS_FROM_EPOCH_LABELS = 150_000
+#: ahead at 150,000 labels (+0.005 with 160,000 rows), at 100,000 with 100,000 and with 250,000
+#: rows, and on the smaller label spaces (debian_builddeps, 30,000 labels).
+AUTO_WEIGHTS_FROM_EPOCH_LABELS = 200_000
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
 #: a device's learning rate against its batch size (AdaptiveConfig.lr_scaling)
@@ -346,7 +346,7 @@ class AdaptiveConfig(AlgorithmConfig):
         On large label spaces the renormalized weights in the first epoch, the one at the full
         learning rate, leave ``W1``'s rows longer and fewer hidden units active, a deficit the
         later epochs did not make up (P@1 0.7022 against 0.7432 after 15 minutes at the
-        Amazon-670K shape); up to 100,000 labels they win from the start.
+        Amazon-670K shape); up to 150,000 labels they win from the start.
     optimizer_state : {'keep', 'average', 'reset'}
         What a merge does to each replica's Adagrad accumulators (nothing with SGD). ``'keep'``:
         every replica keeps its own across merges. ``'average'``: every replica gets the
