@@ -123,11 +123,12 @@ LABEL_WEIGHTS = ("updates", "positives")
 #: 1 (the paper's weights in epoch 0, the one at the full learning rate) when the data has at
 #: least this many labels, from the start below it. Chosen by synthetic shapes with the
 #: Amazon-670K statistics on ``cpu,cpu@0.5`` (``bench/RESULTS.md``, "From which epoch the
-#: per-row / per-label weights apply"): from epoch 1 was ahead at 220,000 labels (P@1 +0.007
-#: after 3 epochs, 2 seeds), 335,000 (+0.022 with 250,000 rows, +0.007 with 100,000) and the
-#: Amazon-670K shape's 670,091 (+0.028 / +0.032 at 300 s, +0.041 at 900 s); from the start was
-#: ahead at 150,000 labels (+0.005 with 160,000 rows), at 100,000 with 100,000 and with 250,000
-#: rows, and on the smaller label spaces (debian_builddeps, 30,000 labels).
+#: per-row / per-label weights apply"): from epoch 1 was ahead at 335,000 labels (P@1 +0.022
+#: after 3 epochs with 250,000 rows, +0.007 with 100,000; 2 seeds) and the Amazon-670K shape's
+#: 670,091 (+0.028 / +0.032 at 300 s, +0.041 at 900 s); from the start was ahead at 100,000
+#: labels with 100,000 and with 250,000 rows and on the smaller label spaces (debian_builddeps,
+#: 30,000 labels); at 150,000 and 220,000 (160,000 rows, 3 seeds) the two were level at the end
+#: (medians within 0.002), from epoch 1 0.88-0.91x the time to the target.
 AUTO_WEIGHTS_FROM_EPOCH_LABELS = 200_000
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
@@ -346,7 +347,7 @@ class AdaptiveConfig(AlgorithmConfig):
         On large label spaces the renormalized weights in the first epoch, the one at the full
         learning rate, cost P@1 (0.5318 against 0.5764 after it at the Amazon-670K shape), a
         deficit the later epochs did not make up (0.7022 against 0.7432 after 15 minutes);
-        up to 150,000 labels they win from the start.
+        up to 100,000 labels they win from the start.
     optimizer_state : {'keep', 'average', 'reset'}
         What a merge does to each replica's Adagrad accumulators (nothing with SGD). ``'keep'``:
         every replica keeps its own across merges. ``'average'``: every replica gets the
