@@ -532,10 +532,11 @@ def test_delta_stats_measure_each_replica_s_change_by_row_sharing_and_label_tail
     assert log.merges and all(len(m["delta_w2_tail"]) == 2 for m in log.merges)
 
 
-@pytest.mark.parametrize("value, threshold, first", [(1, None, 1), ("auto", "labels", 1),
-                                                     ("auto", "labels+1", 0)])
+@pytest.mark.parametrize("value, above_labels, first", [(1, None, 1), ("auto", 0, 1),
+                                                        ("auto", 1, 0)])
 def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide, monkeypatch,
-                                                                        value, threshold, first):
+                                                                        value, above_labels,
+                                                                        first):
     """``weights_from_epoch=1``: the merges of epoch 0 run with the paper's weights (no
     per-row / per-label renormalization), those from epoch 1 on with ``row_weights`` /
     ``label_weights``. ``'auto'``: the same from :data:`AUTO_WEIGHTS_FROM_EPOCH_LABELS` labels
@@ -551,9 +552,8 @@ def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide,
 
     monkeypatch.setattr(base, "merge_changed_rows", spy)
     X, Y = wide
-    if threshold is not None:
-        monkeypatch.setattr(config, "AUTO_WEIGHTS_FROM_EPOCH_LABELS",
-                            Y.shape[1] + (threshold == "labels+1"))
+    if above_labels is not None:  # the 'auto' threshold at the label count, or one above it
+        monkeypatch.setattr(config, "AUTO_WEIGHTS_FROM_EPOCH_LABELS", Y.shape[1] + above_labels)
     reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
     log = MergeLog()
     with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
