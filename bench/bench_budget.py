@@ -104,7 +104,10 @@ def run_one(spec: dict) -> dict:
             "model_stats": stats,
             "eval_s": sum(r["eval_time"] for r in evals),
             "final": {k: final["metrics"][k] for k in METRICS},
-            "lr": cfg.learning_rate, "lr_decay": cfg.learning_rate_decay,
+            "lr": cfg.learning_rate,
+            "lr_decay": next(r for r in hist if r.get("event") == "start")["lr_decay"],
+            "plateau": [(r["epoch"], r["heldout_loss"], r["lr_scale"], r["seconds"])
+                        for r in hist if r.get("event") == "plateau"],
             "normalize": cfg.normalize, "loss": clf.loss_, "batch_size": cfg.batch_size,
             "peak_rss_mib": _common.peak_rss_mib(),
             "planned_host_bytes": plan.pools[0].total,

@@ -126,6 +126,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--decays", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
     d.add_argument("--decay-loss", choices=("softmax", "bce", "auto"),
                    help="the training loss of every configuration (default: the engine's)")
+    t = p.add_argument_group("schedule study (--schedule-study: instead of the grid)")
+    t.add_argument("--schedule-study", action="store_true",
+                   help="the defaults with each --schedules learning-rate decay (a number, "
+                   "plateau or auto) on --datasets, evaluated at each --epochs")
+    t.add_argument("--schedules", nargs="+", default=["0.5", "plateau"],
+                   help="lr_decay values (default: the fixed decay 0.5 and plateau)")
     p.add_argument("--normalize-study", action="store_true",
                    help="instead of the grid: the defaults with each feature-row normalisation "
                    "on --datasets, evaluated at each --epochs")
@@ -220,6 +226,7 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
                                           "train_time": r["train_time"], "probe_s": probe_s}
     compile_s = _common.event_seconds(clf.history_, "compile")
     resolved["loss"] = start.get("loss", config.get("loss"))
+    resolved["lr_decay"] = start.get("lr_decay")
     return {"config": config, "seed": seed, "resolved": {**resolved, "lr": start["lr"]},
             "at": at, "wall_s": wall, "compile_s": compile_s}
 
@@ -363,8 +370,22 @@ def decay_study(args, meta) -> int:
     configs = [{**loss, "lr": lr, "lr_decay": dec} for lr in args.decay_lrs
                for dec in args.decays]
     return config_study(args, meta, configs, _decay_label,
-                        _decay_label({"lr": d.learning_rate, "lr_decay": d.learning_rate_decay}),
+                        _decay_label({"lr": d.learning_rate, "lr_decay": d.lr_decay_for(0)}),
                         "defaults_decay")
+
+
+def schedule_study(args, meta) -> int:
+    """The defaults with only ``lr_decay`` set, to each of ``--schedules``: the fixed decay
+    against the held-out plateau rule (``lr_decay="plateau"``, which trains on the rows it does
+    not hold out), :func:`config_study`."""
+    configs = [{"lr_decay": s if s in ("plateau", "auto") else float(s)}
+               for s in args.schedules]
+    return config_study(args, meta, configs, _schedule_label, "lr_decay=auto",
+                        "defaults_schedule")
+
+
+def _schedule_label(c: dict) -> str:
+    return f"lr_decay={c['lr_decay']}"
 
 
 def normalize_study(args, meta) -> int:
@@ -641,6 +662,8 @@ def main(argv=None) -> int:
         return decay_study(args, meta)
     if args.width_study:
         return width_study(args, meta)
+    if args.schedule_study:
+        return schedule_study(args, meta)
     if args.normalize_study:
         return normalize_study(args, meta)
     if args.lr_probe_study:

@@ -15,6 +15,7 @@ from xmc_engine.config import (
     DEFAULT_LR_BCE,
     DEFAULT_LR_DECAY,
     OPTIMIZERS,
+    PLATEAU_MIN_ROWS,
     TrainConfig,
 )
 from xmc_engine.devices import parse_devices
@@ -37,12 +38,36 @@ def test_unset_lr_is_the_optimizers_default(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_unset_lr_decay_is_the_optimizers_default(optimizer):
-    assert TrainConfig(optimizer=optimizer).learning_rate_decay == DEFAULT_LR_DECAY[optimizer]
-    assert TrainConfig(optimizer=optimizer, lr_decay=0.0).learning_rate_decay == 0.0
+def test_lr_decay_none_is_the_optimizers_fixed_decay(optimizer):
+    cfg = TrainConfig(optimizer=optimizer, lr_decay=None)
+    assert cfg.lr_decay_for(10) == cfg.lr_decay_for(10**7) == DEFAULT_LR_DECAY[optimizer]
+    assert TrainConfig(optimizer=optimizer, lr_decay=0.0).lr_decay_for(10**7) == 0.0
     assert set(DEFAULT_LR_DECAY) == set(OPTIMIZERS)
     with pytest.raises(ConfigError, match="lr_decay=-0.5"):
         TrainConfig(lr_decay=-0.5)
+    with pytest.raises(ConfigError, match="lr_decay='plateu'.*'plateau' or 'auto'"):
+        TrainConfig(lr_decay="plateu")
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_lr_decay_auto_follows_the_row_count(optimizer):
+    """The default: Adagrad switches to the held-out plateau rule at PLATEAU_MIN_ROWS training
+    rows (not one row before), SGD keeps its own fixed decay at any size."""
+    cfg = TrainConfig(optimizer=optimizer)
+    assert cfg.lr_decay == "auto"
+    below = cfg.lr_decay_for(PLATEAU_MIN_ROWS - 1)
+    at = cfg.lr_decay_for(PLATEAU_MIN_ROWS)
+    assert below == DEFAULT_LR_DECAY[optimizer]
+    assert at == ("plateau" if optimizer == "adagrad" else DEFAULT_LR_DECAY[optimizer])
+    assert TrainConfig(optimizer=optimizer, lr_decay="plateau").lr_decay_for(10) == "plateau"
+
+
+def test_configs_saved_before_the_auto_decay_keep_the_fixed_one():
+    """A saved config's ``lr_decay: null`` meant the optimizer's fixed decay when it trained,
+    and still does; today's configs save ``"auto"``."""
+    old = TrainConfig.from_saved({"lr_decay": None})
+    assert old.lr_decay_for(10**6) == DEFAULT_LR_DECAY["adagrad"]
+    assert TrainConfig.from_saved(TrainConfig().to_dict()).lr_decay == "auto"
 
 
 def test_default_decay_reaches_the_schedule(small):

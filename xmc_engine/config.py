@@ -34,6 +34,7 @@ __all__ = [
     "BATCH_RULES",
     "DEFAULT_LR",
     "DEFAULT_LR_BCE",
+    "DEFAULT_LR_DECAY",
     "EVAL_ROWS",
     "FLAG_RULES",
     "LOSSES",
@@ -43,6 +44,9 @@ __all__ = [
     "LOSS_PROBE_SAMPLES",
     "OPTIMIZERS",
     "OUTPUTS",
+    "PLATEAU_FACTOR",
+    "PLATEAU_HOLDOUT_ROWS",
+    "PLATEAU_MIN_ROWS",
     "TRAIN_LOSSES",
     "AdaptiveConfig",
     "AlgorithmConfig",
@@ -111,6 +115,16 @@ DEFAULT_LR_BCE = {"sgd": DEFAULT_LR["sgd"], "adagrad": 0.1}
 #: best configuration at 5 and at 15 epochs (0.023 / 0.022 against 0.061 / 0.108 without
 #: decay, which overfits on the small sets). SGD (the paper's, not in that study) keeps none.
 DEFAULT_LR_DECAY = {"sgd": 0.0, "adagrad": 0.5}
+#: ``TrainConfig.lr_decay="plateau"``: the rate is multiplied by ``PLATEAU_FACTOR`` after every
+#: epoch whose mean loss on ``PLATEAU_HOLDOUT_ROWS`` training rows held out of training (drawn
+#: with the run's seed) is not below the best of the epochs before
+#: (:class:`~xmc_engine.scheduler.controller.Plateau`).
+PLATEAU_FACTOR = 0.5
+PLATEAU_HOLDOUT_ROWS = 2_000
+#: ``lr_decay="auto"`` (the default) with Adagrad: the plateau rule on data with at least this
+#: many training rows (where the held-out rows are at most 5 % of them), the fixed decay of
+#: :data:`DEFAULT_LR_DECAY` below, where holding rows out costs more than the rule gains.
+PLATEAU_MIN_ROWS = 40_000
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
@@ -568,15 +582,21 @@ class TrainConfig(ConfigMixin):
     batch_size : int
         ``B``: every device's batch on one device and during warm-up; the base of Adaptive
         SGD's per-device batches.
-    lr, lr_warmup_epochs, lr_decay : float
+    lr, lr_warmup_epochs : float; lr_decay : float, str or None
         The learning-rate schedule of every algorithm
         (:class:`~xmc_engine.scheduler.controller.Schedule`): a linear ramp over
         ``lr_warmup_epochs`` (``None``: the algorithm's own
         :attr:`AlgorithmConfig.default_warmup_epochs`, none for every algorithm), then
         ``lr / (1 + lr_decay (e − e_warm))`` over whole epochs ``e``. ``lr=None``: the
         optimizer's :data:`DEFAULT_LR`, or :data:`DEFAULT_LR_BCE` with ``loss="bce"``
-        (:attr:`learning_rate`); ``lr_decay=None``: the
-        optimizer's :data:`DEFAULT_LR_DECAY` (:attr:`learning_rate_decay`; 0.5 for Adagrad).
+        (:attr:`learning_rate`). ``lr_decay`` may also be ``"plateau"``: no decay by the
+        epoch, but the rate halves (:data:`PLATEAU_FACTOR`) after every epoch whose loss on
+        :data:`PLATEAU_HOLDOUT_ROWS` training rows held out of training is not below the best
+        so far (the run log's ``plateau`` records; that evaluation counts as training time).
+        ``"auto"``, the default: ``"plateau"`` with Adagrad on data of at least
+        :data:`PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed decay; ``None``: the
+        optimizer's fixed :data:`DEFAULT_LR_DECAY` (0.5 for Adagrad, 0 for SGD)
+        (:meth:`lr_decay_for`; the ``start`` record gives the value in effect).
     label_chunk : int or None
         Labels per chunk of the output layer (``None``: the whole ``B x n_labels`` logits).
     optimizer : {'sgd', 'adagrad'}
@@ -637,7 +657,7 @@ class TrainConfig(ConfigMixin):
     batch_size: int = 64
     lr: float | None = None
     lr_warmup_epochs: float | None = None
-    lr_decay: float | None = None
+    lr_decay: float | str | None = "auto"
     label_chunk: int | None = None
     optimizer: str = "adagrad"
     loss: str = "auto"
@@ -685,8 +705,13 @@ class TrainConfig(ConfigMixin):
             bad("lr", "must be > 0 (or None: the optimizer's default)")
         if self.lr_warmup_epochs is not None and not self.lr_warmup_epochs >= 0:
             bad("lr_warmup_epochs", "must be >= 0 (or None: the algorithm's own default)")
-        if self.lr_decay is not None and not self.lr_decay >= 0:
-            bad("lr_decay", "must be >= 0 (or None: the optimizer's default)")
+        if isinstance(self.lr_decay, str):
+            if self.lr_decay not in ("plateau", "auto"):
+                bad("lr_decay", "must be a number >= 0, 'plateau' or 'auto' (or None: the "
+                                "optimizer's fixed decay)")
+        elif self.lr_decay is not None and not self.lr_decay >= 0:
+            bad("lr_decay", "must be >= 0, 'plateau' or 'auto' (or None: the optimizer's "
+                            "fixed decay)")
         if self.label_chunk is not None and self.label_chunk < 1:
             bad("label_chunk", "must be >= 1 or None")
         if self.optimizer not in OPTIMIZERS:
@@ -734,10 +759,17 @@ class TrainConfig(ConfigMixin):
             return float(self.lr)
         return (DEFAULT_LR_BCE if self.loss == "bce" else DEFAULT_LR)[self.optimizer]
 
-    @property
-    def learning_rate_decay(self) -> float:
-        """The learning-rate decay in effect: ``lr_decay``, else the optimizer's
-        :data:`DEFAULT_LR_DECAY`."""
+    def lr_decay_for(self, n_train: int) -> float | str:
+        """The decay a run on ``n_train`` training rows uses: a number ``λ`` (``lr / (1 + λ
+        e)``) or ``"plateau"``. ``lr_decay`` as given; ``None``: the optimizer's
+        :data:`DEFAULT_LR_DECAY`; ``"auto"``: with Adagrad ``"plateau"`` from
+        :data:`PLATEAU_MIN_ROWS` rows on, else :data:`DEFAULT_LR_DECAY` (SGD: its own, 0)."""
+        if self.lr_decay == "auto":
+            if self.optimizer == "adagrad" and n_train >= PLATEAU_MIN_ROWS:
+                return "plateau"
+            return DEFAULT_LR_DECAY[self.optimizer]
+        if self.lr_decay == "plateau":
+            return "plateau"
         return (float(self.lr_decay) if self.lr_decay is not None
                 else DEFAULT_LR_DECAY[self.optimizer])
 

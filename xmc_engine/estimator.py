@@ -106,8 +106,12 @@ class XMCClassifier:
         ``loss="bce"`` :data:`~xmc_engine.config.DEFAULT_LR_BCE`: 0.1 for Adagrad).
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
         the schedule of every algorithm (``lr_warmup_epochs=None``: the algorithm's own,
-        none by default; ``lr_decay=None``: the optimizer's default,
-        :data:`xmc_engine.config.DEFAULT_LR_DECAY`: 0.5 for Adagrad, 0 for SGD).
+        none by default). ``lr_decay="plateau"``: the rate halves after every epoch whose loss
+        on 2,000 training rows held out of training is not below the best so far;
+        ``"auto"`` (the default): ``"plateau"`` with Adagrad from
+        :data:`xmc_engine.config.PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed
+        decay; ``None``: that fixed decay, :data:`xmc_engine.config.DEFAULT_LR_DECAY` (0.5 for
+        Adagrad, 0 for SGD).
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"adagrad", "sgd"}

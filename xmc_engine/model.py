@@ -29,7 +29,12 @@ import scipy.sparse as sp
 
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
 from xmc_engine.config import EVAL_ROWS, NEGATIVE_SAMPLING, OPTIMIZERS, TRAIN_LOSSES, TrainConfig
-from xmc_engine.output_layer import FrequencyProposal, LSHProposal, sample_candidates
+from xmc_engine.output_layer import (
+    FrequencyProposal,
+    LSHProposal,
+    output_layer_loss,
+    sample_candidates,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -728,3 +733,32 @@ def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,
             labels[start:stop] = be.to_host(idx)
             scores[start:stop] = be.to_host(val)
     return labels, scores
+
+
+#: Logits a block of :func:`heldout_loss` holds at most (``row_chunk x label chunk``, 64 MiB).
+HELDOUT_LOGITS = 1 << 24
+
+
+def heldout_loss(be, params, X, Y, *, loss: str = "softmax", label_chunk: int | None = None,
+                 row_chunk: int = 512) -> float:
+    """The training loss (``loss``: the softmax against each row's labels, or the logistic
+    loss over every label) per row of host CSR ``X``, ``Y`` under ``params``, over the full
+    output layer whatever the training's ``output``; computed in blocks of ``row_chunk`` rows
+    and ``label_chunk`` labels (``None``: as many as keep a block within
+    :data:`HELDOUT_LOGITS`; :func:`xmc_engine.output_layer.output_layer_loss`). What the
+    plateau schedule reads (``TrainConfig.lr_decay="plateau"``)."""
+    X, Y = X.tocsr(), Y.tocsr()
+    n = X.shape[0]
+    if n == 0:
+        raise ValueError("heldout_loss needs at least one row")
+    label_chunk = label_chunk or max(1, HELDOUT_LOGITS // row_chunk)
+    total = 0.0
+    for start in range(0, n, row_chunk):
+        stop = min(n, start + row_chunk)
+        with be.activate():
+            x_parts, (y_indptr, y_indices) = _upload_batch(be, X[start:stop], Y[start:stop])
+            acts = _hidden_forward(be, params, x_parts, stop - start)
+            total += be.to_float(output_layer_loss(be, acts[-1], params[-2], params[-1],
+                                                   y_indptr, y_indices,
+                                                   label_chunk=label_chunk, loss=loss))
+    return total / n

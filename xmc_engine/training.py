@@ -20,14 +20,16 @@ from typing import Any
 import numpy as np
 
 from xmc_engine import progress
-from xmc_engine.config import TRAIN_LOSSES, TrainConfig
+from xmc_engine.config import PLATEAU_FACTOR, PLATEAU_HOLDOUT_ROWS, TRAIN_LOSSES, TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
     ModelShape,
+    heldout_loss,
     init_params_for_data,
     predict_topk,
 )
+from xmc_engine.scheduler.controller import Plateau
 from xmc_engine.validation import normalize_rows
 
 logger = logging.getLogger(__name__)
@@ -102,6 +104,17 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
 
     comm = LocalComm() if one_node else world()  # several nodes: MPI (DESIGN.md §6)
     given = cfg
+    # lr_decay: "auto" resolved by the whole training set's rows (every node the same); the
+    # plateau rule's rows are held out of training before anything else sees them (rank 0's)
+    n_all = (n_samples if comm.size == 1
+             else int(comm.allreduce_sum(np.array([n_samples], dtype=np.int64))[0]))
+    decay = cfg.lr_decay_for(n_all)
+    cfg = dataclasses.replace(cfg, lr_decay=decay)
+    watch = None
+    if decay == "plateau":
+        X, Y, held = hold_out(X, Y, cfg.seed) if comm.is_root else (X, Y, None)
+        n_samples = X.shape[0]
+        watch = _PlateauWatch(Plateau(PLATEAU_FACTOR), held, comm)
     probe = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
@@ -137,6 +150,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         params = [np.asarray(arrays[n], dtype=np.float32) for n in shape.param_names]
         for key in ("epoch", "samples", "train_time"):
             state[key] = meta[key]
+        if watch is not None and "lr_scale" in meta:  # where the plateau rule had got to
+            watch.restore(meta)
         extra = {k: v for k, v in arrays.items() if k not in shape.param_names}
         logger.info("resuming from epoch %s (%s samples)", state["epoch"], state["samples"])
 
@@ -149,8 +164,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                     labels_per_row, cfg.batch_size, cfg.negatives)
     log.write("start", config=given.to_dict(), output=output, loss=cfg.loss,
               algorithm_params=cfg.algorithm_params.to_dict(),
-              lr=cfg.learning_rate,
-              lr_decay=cfg.learning_rate_decay, warmup_epochs=cfg.warmup_epochs,
+              lr=cfg.learning_rate, lr_decay=decay, warmup_epochs=cfg.warmup_epochs,
+              heldout_rows=0 if watch is None or watch.heldout is None
+              else int(watch.heldout[0].shape[0]),
               n_samples=n_samples, n_features=shape.n_features, n_labels=shape.n_labels,
               devices=[d.__dict__ for d in devices], resumed=bool(resume),
               samples=state["samples"], epoch=state["epoch"])
@@ -169,8 +185,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     try:
         if extra:
             restore_trainer(trainer, extra)
+        if watch is not None:
+            watch.apply(trainer)
         driver = _Driver(cfg, trainer, n_samples, state, log, evaluator, ckpts,
-                         checkpoint_every, shape, progress_desc)
+                         checkpoint_every, shape, progress_desc, watch)
         metrics = driver.run()
     finally:
         trainer.close()
@@ -242,6 +260,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     per_row = float(Y.nnz) / n  # the output layer the run itself will train
     epochs = max(1.0, LOSS_PROBE_SAMPLES / len(rows))  # a small set: several epochs
     base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
+                               lr_decay=None if isinstance(cfg.lr_decay, str) else cfg.lr_decay,
                                devices=str(device), algorithm="single", algorithm_params={},
                                output=cfg.output_for(Y.shape[1], per_row))
     logger.info("loss='auto': training each loss for %.3g epochs on %d rows, %d held out ...",
@@ -449,7 +468,9 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                         if known is None else "by the loss probe (its record says how)")
                 log.write("threads", device=str(d), threads=be.threads, note=note)
         replicas.append(rep)
-    schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs, cfg.learning_rate_decay)
+    decay = cfg.lr_decay_for(X.shape[0])  # resolved by fit_model: a number or "plateau"
+    schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs,
+                        0.0 if decay == "plateau" else decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],
                    batch_size=cfg.batch_size, schedule=schedule, seed=cfg.seed, log=log,
                    rejoin_after=opts.rejoin_after, faults=opts.fault, comm=comm,
@@ -500,14 +521,75 @@ def host_params(trainer) -> list[np.ndarray]:
     return [np.array(be.to_host(p), dtype=np.float32) for p in trainer.central_params()]
 
 
+def hold_out(X, Y, seed: int):
+    """``(X_train, Y_train, (X_held, Y_held))``: :data:`~xmc_engine.config.PLATEAU_HOLDOUT_ROWS`
+    rows (a tenth of the rows at most) drawn with ``seed`` and taken out of training, for
+    ``lr_decay="plateau"``. The same rows on every call with the same seed (a resumed run)."""
+    n = X.shape[0]
+    k = min(PLATEAU_HOLDOUT_ROWS, n // 10)
+    if k < 1:
+        raise ConfigError(f"lr_decay='plateau' holds a tenth of the training rows out of "
+                          f"training (at most {PLATEAU_HOLDOUT_ROWS}); {n} rows are too few: "
+                          f"pass a number (e.g. lr_decay=0.5)")
+    order = np.random.default_rng([seed, 0x91A7]).permutation(n)
+    held = np.sort(order[:k])
+    keep = np.sort(order[k:])
+    return X[keep], Y[keep], (X[held], Y[held])
+
+
+class _PlateauWatch:
+    """``lr_decay="plateau"`` in the driver: after each whole epoch the loss of the central model
+    on the held-out rows (rank 0's; ``heldout`` is None on the other nodes), the
+    :class:`~xmc_engine.scheduler.controller.Plateau` rule's multiplier (rank 0's, sent to every
+    node) and the trainer's schedule rescaled by it; a ``plateau`` record each time."""
+
+    def __init__(self, rule: Plateau, heldout, comm):
+        self.rule, self.heldout, self.comm = rule, heldout, comm
+
+    def apply(self, trainer) -> None:
+        trainer.schedule = dataclasses.replace(trainer.schedule, scale=self.rule.scale)
+
+    def after_epoch(self, trainer, epoch: int, log, cfg: TrainConfig) -> float:
+        """Read the held-out loss (``cfg.loss``), update the rule and the schedule; returns the
+        seconds it took."""
+        t0 = time.perf_counter()
+        loss, lowered = None, False
+        if self.heldout is not None:
+            loss = heldout_loss(trainer.replicas[0].backend, trainer.central_params(),
+                                *self.heldout, loss=cfg.loss, label_chunk=cfg.label_chunk)
+            lowered = self.rule.update(loss)
+        if self.comm is not None and self.comm.size > 1:  # rank 0 decides for every node
+            mine = self.rule.scale if self.comm.is_root else 0.0
+            self.rule.scale = float(self.comm.allreduce_sum(np.array([mine]))[0])
+        self.apply(trainer)
+        seconds = time.perf_counter() - t0
+        log.write("plateau", epoch=epoch, heldout_loss=loss, best=self.state()["plateau_best"],
+                  lowered=lowered, lr_scale=self.rule.scale, seconds=seconds)
+        if lowered:
+            logger.info("epoch %d: held-out loss %.4f not below %.4f: learning rate x%g", epoch,
+                        loss, self.rule.best, self.rule.scale)
+        return seconds
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the rule (JSON: the best as None until the first)."""
+        best = self.rule.best
+        return {"lr_scale": self.rule.scale, "plateau_best": best if np.isfinite(best) else None}
+
+    def restore(self, meta: dict) -> None:
+        self.rule.scale = float(meta["lr_scale"])
+        best = meta.get("plateau_best")
+        self.rule.best = float(best) if best is not None else float("inf")
+
+
 class _Driver:
     """The epoch loop around the trainer: evaluation cadence, checkpoints, signals, progress
     bar and run log. It stops the trainer at a barrier (``stop_after``) for each evaluation or
     checkpoint; several nodes always run whole epochs (their periods are aligned)."""
 
     def __init__(self, cfg, trainer, n_samples, state, log, evaluator, ckpts, checkpoint_every,
-                 shape, desc="train"):
+                 shape, desc="train", watch=None):
         self.cfg, self.trainer, self.n, self.desc = cfg, trainer, n_samples, desc
+        self.watch = watch  # lr_decay="plateau": a _PlateauWatch
         self.multi_node = trainer.comm is not None and trainer.comm.size > 1
         # Samples of the open epoch done by earlier calls (a resumed checkpoint may be mid-epoch).
         self.epoch_samples = state["samples"] - int(state["epoch"]) * n_samples
@@ -601,6 +683,8 @@ class _Driver:
         arrays.update(checkpoint_extra(self.trainer))
         meta = {k: self.state[k] for k in ("epoch", "samples", "train_time")}
         meta["loss"] = self.cfg.loss  # what loss="auto" chose: a resumed run keeps it
+        if self.watch is not None:
+            meta.update(self.watch.state())
         self._reset_ckpt_clock()  # a failed write is retried at the next checkpoint, not sooner
         try:
             path = self.ckpts.save(meta, arrays)
@@ -677,6 +761,9 @@ class _Driver:
                 if res["done"]:  # advance first, so that a checkpoint says so
                     epoch += 1
                     st["epoch"], self.epoch_samples = epoch, 0
+                    if self.watch is not None and st["samples"] < total:
+                        # part of training: its seconds count (and are logged apart)
+                        st["train_time"] += self.watch.after_epoch(tr, epoch, self.log, cfg)
                 bar.update(st["samples"] - before)
                 dt = st["train_time"] - t0
                 postfix = {"samples/s": f"{(st['samples'] - before) / dt:.0f}"} if dt else {}

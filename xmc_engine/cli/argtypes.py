@@ -27,6 +27,17 @@ def finite_float(s: str) -> float:
     return v
 
 
+def lr_decay(s: str) -> float | str:
+    """``--lr-decay``: a finite number, ``plateau`` or ``auto``."""
+    if s in ("plateau", "auto"):
+        return s
+    try:
+        return finite_float(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not a number, 'plateau' or 'auto'") from None
+
+
 def positive_float(s: str) -> float:
     """A finite float > 0."""
     v = finite_float(s)

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from xmc_engine.cli.argtypes import finite_float, int_list, positive_int, user_path
+from xmc_engine.cli.argtypes import finite_float, int_list, lr_decay, positive_int, user_path
 from xmc_engine.config import ALGORITHMS, TrainConfig
 from xmc_engine.errors import ConfigError, DataMismatchError, SaveError, XMCError
 from xmc_engine.runlog import LOG_NAME
@@ -31,8 +31,10 @@ _CONFIG_OPTIONS = {
            "adagrad, 0.1 for adagrad with --loss bce, 2.0 for sgd)"),
     "lr_warmup_epochs": ("--lr-warmup-epochs", finite_float,
                          "linear learning-rate warm-up, every algorithm (default 0)"),
-    "lr_decay": ("--lr-decay", finite_float, "decay lambda: lr0/(1+lambda(e-e_warm)) "
-                 "(default: the optimizer's, 0.5 for adagrad, 0 for sgd)"),
+    "lr_decay": ("--lr-decay", lr_decay, "decay lambda: lr0/(1+lambda(e-e_warm)); plateau: "
+                 "halve the rate after an epoch whose loss on 2,000 held-out training rows "
+                 "does not improve; auto (default): plateau with adagrad from 40,000 training "
+                 "rows, else the optimizer's fixed decay (0.5 for adagrad, 0 for sgd)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "

@@ -17,7 +17,7 @@ from xmc_engine.config import BATCH_RULES, LR_SCALINGS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchSizeController", "Schedule", "learning_rate"]
+__all__ = ["BatchSizeController", "Plateau", "Schedule", "learning_rate"]
 
 
 def learning_rate(lr0: float, progress: float, *, warmup_epochs: float = 0.0,
@@ -42,18 +42,45 @@ def learning_rate(lr0: float, progress: float, *, warmup_epochs: float = 0.0,
 class Schedule:
     """The learning-rate schedule of a run, the same for every algorithm (DESIGN.md §4.5).
 
-    ``lr(progress)`` = :func:`learning_rate` ``(lr, progress, warmup_epochs, decay)``; the trainer
-    evaluates it once per period at the progress (epochs) reached at the end of that period.
-    ``warmup_epochs`` also ends the equal-batch warm-up of Adaptive SGD's batch-size control.
+    ``lr(progress)`` = ``scale`` x :func:`learning_rate` ``(lr, progress, warmup_epochs,
+    decay)``; the trainer evaluates it once per period at the progress (epochs) reached at the
+    end of that period. ``warmup_epochs`` also ends the equal-batch warm-up of Adaptive SGD's
+    batch-size control. ``scale`` is what :class:`Plateau` has made of the rate so far (1
+    otherwise); the driver replaces the schedule with a new ``scale`` between epochs.
     """
 
     lr: float
     warmup_epochs: float = 0.0
     decay: float = 0.0
+    scale: float = 1.0
 
     def __call__(self, progress: float) -> float:
-        return learning_rate(self.lr, progress, warmup_epochs=self.warmup_epochs,
-                             decay=self.decay)
+        return self.scale * learning_rate(self.lr, progress, warmup_epochs=self.warmup_epochs,
+                                          decay=self.decay)
+
+
+@dataclass
+class Plateau:
+    """``lr_decay="plateau"``: the rate's multiplier from the held-out loss of each epoch.
+
+    :meth:`update` takes the loss on the held-out rows after an epoch: below ``best`` it becomes
+    the new best and the rate stays; otherwise (level, higher, or not finite) the multiplier
+    ``scale`` is multiplied by ``factor``. Like a fixed decay it lowers the rate where more of it
+    stops helping (the small sets overfit from epoch 1-4, bench/RESULTS.md), and unlike one it
+    leaves the rate alone for as long as every epoch still improves the held-out loss (large
+    data that is far from fitting its training rows)."""
+
+    factor: float = 0.5
+    best: float = math.inf
+    scale: float = 1.0
+
+    def update(self, loss: float) -> bool:
+        """Record one epoch's held-out loss; returns whether the rate was lowered."""
+        if loss < self.best:  # False for NaN: a diverging epoch lowers the rate
+            self.best = float(loss)
+            return False
+        self.scale *= self.factor
+        return True
 
 
 class BatchSizeController:

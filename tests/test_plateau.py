@@ -1,0 +1,142 @@
+"""``lr_decay="plateau"``: the rule (:class:`~xmc_engine.scheduler.controller.Plateau`), the
+held-out loss it reads (:func:`xmc_engine.model.heldout_loss`), and what a run does with both:
+rows held out of training, the rate halved after an epoch that did not improve, the rule's
+state in checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from xmc_engine.datasets import make_synthetic
+
+from xmc_engine import XMCClassifier, training
+from xmc_engine.backends.cpu import CPUBackend
+from xmc_engine.checkpoint import CheckpointManager
+from xmc_engine.cli.argtypes import lr_decay as lr_decay_arg
+from xmc_engine.config import PLATEAU_HOLDOUT_ROWS
+from xmc_engine.errors import ConfigError
+from xmc_engine.model import ModelShape, heldout_loss, init_params
+from xmc_engine.scheduler.controller import Plateau, Schedule
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_synthetic(n_train=600, n_test=100, n_features=300, n_labels=40, seed=3)
+
+
+def test_the_rule_halves_after_an_epoch_that_does_not_improve():
+    rule = Plateau(0.5)
+    steps = [rule.update(v) for v in (3.0, 2.5, 2.5, 2.6, 2.4, float("nan"), 2.3)]
+    # 2.5 again is not below the best: lowered; NaN (a diverging epoch) lowers too
+    assert steps == [False, False, True, True, False, True, False]
+    assert rule.scale == 0.125
+    assert rule.best == 2.3
+
+
+def test_the_schedule_multiplies_its_rate_by_the_scale():
+    base = Schedule(0.1, warmup_epochs=0.0, decay=0.5)
+    assert Schedule(0.1, 0.0, 0.5, scale=0.25)(2.5) == pytest.approx(0.25 * base(2.5))
+
+
+@pytest.mark.parametrize("loss", ["softmax", "bce"])
+@pytest.mark.parametrize("label_chunk", [None, 7])
+def test_heldout_loss_is_the_mean_training_loss_per_row(loss, label_chunk):
+    """Against numpy on the full logits, in row blocks and label chunks that do not divide the
+    sizes; a row without labels adds 0 (as in a training step)."""
+    X, Y, _, _ = make_synthetic(n_train=130, n_test=10, n_features=90, n_labels=30, seed=1)
+    Y = Y.tolil()
+    Y[3, :] = 0
+    Y = Y.tocsr()
+    rng = np.random.default_rng(0)
+    W = [w + 0.1 * rng.standard_normal(w.shape).astype(np.float32)
+         for w in init_params(ModelShape(90, 30, (16,)), seed=1)]
+    got = heldout_loss(CPUBackend(), W, X, Y, loss=loss, label_chunk=label_chunk, row_chunk=32)
+    Z = (np.maximum(X @ W[0] + W[1], 0) @ W[2] + W[3]).astype(np.float64)
+    Yd = Y.toarray()
+    has = Yd.sum(1) > 0
+    if loss == "bce":
+        per_row = (np.logaddexp(0, Z) - Yd * Z).sum(1)
+    else:
+        m = Z.max(1)
+        lse = m + np.log(np.exp(Z - m[:, None]).sum(1))
+        per_row = lse - (Yd * Z).sum(1) / np.maximum(Yd.sum(1), 1)
+    assert got == pytest.approx(np.where(has, per_row, 0.0).mean(), rel=1e-5)
+
+
+def _records(m, event):
+    return [r for r in m.history_ if r["event"] == event]
+
+
+@pytest.mark.parametrize("algorithm, devices", [("single", "cpu"), ("adaptive", "cpu,cpu@0.5")])
+def test_a_plateau_run_holds_rows_out_and_halves_the_rate(small, monkeypatch, algorithm,
+                                                           devices):
+    """The held-out losses are scripted: 3.0, 2.5 (better), 2.6 (not): the rate of epoch 3 is
+    half that of epochs 0-2, epoch 4 a quarter after another 2.6; no decay by the epoch. The
+    same on several devices (the central model is read at the epoch's last merge)."""
+    X, Y, _, _ = small
+    seen = iter([3.0, 2.5, 2.6, 2.6])
+    calls = []
+
+    def scripted(be, params, Xh, Yh, **kw):
+        calls.append((Xh.shape[0], kw["loss"]))
+        return next(seen)
+
+    monkeypatch.setattr(training, "heldout_loss", scripted)
+    m = XMCClassifier(epochs=5, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax", algorithm=algorithm, devices=devices).fit(X, Y)
+    start = _records(m, "start")[0]
+    held = min(PLATEAU_HOLDOUT_ROWS, X.shape[0] // 10)
+    assert start["lr_decay"] == "plateau" and start["heldout_rows"] == held
+    assert m.n_train_ == X.shape[0] - held
+    assert calls == [(held, "softmax")] * 4  # after epochs 1-4, not after the last
+    plateau = _records(m, "plateau")
+    assert [r["lowered"] for r in plateau] == [False, False, True, True]
+    assert [r["lr_scale"] for r in plateau] == [1.0, 1.0, 0.5, 0.25]
+    lrs = {(r["epoch"], r["lr"]) for r in _records(m, "merge")}
+    assert sorted(lrs) == pytest.approx([(0, 0.05), (1, 0.05), (2, 0.05), (3, 0.025),
+                                         (4, 0.0125)])
+
+
+def test_the_heldout_rows_are_the_same_for_a_seed_and_never_trained_on(small):
+    X, Y, _, _ = small
+    Xa, _, (Xh, _) = training.hold_out(X, Y, seed=4)
+    Xb, _, (Xh2, _) = training.hold_out(X, Y, seed=4)
+    assert (Xh != Xh2).nnz == 0 and (Xa != Xb).nnz == 0
+    assert Xa.shape[0] + Xh.shape[0] == X.shape[0]
+    rows = {tuple(r.indices) + tuple(r.data) for r in X}
+    assert len(rows) == X.shape[0]  # distinct rows, so that membership below is exact
+    trained = {tuple(r.indices) + tuple(r.data) for r in Xa}
+    assert not trained & {tuple(r.indices) + tuple(r.data) for r in Xh}
+
+
+def test_too_few_rows_for_the_plateau_rule_is_named(small):
+    X, Y, _, _ = small
+    with pytest.raises(ConfigError, match="9 rows are too few"):
+        XMCClassifier(epochs=2, threads=1, lr_decay="plateau").fit(X[:9], Y[:9])
+
+
+def test_a_checkpoint_keeps_the_rules_state_and_a_resume_restores_it(small, tmp_path,
+                                                                       monkeypatch):
+    X, Y, _, _ = small
+    monkeypatch.setattr(training, "heldout_loss", lambda *a, **k: 1.0)  # never improves
+    kw = dict(threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax",
+              log_dir=tmp_path / "run", checkpoint_every=X.shape[0] // 2)
+    XMCClassifier(epochs=3, **kw).fit(X, Y)
+    arrays, meta = CheckpointManager(tmp_path / "run").latest_valid()
+    assert meta["lr_scale"] == 0.5 and meta["plateau_best"] == 1.0  # after epochs 1 and 2
+    # the resumed run goes on at half the rate, and halves it again after epoch 4 (the first
+    # run ended after epoch 3, where there was nothing left to schedule)
+    m = XMCClassifier(epochs=5, **kw).fit(X, Y, resume=True)
+    assert [r["lr_scale"] for r in _records(m, "plateau")][-1] == 0.25
+    lrs = {r["epoch"]: r["lr"] for r in _records(m, "merge")}
+    assert [lrs[3], lrs[4]] == pytest.approx([0.05 * 0.5, 0.05 * 0.25])
+
+
+def test_the_cli_type_takes_numbers_and_the_two_names():
+    assert lr_decay_arg("0.25") == 0.25
+    assert lr_decay_arg("plateau") == "plateau" and lr_decay_arg("auto") == "auto"
+    with pytest.raises(Exception, match="'fast' is not a number, 'plateau' or 'auto'"):
+        lr_decay_arg("fast")
+    assert not math.isnan(lr_decay_arg("0"))
