@@ -27,6 +27,15 @@ def test_print_config_and_config_file(tmp_path):
     assert bad.returncode == 2 and "unknown key" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_lr_decay_takes_a_number_or_a_rule_name():
+    for given, want in (("0.25", 0.25), ("plateau", "plateau"), ("auto", "auto")):
+        cfg = json.loads(run_cli("train", "--print-config", "--lr-decay", given).stdout)
+        assert cfg["lr_decay"] == want
+    assert json.loads(run_cli("train", "--print-config").stdout)["lr_decay"] == "auto"
+    bad = run_cli("train", "--print-config", "--lr-decay", "slow", check=False)
+    assert bad.returncode == 2 and "'slow' is not a number, 'plateau' or 'auto'" in bad.stderr
+
+
 def test_train_evaluate_predict_plot(files, tmp_path):
     run = tmp_path / "run"
     out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 4, "--batch-size", 32,

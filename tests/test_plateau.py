@@ -140,3 +140,21 @@ def test_the_cli_type_takes_numbers_and_the_two_names():
     with pytest.raises(Exception, match="'fast' is not a number, 'plateau' or 'auto'"):
         lr_decay_arg("fast")
     assert not math.isnan(lr_decay_arg("0"))
+
+
+def test_the_memory_plan_counts_the_plateau_rules_copy_and_workspace():
+    """From PLATEAU_MIN_ROWS rows the default holds rows out (a copy of the kept ones on the
+    host, the loss's logits block on the device); a fixed decay plans neither."""
+    from xmc_engine.config import HELDOUT_LOGITS, PLATEAU_MIN_ROWS, TrainConfig
+    from xmc_engine.memory import plan_memory
+
+    shape = dict(n_features=100, n_labels=50, nnz=10 * PLATEAU_MIN_ROWS,
+                 label_nnz=2 * PLATEAU_MIN_ROWS, budget="8GiB")
+    items = plan_memory(TrainConfig(), n_samples=PLATEAU_MIN_ROWS, **shape).pools[0].items
+    assert items["held-out loss workspace (plateau)"] == 4 * HELDOUT_LOGITS
+    copy = items["training rows apart from the plateau's held-out ones (a copy)"]
+    assert copy == items["training data (CSR X, Y)"]
+    for cfg, n in ((TrainConfig(lr_decay=0.5), PLATEAU_MIN_ROWS),
+                   (TrainConfig(), PLATEAU_MIN_ROWS - 1)):
+        assert not any("plateau" in k for k in plan_memory(cfg, n_samples=n,
+                                                           **shape).pools[0].items)

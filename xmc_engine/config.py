@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_LR_DECAY",
     "EVAL_ROWS",
     "FLAG_RULES",
+    "HELDOUT_LOGITS",
     "LOSSES",
     "LOSS_PROBE_HELDOUT",
     "LOSS_PROBE_MIN_ROWS",
@@ -125,6 +126,9 @@ PLATEAU_HOLDOUT_ROWS = 2_000
 #: many training rows (where the held-out rows are at most 5 % of them), the fixed decay of
 #: :data:`DEFAULT_LR_DECAY` below, where holding rows out costs more than the rule gains.
 PLATEAU_MIN_ROWS = 40_000
+#: Logits a block of :func:`xmc_engine.model.heldout_loss` holds at most (rows x label chunk,
+#: 64 MiB): the plateau rule's workspace.
+HELDOUT_LOGITS = 1 << 24
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).

@@ -27,11 +27,13 @@ On device 0 (where the central model lives and evaluation runs):
   and a spare, i.e. ``4 P`` with momentum, ``2 P`` without; average: ``2 P``; other baselines:
   ``3 P``; single: none);
 - ``evaluation``: the prediction workspace, ``4096 x n_labels`` floats (or ``4096 x
-  label_chunk``), when a held-out set is evaluated.
+  label_chunk``), when a held-out set is evaluated; with ``lr_decay="plateau"`` (or ``"auto"``
+  resolving to it) the held-out loss's logits block too (:data:`xmc_engine.config.HELDOUT_LOGITS`).
 
 On the host, shared by every device: the data (CSR ``X`` and ``Y`` of the training set and of the
 held-out set: 4-byte values and indices, 8-byte ``indptr``), with ``normalize="l2"`` a second
-copy of the feature values (made only where some row's norm is not 1; counted always), and two
+copy of the feature values (made only where some row's norm is not 1; counted always), with the
+plateau schedule a copy of the training rows it does not hold out, and two
 host copies of the parameters (the initial model, and the copy taken for checkpoints and the
 result); and the process itself (:data:`RUNTIME_BYTES`: the interpreter, the libraries and the
 compiled kernels, a constant measured on the development machine).
@@ -50,7 +52,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from xmc_engine.config import EVAL_ROWS
+from xmc_engine.config import EVAL_ROWS, HELDOUT_LOGITS
 from xmc_engine.errors import ConfigError, MemoryPlanError
 
 logger = logging.getLogger(__name__)
@@ -289,6 +291,10 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
             _csr_bytes(n_test, test_nnz) + _csr_bytes(n_test, test_label_nnz))
     if cfg.normalize == "l2":  # at most: nothing is copied when every row has norm 1
         add(host, "normalised row values (at most)", int((nnz + test_nnz) * F32))
+    if cfg.lr_decay_for(n_samples) == "plateau":  # training.hold_out copies the rows it keeps
+        add(host, "training rows apart from the plateau's held-out ones (a copy)",
+            _csr_bytes(n_samples, nnz) + _csr_bytes(n_samples, label_nnz))
+        add(p0, "held-out loss workspace (plateau)", HELDOUT_LOGITS * F32)
     add(host, "host parameter copies (2 x P)", 2 * P)
     add(host, RUNTIME_ITEM, RUNTIME_BYTES)
     settings = {"n_samples": int(n_samples), "n_features": int(n_features),

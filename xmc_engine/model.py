@@ -28,7 +28,14 @@ import numpy as np
 import scipy.sparse as sp
 
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
-from xmc_engine.config import EVAL_ROWS, NEGATIVE_SAMPLING, OPTIMIZERS, TRAIN_LOSSES, TrainConfig
+from xmc_engine.config import (
+    EVAL_ROWS,
+    HELDOUT_LOGITS,
+    NEGATIVE_SAMPLING,
+    OPTIMIZERS,
+    TRAIN_LOSSES,
+    TrainConfig,
+)
 from xmc_engine.output_layer import (
     FrequencyProposal,
     LSHProposal,
@@ -735,18 +742,15 @@ def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,
     return labels, scores
 
 
-#: Logits a block of :func:`heldout_loss` holds at most (``row_chunk x label chunk``, 64 MiB).
-HELDOUT_LOGITS = 1 << 24
-
-
 def heldout_loss(be, params, X, Y, *, loss: str = "softmax", label_chunk: int | None = None,
                  row_chunk: int = 512) -> float:
     """The training loss (``loss``: the softmax against each row's labels, or the logistic
     loss over every label) per row of host CSR ``X``, ``Y`` under ``params``, over the full
     output layer whatever the training's ``output``; computed in blocks of ``row_chunk`` rows
     and ``label_chunk`` labels (``None``: as many as keep a block within
-    :data:`HELDOUT_LOGITS`; :func:`xmc_engine.output_layer.output_layer_loss`). What the
-    plateau schedule reads (``TrainConfig.lr_decay="plateau"``)."""
+    :data:`~xmc_engine.config.HELDOUT_LOGITS`;
+    :func:`xmc_engine.output_layer.output_layer_loss`). What the plateau schedule reads
+    (``TrainConfig.lr_decay="plateau"``)."""
     X, Y = X.tocsr(), Y.tocsr()
     n = X.shape[0]
     if n == 0:
