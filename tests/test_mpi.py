@@ -227,3 +227,27 @@ def test_bad_fault_spec_names_the_variable(monkeypatch):
     assert _parse_fault("1:3:hang") == (1, 3, "hang")
     with pytest.raises(ConfigError, match="XMC_MPI_FAULT"):
         _parse_fault("1:0:raise")
+
+
+@needs_mpi
+def test_two_ranks_follow_rank_0s_plateau_rule(tmp_path):
+    """``--lr-decay plateau`` across ranks: rank 0 holds out a tenth of its shard, reads the
+    held-out loss after each epoch and sends its multiplier to every rank (an all-reduce to
+    which the others add 0: were theirs added too, rank 0's rate below would be doubled)."""
+    data = _tiny_xc(tmp_path / "train.txt")
+    out = tmp_path / "run"
+    p, _ = _run(2, ["-m", "xmc_engine", "train", "--data", str(data), "--algorithm", "adaptive",
+                    "--devices", "cpu", "--epochs", "3", "--batch-size", "32", "--lr", "0.5",
+                    "--loss", "softmax", "--lr-decay", "plateau", "--threads", "1",
+                    "--out", str(out)], timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    start = next(r for r in recs if r["event"] == "start")
+    assert start["lr_decay"] == "plateau" and start["heldout_rows"] == 30  # 300 // 10
+    assert start["n_samples"] == 600 - 30
+    plateau = [r for r in recs if r["event"] == "plateau"]
+    assert [r["epoch"] for r in plateau] == [1, 2]
+    assert all(r["heldout_loss"] is not None and r["seconds"] >= 0 for r in plateau)
+    lrs = {r["epoch"]: r["lr"] for r in recs if r["event"] == "merge"}
+    scales = [1.0] + [r["lr_scale"] for r in plateau]
+    assert [lrs[e] for e in range(3)] == pytest.approx([0.5 * s for s in scales])

@@ -10,8 +10,10 @@ not know. The events the engine writes:
     Once, first. ``config`` (the full run configuration as a JSON object), ``algorithm``
     (``"adaptive"``, ``"sync"``, ``"average"``, ``"easgd"``, ``"crossbow"``, ``"single"``),
     ``devices`` (the device spec string), ``dataset``, ``n_samples``, ``n_features``,
-    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions), ``lr`` and
-    ``warmup_epochs`` (the values in effect, defaults resolved), ``loss`` (the loss trained:
+    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions), ``lr``,
+    ``lr_decay`` (a number, or ``"plateau"``) and ``warmup_epochs`` (the values in effect,
+    defaults resolved), ``heldout_rows`` (the training rows the plateau rule holds out of
+    training, 0 without it; ``n_samples`` counts the rest), ``loss`` (the loss trained:
     ``config``'s, or what ``"auto"`` chose), ``algorithm_params`` (the algorithm's options in
     effect, ``"auto"`` ones resolved: ``adaptive``'s ``weights_from_epoch``).
 ``loss_probe``
@@ -36,6 +38,12 @@ not know. The events the engine writes:
     After each evaluation. ``epoch`` (float, epochs of training data consumed), ``samples`` (int,
     training samples consumed), ``train_time`` (training seconds only; evaluation excluded),
     ``eval_time`` (seconds this evaluation took), ``metrics`` (``{"P@1": ..., ...}``).
+``plateau``
+    With ``lr_decay="plateau"``, after each whole epoch but the last: ``epoch`` (epochs done),
+    ``heldout_loss`` (the central model's mean loss on the held-out rows; ``null`` on MPI ranks
+    other than 0), ``best`` (the lowest so far), ``lowered`` (whether the rate was just
+    multiplied by ``PLATEAU_FACTOR``), ``lr_scale`` (the multiplier now in effect), ``seconds``
+    (the evaluation's time, counted in ``train_time``).
 ``merge``
     After each merge period (Adaptive SGD and the averaging baselines). ``merge`` (index),
     ``epoch``, ``samples``, ``train_time``, ``lr``, ``devices``: a list with one object per
