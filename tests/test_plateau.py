@@ -1,5 +1,5 @@
 """``lr_decay="plateau"``: the rule (:class:`~xmc_engine.scheduler.controller.Plateau`), the
-held-out loss it reads (:func:`xmc_engine.model.heldout_loss`), and what a run does with both:
+held-out P@1 it reads (:func:`xmc_engine.model.heldout_p1`), and what a run does with both:
 rows held out of training, the rate halved after an epoch that did not improve, the rule's
 state in checkpoints."""
 
@@ -17,7 +17,7 @@ from xmc_engine.checkpoint import CheckpointManager
 from xmc_engine.cli.argtypes import lr_decay as lr_decay_arg
 from xmc_engine.config import PLATEAU_HOLDOUT_ROWS
 from xmc_engine.errors import ConfigError
-from xmc_engine.model import ModelShape, heldout_loss, init_params
+from xmc_engine.model import ModelShape, heldout_p1, init_params
 from xmc_engine.scheduler.controller import Plateau, Schedule
 
 
@@ -40,29 +40,22 @@ def test_the_schedule_multiplies_its_rate_by_the_scale():
     assert Schedule(0.1, 0.0, 0.5, scale=0.25)(2.5) == pytest.approx(0.25 * base(2.5))
 
 
-@pytest.mark.parametrize("loss", ["softmax", "bce"])
-@pytest.mark.parametrize("label_chunk", [None, 7])
-def test_heldout_loss_is_the_mean_training_loss_per_row(loss, label_chunk):
+def test_heldout_p1_is_the_top_label_hit_rate(small):
     """Against numpy on the full logits, in row blocks and label chunks that do not divide the
-    sizes; a row without labels adds 0 (as in a training step)."""
-    X, Y, _, _ = make_synthetic(n_train=130, n_test=10, n_features=90, n_labels=30, seed=1)
+    sizes; a row without labels counts 0 (as in the evaluation)."""
+    X, Y, _, _ = small
     Y = Y.tolil()
     Y[3, :] = 0
     Y = Y.tocsr()
     rng = np.random.default_rng(0)
     W = [w + 0.1 * rng.standard_normal(w.shape).astype(np.float32)
-         for w in init_params(ModelShape(90, 30, (16,)), seed=1)]
-    got = heldout_loss(CPUBackend(), W, X, Y, loss=loss, label_chunk=label_chunk, row_chunk=32)
-    Z = (np.maximum(X @ W[0] + W[1], 0) @ W[2] + W[3]).astype(np.float64)
-    Yd = Y.toarray()
-    has = Yd.sum(1) > 0
-    if loss == "bce":
-        per_row = (np.logaddexp(0, Z) - Yd * Z).sum(1)
-    else:
-        m = Z.max(1)
-        lse = m + np.log(np.exp(Z - m[:, None]).sum(1))
-        per_row = lse - (Yd * Z).sum(1) / np.maximum(Yd.sum(1), 1)
-    assert got == pytest.approx(np.where(has, per_row, 0.0).mean(), rel=1e-5)
+         for w in init_params(ModelShape(X.shape[1], Y.shape[1], (16,)), seed=1)]
+    top = (np.maximum(X @ W[0] + W[1], 0) @ W[2] + W[3]).argmax(axis=1)
+    want = float(np.mean(Y.toarray()[np.arange(X.shape[0]), top]))
+    for label_chunk in (None, 7):
+        got = heldout_p1(CPUBackend(), W, X, Y, label_chunk=label_chunk, row_chunk=64)
+        assert got == pytest.approx(want)
+    assert 0 < want < 1
 
 
 def _records(m, event):
@@ -72,25 +65,25 @@ def _records(m, event):
 @pytest.mark.parametrize("algorithm, devices", [("single", "cpu"), ("adaptive", "cpu,cpu@0.5")])
 def test_a_plateau_run_holds_rows_out_and_halves_the_rate(small, monkeypatch, algorithm,
                                                            devices):
-    """The held-out losses are scripted: 3.0, 2.5 (better), 2.6 (not): the rate of epoch 3 is
-    half that of epochs 0-2, epoch 4 a quarter after another 2.6; no decay by the epoch. The
-    same on several devices (the central model is read at the epoch's last merge)."""
+    """The held-out P@1 is scripted: 0.30, 0.35 (better), 0.35 (not): the rate of epoch 3 is
+    half that of epochs 0-2, epoch 4 a quarter after 0.34; no decay by the epoch. The same on
+    several devices (the central model is read at the epoch's last merge)."""
     X, Y, _, _ = small
-    seen = iter([3.0, 2.5, 2.6, 2.6])
+    seen = iter([0.30, 0.35, 0.35, 0.34])
     calls = []
 
     def scripted(be, params, Xh, Yh, **kw):
-        calls.append((Xh.shape[0], kw["loss"]))
+        calls.append(Xh.shape[0])
         return next(seen)
 
-    monkeypatch.setattr(training, "heldout_loss", scripted)
+    monkeypatch.setattr(training, "heldout_p1", scripted)
     m = XMCClassifier(epochs=5, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
                       loss="softmax", algorithm=algorithm, devices=devices).fit(X, Y)
     start = _records(m, "start")[0]
     held = min(PLATEAU_HOLDOUT_ROWS, X.shape[0] // 10)
     assert start["lr_decay"] == "plateau" and start["heldout_rows"] == held
     assert m.n_train_ == X.shape[0] - held
-    assert calls == [(held, "softmax")] * 4  # after epochs 1-4, not after the last
+    assert calls == [held] * 4  # after epochs 1-4, not after the last
     plateau = _records(m, "plateau")
     assert [r["lowered"] for r in plateau] == [False, False, True, True]
     assert [r["lr_scale"] for r in plateau] == [1.0, 1.0, 0.5, 0.25]
@@ -120,12 +113,13 @@ def test_too_few_rows_for_the_plateau_rule_is_named(small):
 def test_a_checkpoint_keeps_the_rules_state_and_a_resume_restores_it(small, tmp_path,
                                                                        monkeypatch):
     X, Y, _, _ = small
-    monkeypatch.setattr(training, "heldout_loss", lambda *a, **k: 1.0)  # never improves
+    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)  # never improves
     kw = dict(threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax",
               log_dir=tmp_path / "run", checkpoint_every=X.shape[0] // 2)
     XMCClassifier(epochs=3, **kw).fit(X, Y)
     arrays, meta = CheckpointManager(tmp_path / "run").latest_valid()
-    assert meta["lr_scale"] == 0.5 and meta["plateau_best"] == 1.0  # after epochs 1 and 2
+    assert meta["lr_scale"] == 0.5  # after epochs 1 and 2
+    assert meta["plateau_best_p1"] == pytest.approx(0.4)
     # the resumed run goes on at half the rate, and halves it again after epoch 4 (the first
     # run ended after epoch 3, where there was nothing left to schedule)
     m = XMCClassifier(epochs=5, **kw).fit(X, Y, resume=True)
@@ -151,7 +145,7 @@ def test_the_memory_plan_counts_the_plateau_rules_copy_and_workspace():
     shape = dict(n_features=100, n_labels=50, nnz=10 * PLATEAU_MIN_ROWS,
                  label_nnz=2 * PLATEAU_MIN_ROWS, budget="8GiB")
     items = plan_memory(TrainConfig(), n_samples=PLATEAU_MIN_ROWS, **shape).pools[0].items
-    assert items["held-out loss workspace (plateau)"] == 4 * HELDOUT_LOGITS
+    assert items["held-out P@1 workspace (plateau)"] == 4 * HELDOUT_LOGITS
     copy = items["training rows apart from the plateau's held-out ones (a copy)"]
     assert copy == items["training data (CSR X, Y)"]
     for cfg, n in ((TrainConfig(lr_decay=0.5), PLATEAU_MIN_ROWS),

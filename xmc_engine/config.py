@@ -117,8 +117,8 @@ DEFAULT_LR_BCE = {"sgd": DEFAULT_LR["sgd"], "adagrad": 0.1}
 #: decay, which overfits on the small sets). SGD (the paper's, not in that study) keeps none.
 DEFAULT_LR_DECAY = {"sgd": 0.0, "adagrad": 0.5}
 #: ``TrainConfig.lr_decay="plateau"``: the rate is multiplied by ``PLATEAU_FACTOR`` after every
-#: epoch whose mean loss on ``PLATEAU_HOLDOUT_ROWS`` training rows held out of training (drawn
-#: with the run's seed) is not below the best of the epochs before
+#: epoch whose P@1 on ``PLATEAU_HOLDOUT_ROWS`` training rows held out of training (drawn with
+#: the run's seed) is not above the best of the epochs before
 #: (:class:`~xmc_engine.scheduler.controller.Plateau`).
 PLATEAU_FACTOR = 0.5
 PLATEAU_HOLDOUT_ROWS = 2_000
@@ -126,7 +126,7 @@ PLATEAU_HOLDOUT_ROWS = 2_000
 #: many training rows (where the held-out rows are at most 5 % of them), the fixed decay of
 #: :data:`DEFAULT_LR_DECAY` below, where holding rows out costs more than the rule gains.
 PLATEAU_MIN_ROWS = 40_000
-#: Logits a block of :func:`xmc_engine.model.heldout_loss` holds at most (rows x label chunk,
+#: Logits a block of :func:`xmc_engine.model.heldout_p1` holds at most (rows x label chunk,
 #: 64 MiB): the plateau rule's workspace.
 HELDOUT_LOGITS = 1 << 24
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.
@@ -594,8 +594,8 @@ class TrainConfig(ConfigMixin):
         ``lr / (1 + lr_decay (e − e_warm))`` over whole epochs ``e``. ``lr=None``: the
         optimizer's :data:`DEFAULT_LR`, or :data:`DEFAULT_LR_BCE` with ``loss="bce"``
         (:attr:`learning_rate`). ``lr_decay`` may also be ``"plateau"``: no decay by the
-        epoch, but the rate halves (:data:`PLATEAU_FACTOR`) after every epoch whose loss on
-        :data:`PLATEAU_HOLDOUT_ROWS` training rows held out of training is not below the best
+        epoch, but the rate halves (:data:`PLATEAU_FACTOR`) after every epoch whose P@1 on
+        :data:`PLATEAU_HOLDOUT_ROWS` training rows held out of training is not above the best
         so far (the run log's ``plateau`` records; that evaluation counts as training time).
         ``"auto"``, the default: ``"plateau"`` with Adagrad on data of at least
         :data:`PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed decay; ``None``: the

@@ -106,8 +106,8 @@ class XMCClassifier:
         ``loss="bce"`` :data:`~xmc_engine.config.DEFAULT_LR_BCE`: 0.1 for Adagrad).
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
         the schedule of every algorithm (``lr_warmup_epochs=None``: the algorithm's own,
-        none by default). ``lr_decay="plateau"``: the rate halves after every epoch whose loss
-        on 2,000 training rows held out of training is not below the best so far;
+        none by default). ``lr_decay="plateau"``: the rate halves after every epoch whose P@1
+        on 2,000 training rows held out of training is not above the best so far;
         ``"auto"`` (the default): ``"plateau"`` with Adagrad from
         :data:`xmc_engine.config.PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed
         decay; ``None``: that fixed decay, :data:`xmc_engine.config.DEFAULT_LR_DECAY` (0.5 for

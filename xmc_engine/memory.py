@@ -28,7 +28,7 @@ On device 0 (where the central model lives and evaluation runs):
   ``3 P``; single: none);
 - ``evaluation``: the prediction workspace, ``4096 x n_labels`` floats (or ``4096 x
   label_chunk``), when a held-out set is evaluated; with ``lr_decay="plateau"`` (or ``"auto"``
-  resolving to it) the held-out loss's logits block too (:data:`xmc_engine.config.HELDOUT_LOGITS`).
+  resolving to it) the held-out P@1's logits block too (:data:`xmc_engine.config.HELDOUT_LOGITS`).
 
 On the host, shared by every device: the data (CSR ``X`` and ``Y`` of the training set and of the
 held-out set: 4-byte values and indices, 8-byte ``indptr``), with ``normalize="l2"`` a second
@@ -294,7 +294,7 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     if cfg.lr_decay_for(n_samples) == "plateau":  # training.hold_out copies the rows it keeps
         add(host, "training rows apart from the plateau's held-out ones (a copy)",
             _csr_bytes(n_samples, nnz) + _csr_bytes(n_samples, label_nnz))
-        add(p0, "held-out loss workspace (plateau)", HELDOUT_LOGITS * F32)
+        add(p0, "held-out P@1 workspace (plateau)", HELDOUT_LOGITS * F32)
     add(host, "host parameter copies (2 x P)", 2 * P)
     add(host, RUNTIME_ITEM, RUNTIME_BYTES)
     settings = {"n_samples": int(n_samples), "n_features": int(n_features),

@@ -36,12 +36,7 @@ from xmc_engine.config import (
     TRAIN_LOSSES,
     TrainConfig,
 )
-from xmc_engine.output_layer import (
-    FrequencyProposal,
-    LSHProposal,
-    output_layer_loss,
-    sample_candidates,
-)
+from xmc_engine.output_layer import FrequencyProposal, LSHProposal, sample_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -742,27 +737,17 @@ def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,
     return labels, scores
 
 
-def heldout_loss(be, params, X, Y, *, loss: str = "softmax", label_chunk: int | None = None,
-                 row_chunk: int = 512) -> float:
-    """The training loss (``loss``: the softmax against each row's labels, or the logistic
-    loss over every label) per row of host CSR ``X``, ``Y`` under ``params``, over the full
-    output layer whatever the training's ``output``; computed in blocks of ``row_chunk`` rows
-    and ``label_chunk`` labels (``None``: as many as keep a block within
-    :data:`~xmc_engine.config.HELDOUT_LOGITS`;
-    :func:`xmc_engine.output_layer.output_layer_loss`). What the plateau schedule reads
-    (``TrainConfig.lr_decay="plateau"``)."""
-    X, Y = X.tocsr(), Y.tocsr()
-    n = X.shape[0]
-    if n == 0:
-        raise ValueError("heldout_loss needs at least one row")
+
+def heldout_p1(be, params, X, Y, *, label_chunk: int | None = None,
+               row_chunk: int = 512) -> float:
+    """P@1 of ``params`` on host CSR ``X``, ``Y`` (a row without labels counts 0), by
+    :func:`predict_topk` in blocks of ``row_chunk`` rows and ``label_chunk`` labels (``None``: as
+    many as keep a block within :data:`~xmc_engine.config.HELDOUT_LOGITS`). What the plateau
+    schedule reads (``TrainConfig.lr_decay="plateau"``)."""
+    from xmc_engine.metrics import evaluate
+
+    if X.shape[0] == 0:
+        raise ValueError("heldout_p1 needs at least one row")
     label_chunk = label_chunk or max(1, HELDOUT_LOGITS // row_chunk)
-    total = 0.0
-    for start in range(0, n, row_chunk):
-        stop = min(n, start + row_chunk)
-        with be.activate():
-            x_parts, (y_indptr, y_indices) = _upload_batch(be, X[start:stop], Y[start:stop])
-            acts = _hidden_forward(be, params, x_parts, stop - start)
-            total += be.to_float(output_layer_loss(be, acts[-1], params[-2], params[-1],
-                                                   y_indptr, y_indices,
-                                                   label_chunk=label_chunk, loss=loss))
-    return total / n
+    top, _ = predict_topk(be, params, X, 1, row_chunk=row_chunk, label_chunk=label_chunk)
+    return float(evaluate(top, Y, ks=(1,))["P@1"])

@@ -19,7 +19,6 @@ dH_out : (B, n_hidden) float32            gradient w.r.t. H (computed with W2 BE
 Loss and gradient: :mod:`xmc_engine.kernels.output_layer` (the softmax cross-entropy) or
 :mod:`xmc_engine.kernels.bce_output` (``loss="bce"``, the one-vs-all logistic loss); mean over the
 ``B`` rows of the batch, ``scale = 1/B``; the summed, unscaled loss is returned.
-:func:`output_layer_loss` is the same loss without gradient or update (the forward GEMMs only).
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ from numba import njit
 
 from xmc_engine.config import TRAIN_LOSSES
 
-__all__ = ["FrequencyProposal", "LSHProposal", "output_layer_grad", "output_layer_loss",
-           "output_layer_step", "predict_scores_topk", "sample_candidates", "sampled_output_grad"]
+__all__ = ["FrequencyProposal", "LSHProposal", "output_layer_grad", "output_layer_step",
+           "predict_scores_topk", "sample_candidates", "sampled_output_grad"]
 
 _F32 = np.float32
 
@@ -104,32 +103,6 @@ def output_layer_grad(backend, H, W2, b2, y_indptr, y_indices, *, dH_out=None, d
     total = _output_layer(backend, H, W2, b2, y_indptr, y_indices, 0.0, dH_out, dW2_out,
                           db2_out, label_chunk, loss)
     return total, dW2_out, db2_out, dH_out
-
-
-def output_layer_loss(be, H, W2, b2, y_indptr, y_indices, *, label_chunk: int | None = None,
-                      loss: str = "softmax") -> float:
-    """The summed loss of the rows of ``H`` (what :func:`output_layer_step` would return on
-    them), without gradient or update: one logits GEMM per label chunk and the loss kernels'
-    forward part (the softmax's row statistics over every chunk, or each chunk's logistic
-    loss). A row without labels adds 0 to the softmax loss."""
-    B = H.shape[0]
-    if B == 0:
-        return 0.0
-    C, chunks = _chunks(W2.shape[1], label_chunk)
-    if is_bce(loss):
-        total = 0.0
-        for c0, c1 in chunks:
-            Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
-            be.matmul(H, W2[:, c0:c1], Zc)
-            db2c = be.workspace("db2_loss", (C,))[: c1 - c0]  # the kernel's bias sums: unused
-            total += be.bce_bias(Zc, b2[c0:c1], c0, y_indptr, y_indices, 1.0, db2c)
-        return total
-    m, s, ysum = be.row_stats(B)
-    for c0, c1 in chunks:
-        Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
-        be.matmul(H, W2[:, c0:c1], Zc)
-        be.chunk_stats(Zc, b2[c0:c1], c0, y_indptr, y_indices, m, s, ysum)
-    return be.chunk_loss(m, s, ysum, y_indptr)[0]
 
 
 def _output_layer(be, H, W2, b2, y_indptr, y_indices, lr, dH_out, dW2_out, db2_out,

@@ -40,8 +40,8 @@ not know. The events the engine writes:
     ``eval_time`` (seconds this evaluation took), ``metrics`` (``{"P@1": ..., ...}``).
 ``plateau``
     With ``lr_decay="plateau"``, after each whole epoch but the last: ``epoch`` (epochs done),
-    ``heldout_loss`` (the central model's mean loss on the held-out rows; ``null`` on MPI ranks
-    other than 0), ``best`` (the lowest so far), ``lowered`` (whether the rate was just
+    ``heldout_p1`` (the central model's P@1 on the held-out rows; ``null`` on MPI ranks other
+    than 0), ``best_p1`` (the highest so far), ``lowered`` (whether the rate was just
     multiplied by ``PLATEAU_FACTOR``), ``lr_scale`` (the multiplier now in effect), ``seconds``
     (the evaluation's time, counted in ``train_time``).
 ``merge``

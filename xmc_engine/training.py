@@ -25,7 +25,7 @@ from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
     ModelShape,
-    heldout_loss,
+    heldout_p1,
     init_params_for_data,
     predict_topk,
 )
@@ -538,10 +538,11 @@ def hold_out(X, Y, seed: int):
 
 
 class _PlateauWatch:
-    """``lr_decay="plateau"`` in the driver: after each whole epoch the loss of the central model
-    on the held-out rows (rank 0's; ``heldout`` is None on the other nodes), the
-    :class:`~xmc_engine.scheduler.controller.Plateau` rule's multiplier (rank 0's, sent to every
-    node) and the trainer's schedule rescaled by it; a ``plateau`` record each time."""
+    """``lr_decay="plateau"`` in the driver: after each whole epoch the central model's P@1 on
+    the held-out rows (rank 0's; ``heldout`` is None on the other nodes), the
+    :class:`~xmc_engine.scheduler.controller.Plateau` rule on its top-1 error (``1 - P@1``:
+    lower is better), the rule's multiplier sent from rank 0 to every node, and the trainer's
+    schedule rescaled by it; a ``plateau`` record each time."""
 
     def __init__(self, rule: Plateau, heldout, comm):
         self.rule, self.heldout, self.comm = rule, heldout, comm
@@ -550,35 +551,35 @@ class _PlateauWatch:
         trainer.schedule = dataclasses.replace(trainer.schedule, scale=self.rule.scale)
 
     def after_epoch(self, trainer, epoch: int, log, cfg: TrainConfig) -> float:
-        """Read the held-out loss (``cfg.loss``), update the rule and the schedule; returns the
-        seconds it took."""
+        """Read the held-out P@1, update the rule and the schedule; returns the seconds."""
         t0 = time.perf_counter()
-        loss, lowered = None, False
+        p1, lowered = None, False
         if self.heldout is not None:
-            loss = heldout_loss(trainer.replicas[0].backend, trainer.central_params(),
-                                *self.heldout, loss=cfg.loss, label_chunk=cfg.label_chunk)
-            lowered = self.rule.update(loss)
+            p1 = heldout_p1(trainer.replicas[0].backend, trainer.central_params(),
+                            *self.heldout, label_chunk=cfg.label_chunk)
+            lowered = self.rule.update(1.0 - p1)
         if self.comm is not None and self.comm.size > 1:  # rank 0 decides for every node
             mine = self.rule.scale if self.comm.is_root else 0.0
             self.rule.scale = float(self.comm.allreduce_sum(np.array([mine]))[0])
         self.apply(trainer)
         seconds = time.perf_counter() - t0
-        log.write("plateau", epoch=epoch, heldout_loss=loss, best=self.state()["plateau_best"],
+        log.write("plateau", epoch=epoch, heldout_p1=p1, best_p1=self.state()["plateau_best_p1"],
                   lowered=lowered, lr_scale=self.rule.scale, seconds=seconds)
         if lowered:
-            logger.info("epoch %d: held-out loss %.4f not below %.4f: learning rate x%g", epoch,
-                        loss, self.rule.best, self.rule.scale)
+            logger.info("epoch %d: held-out P@1 %.4f not above %.4f: learning rate x%g", epoch,
+                        p1, 1.0 - self.rule.best, self.rule.scale)
         return seconds
 
     def state(self) -> dict:
-        """What a checkpoint keeps of the rule (JSON: the best as None until the first)."""
+        """What a checkpoint keeps of the rule (the best P@1 None before the first epoch)."""
         best = self.rule.best
-        return {"lr_scale": self.rule.scale, "plateau_best": best if np.isfinite(best) else None}
+        return {"lr_scale": self.rule.scale,
+                "plateau_best_p1": 1.0 - best if np.isfinite(best) else None}
 
     def restore(self, meta: dict) -> None:
         self.rule.scale = float(meta["lr_scale"])
-        best = meta.get("plateau_best")
-        self.rule.best = float(best) if best is not None else float("inf")
+        best = meta.get("plateau_best_p1")
+        self.rule.best = 1.0 - float(best) if best is not None else float("inf")
 
 
 class _Driver:

@@ -32,7 +32,7 @@ _CONFIG_OPTIONS = {
     "lr_warmup_epochs": ("--lr-warmup-epochs", finite_float,
                          "linear learning-rate warm-up, every algorithm (default 0)"),
     "lr_decay": ("--lr-decay", lr_decay, "decay lambda: lr0/(1+lambda(e-e_warm)); plateau: "
-                 "halve the rate after an epoch whose loss on 2,000 held-out training rows "
+                 "halve the rate after an epoch whose P@1 on 2,000 held-out training rows "
                  "does not improve; auto (default): plateau with adagrad from 40,000 training "
                  "rows, else the optimizer's fixed decay (0.5 for adagrad, 0 for sgd)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),

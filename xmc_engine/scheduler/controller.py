@@ -61,23 +61,24 @@ class Schedule:
 
 @dataclass
 class Plateau:
-    """``lr_decay="plateau"``: the rate's multiplier from the held-out loss of each epoch.
+    """``lr_decay="plateau"``: the rate's multiplier from a held-out error after each epoch.
 
-    :meth:`update` takes the loss on the held-out rows after an epoch: below ``best`` it becomes
-    the new best and the rate stays; otherwise (level, higher, or not finite) the multiplier
-    ``scale`` is multiplied by ``factor``. Like a fixed decay it lowers the rate where more of it
-    stops helping (the small sets overfit from epoch 1-4, bench/RESULTS.md), and unlike one it
-    leaves the rate alone for as long as every epoch still improves the held-out loss (large
-    data that is far from fitting its training rows)."""
+    :meth:`update` takes the error on the held-out rows after an epoch (the driver passes the
+    top-1 error, ``1 - P@1``): below ``best`` it becomes the new best and the rate stays;
+    otherwise (level, higher, or not finite) the multiplier ``scale`` is multiplied by
+    ``factor``. Like a fixed decay it lowers the rate where more of it stops helping (the small
+    sets overfit from epoch 1-4, bench/RESULTS.md), and unlike one it leaves the rate alone for
+    as long as every epoch still improves on held-out rows (large data that is far from fitting
+    its training rows)."""
 
     factor: float = 0.5
     best: float = math.inf
     scale: float = 1.0
 
-    def update(self, loss: float) -> bool:
-        """Record one epoch's held-out loss; returns whether the rate was lowered."""
-        if loss < self.best:  # False for NaN: a diverging epoch lowers the rate
-            self.best = float(loss)
+    def update(self, error: float) -> bool:
+        """Record one epoch's held-out error; returns whether the rate was lowered."""
+        if error < self.best:  # False for NaN: a diverging epoch lowers the rate
+            self.best = float(error)
             return False
         self.scale *= self.factor
         return True
