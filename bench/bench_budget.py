@@ -106,7 +106,7 @@ def run_one(spec: dict) -> dict:
             "final": {k: final["metrics"][k] for k in METRICS},
             "lr": cfg.learning_rate,
             "lr_decay": next(r for r in hist if r.get("event") == "start")["lr_decay"],
-            "plateau": [(r["epoch"], r["heldout_loss"], r["lr_scale"], r["seconds"])
+            "plateau": [{k: v for k, v in r.items() if k != "event"}
                         for r in hist if r.get("event") == "plateau"],
             "normalize": cfg.normalize, "loss": clf.loss_, "batch_size": cfg.batch_size,
             "peak_rss_mib": _common.peak_rss_mib(),

@@ -52,7 +52,13 @@ def test_budget_bench_passes_params_to_the_engine():
     assert r["epochs_done"] == pytest.approx(1.0)
     spec["params"] = None  # the engine's defaults
     r = bench_budget.run_one(spec)
-    assert r["lr_decay"] == 0.5
+    assert r["lr_decay"] == 0.5 and r["plateau"] == []
+    spec.update(params={"lr_decay": "plateau"}, max_epochs=3.0)  # what it keeps of the rule
+    r = bench_budget.run_one(spec)
+    assert r["lr_decay"] == "plateau"
+    assert [p["epoch"] for p in r["plateau"]] == [1, 2]
+    assert all(0 <= p["heldout_p1"] <= 1 and p["lr_scale"] in (1.0, 0.5, 0.25)
+               for p in r["plateau"])
 
 
 def test_budget_bench_timeline_accounts_for_every_merge():
