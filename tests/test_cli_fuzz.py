@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import typing
 from collections import Counter
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from xmc_engine.datasets import save_xc
 
 from tests._helpers import write_tiny_xc
 from xmc_engine.cli import build_parser, main
-from xmc_engine.config import TrainConfig
+from xmc_engine.config import TrainConfig, _type_ok
 
 # Generated cases per test (XMC_FUZZ_CASES=5000 for a longer local run).
 N_CASES = int(os.environ.get("XMC_FUZZ_CASES", 300))
@@ -311,15 +312,11 @@ def mutated_config(draw):
     cfg = json.loads(TrainConfig(hidden=[8], epochs=1).to_json())
     kind = draw(st.sampled_from(["wrong type", "non-finite", "unknown key", "cut short",
                                  "not an object"]))
-    if kind == "wrong type":
+    if kind == "wrong type":  # a value the field's annotation does not admit
         field = draw(st.sampled_from(sorted(CONFIG_FIELDS)))
-        default = CONFIG_FIELDS[field]
-        if isinstance(default, str):
-            cfg[field] = draw(st.sampled_from([3, [], {}, True]))
-        elif isinstance(default, dict):
-            cfg[field] = draw(st.sampled_from([3, [], "x"]))
-        else:  # numbers, the hidden list, numbers-or-null
-            cfg[field] = draw(st.sampled_from(["x", {}, [[1]], "1e3x"]))
+        hint = typing.get_type_hints(TrainConfig)[field]
+        cfg[field] = draw(st.sampled_from([v for v in (3, [], {}, True, "x", [[1]], "1e3x")
+                                           if not _type_ok(v, hint)]))
         return json.dumps(cfg), f"{kind} {field}"
     if kind == "non-finite":
         numeric = [k for k, v in CONFIG_FIELDS.items() if isinstance(v, (int, float))
