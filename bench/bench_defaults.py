@@ -88,6 +88,8 @@ HIDDENS = (128, 256, 512)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from xmc_engine.cli.argtypes import lr_decay as lr_decay_arg  # the CLI's --lr-decay values
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--datasets", nargs="+", default=[*REAL, "synth1k", "synth10k"],
@@ -130,7 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--schedule-study", action="store_true",
                    help="the defaults with each --schedules learning-rate decay (a number, "
                    "plateau or auto) on --datasets, evaluated at each --epochs")
-    t.add_argument("--schedules", nargs="+", default=["0.5", "plateau"],
+    t.add_argument("--schedules", nargs="+", type=lr_decay_arg, default=[0.5, "plateau"],
                    help="lr_decay values (default: the fixed decay 0.5 and plateau)")
     p.add_argument("--normalize-study", action="store_true",
                    help="instead of the grid: the defaults with each feature-row normalisation "
@@ -378,8 +380,7 @@ def schedule_study(args, meta) -> int:
     """The defaults with only ``lr_decay`` set, to each of ``--schedules``: the fixed decay
     against the held-out plateau rule (``lr_decay="plateau"``, which trains on the rows it does
     not hold out), :func:`config_study`."""
-    configs = [{"lr_decay": s if s in ("plateau", "auto") else float(s)}
-               for s in args.schedules]
+    configs = [{"lr_decay": s} for s in args.schedules]
     return config_study(args, meta, configs, _schedule_label, "lr_decay=auto",
                         "defaults_schedule")
 

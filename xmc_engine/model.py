@@ -737,7 +737,6 @@ def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,
     return labels, scores
 
 
-
 def heldout_p1(be, params, X, Y, *, label_chunk: int | None = None,
                row_chunk: int = 512) -> float:
     """P@1 of ``params`` on host CSR ``X``, ``Y`` (a row without labels counts 0), by

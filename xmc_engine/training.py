@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from xmc_engine import progress
-from xmc_engine.config import PLATEAU_FACTOR, PLATEAU_HOLDOUT_ROWS, TRAIN_LOSSES, TrainConfig
+from xmc_engine.config import PLATEAU_HOLDOUT_ROWS, TRAIN_LOSSES, TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
@@ -114,7 +114,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if decay == "plateau":
         X, Y, held = hold_out(X, Y, cfg.seed) if comm.is_root else (X, Y, None)
         n_samples = X.shape[0]
-        watch = _PlateauWatch(Plateau(PLATEAU_FACTOR), held, comm)
+        watch = _PlateauWatch(Plateau(), held, comm)
     probe = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xmc_engine.config import BATCH_RULES, LR_SCALINGS
+from xmc_engine.config import BATCH_RULES, LR_SCALINGS, PLATEAU_FACTOR
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Plateau:
     as long as every epoch still improves on held-out rows (large data that is far from fitting
     its training rows)."""
 
-    factor: float = 0.5
+    factor: float = PLATEAU_FACTOR
     best: float = math.inf
     scale: float = 1.0
 
