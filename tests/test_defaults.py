@@ -112,7 +112,7 @@ def test_weights_from_epoch_auto_follows_the_label_count():
 
     c = AdaptiveConfig()
     assert c.weights_from_epoch == "auto"
-    n = config.AUTO_WEIGHTS_FROM_EPOCH_LABELS
+    n = config.AUTO_WEIGHTS_LABELS
     assert c.weights_from_epoch_for(n - 1) == 0 and c.weights_from_epoch_for(n) == 1
     assert AdaptiveConfig(weights_from_epoch=3).weights_from_epoch_for(10) == 3
     assert AdaptiveConfig(weights_from_epoch=0).weights_from_epoch_for(10 * n) == 0
@@ -131,17 +131,48 @@ def test_weights_from_epoch_auto_follows_the_label_count():
     assert new.algorithm_params.weights_from_epoch == "auto"
 
 
+def test_auto_merge_weights_follow_the_label_count():
+    """``row_weights`` / ``label_weights`` ``'auto'`` (the defaults): the per-row / per-label
+    weights below :data:`AUTO_WEIGHTS_LABELS` labels, the paper's from there on; a value given
+    stays; configs saved before ``'auto'`` keep the per-row / per-label weights they had."""
+    from xmc_engine import config
+    from xmc_engine.config import AdaptiveConfig
+
+    n = config.AUTO_WEIGHTS_LABELS
+    c = AdaptiveConfig()
+    assert (c.row_weights, c.label_weights) == ("auto", "auto")
+    small, large = c.resolved(n - 1), c.resolved(n)
+    assert (small.row_weights, small.label_weights, small.weights_from_epoch) == (
+        "touched", "positives", 0)
+    assert (large.row_weights, large.label_weights, large.weights_from_epoch) == (
+        "updates", "updates", 1)
+    assert small.per_row_weights and small.per_label_weights
+    assert not (large.per_row_weights or large.per_label_weights)
+    given = AdaptiveConfig(row_weights="touched", label_weights="updates").resolved(n)
+    assert (given.row_weights, given.label_weights) == ("touched", "updates")
+    assert c.resolved(n).resolved(n - 1) == large  # resolving twice changes nothing
+    with pytest.raises(ConfigError, match="row_weights must be one of"):
+        AdaptiveConfig(row_weights="often")
+    old = TrainConfig.from_saved({"algorithm": "adaptive",
+                                  "algorithm_params": {"weights_from_epoch": "auto"}})
+    assert (old.algorithm_params.row_weights, old.algorithm_params.label_weights) == (
+        "touched", "positives")
+
+
 @pytest.mark.parametrize("threshold, expected", [(10**9, 0), (1, 1)])
 def test_run_log_records_the_resolved_weights_from_epoch(small, monkeypatch, threshold,
                                                           expected):
     from xmc_engine import config
 
-    monkeypatch.setattr(config, "AUTO_WEIGHTS_FROM_EPOCH_LABELS", threshold)
+    monkeypatch.setattr(config, "AUTO_WEIGHTS_LABELS", threshold)
     X, Y, _, _ = small
     m = XMCClassifier(epochs=0.5, algorithm="adaptive", devices="cpu,cpu@0.5").fit(X, Y)
     start = next(r for r in m.history_ if r["event"] == "start")
-    assert start["config"]["algorithm_params"]["weights_from_epoch"] == "auto"
+    for key in ("weights_from_epoch", "row_weights", "label_weights"):
+        assert start["config"]["algorithm_params"][key] == "auto"
     assert start["algorithm_params"]["weights_from_epoch"] == expected
+    assert start["algorithm_params"]["row_weights"] == ("updates" if expected else "touched")
+    assert start["algorithm_params"]["label_weights"] == ("updates" if expected else "positives")
 
 
 def test_compile_kernels_logs_its_time_and_says_when_slow(small, monkeypatch, caplog):

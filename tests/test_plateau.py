@@ -92,6 +92,28 @@ def test_a_plateau_run_holds_rows_out_and_halves_the_rate(small, monkeypatch, al
     assert [lr for _, lr in lrs] == pytest.approx([0.05, 0.05, 0.05, 0.025, 0.0125])
 
 
+def test_a_trainer_built_without_the_driver_keeps_a_fixed_decay(small, monkeypatch):
+    """``build_trainer`` alone has no held-out rows to read: where ``"auto"`` would choose the
+    plateau rule (the threshold lowered to this data) it gets the optimizer's fixed decay, not
+    the rule's undecayed rate with nothing to lower it; ``"plateau"`` given is no decay by the
+    epoch (the driver's watch would rescale it)."""
+    from xmc_engine import config
+    from xmc_engine.config import DEFAULT_LR_DECAY, TrainConfig
+    from xmc_engine.devices import parse_devices
+
+    X, Y, _, _ = small
+    monkeypatch.setattr(config, "PLATEAU_MIN_ROWS", 10)
+    params = init_params(ModelShape(X.shape[1], Y.shape[1], (8,)), seed=0)
+    for given, want in (("auto", DEFAULT_LR_DECAY["adagrad"]), ("plateau", 0.0), (0.25, 0.25)):
+        cfg = TrainConfig(hidden=(8,), lr_decay=given, threads=1, loss="softmax")
+        assert cfg.lr_decay_for(X.shape[0]) == ("plateau" if given == "auto" else given)
+        trainer = training.build_trainer(cfg, parse_devices("cpu", cores=1), X, Y, params, None)
+        try:
+            assert trainer.schedule.decay == want and trainer.schedule.scale == 1.0
+        finally:
+            trainer.close()
+
+
 def test_the_heldout_rows_are_the_same_for_a_seed_and_never_trained_on(small):
     X, Y, _, _ = small
     Xa, _, (Xh, _) = training.hold_out(X, Y, seed=4)

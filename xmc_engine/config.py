@@ -30,7 +30,7 @@ from xmc_engine.faults import parse_faults
 
 __all__ = [
     "ALGORITHMS",
-    "AUTO_WEIGHTS_FROM_EPOCH_LABELS",
+    "AUTO_WEIGHTS_LABELS",
     "BATCH_RULES",
     "DEFAULT_LR",
     "DEFAULT_LR_BCE",
@@ -133,21 +133,22 @@ HELDOUT_LOGITS = 1 << 24
 BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
-#: merge weights of a W1 row (AdaptiveConfig.row_weights)
+#: merge weights of a W1 row (AdaptiveConfig.row_weights; "auto" resolves to one of them)
 ROW_WEIGHTS = ("updates", "touched")
-#: merge weights of an output label (AdaptiveConfig.label_weights)
+#: merge weights of an output label (AdaptiveConfig.label_weights; "auto" likewise)
 LABEL_WEIGHTS = ("updates", "positives")
-#: ``AdaptiveConfig.weights_from_epoch="auto"``: the per-row / per-label merge weights from epoch
-#: 1 (the paper's weights in epoch 0, the one at the full learning rate) when the data has at
-#: least this many labels, from the start below it. Chosen by synthetic shapes with the
-#: Amazon-670K statistics on ``cpu,cpu@0.5`` (``bench/RESULTS.md``, "From which epoch the
-#: per-row / per-label weights apply"): from epoch 1 was ahead at 335,000 labels (P@1 +0.022
-#: after 3 epochs with 250,000 rows, +0.007 with 100,000; 2 seeds) and the Amazon-670K shape's
-#: 670,091 (+0.028 / +0.032 at 300 s, +0.041 at 900 s); from the start was ahead at 100,000
-#: labels with 100,000 and with 250,000 rows and on the smaller label spaces (debian_builddeps,
-#: 30,000 labels); at 150,000 and 220,000 (160,000 rows, 3 seeds) the two were level at the end
-#: (medians within 0.002), from epoch 1 0.88-0.91x the time to the target.
-AUTO_WEIGHTS_FROM_EPOCH_LABELS = 200_000
+#: ``AdaptiveConfig``'s ``"auto"`` merge weights, by the data's label count. Below this many
+#: labels ``row_weights="auto"`` / ``label_weights="auto"`` are the per-row / per-label weights
+#: (``"touched"``, ``"positives"``), from it on the paper's (``"updates"``); and
+#: ``weights_from_epoch="auto"`` (for per-row / per-label weights given explicitly) is 0 below
+#: and 1 from it on. The per-row / per-label weights win up to 100,000 labels (debian_builddeps,
+#: the 30,000- and 100,000-label synthetic shapes; ``bench/RESULTS.md``, "Synthetic 30,000
+#: labels"); from epoch 1 they were ahead of from the start at 335,000 labels and at the
+#: Amazon-670K shape's 670,091 ("From which epoch the per-row / per-label weights apply"; level
+#: at 150,000-220,000, the threshold inside that crossover); and with the held-out plateau
+#: schedule (``lr_decay="auto"`` there) the paper's weights throughout ended 15 minutes at the
+#: Amazon-670K shape 0.034 P@1 above them ("The merge weights under the plateau schedule").
+AUTO_WEIGHTS_LABELS = 200_000
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
 #: a device's learning rate against its batch size (AdaptiveConfig.lr_scaling)
@@ -339,29 +340,37 @@ class AdaptiveConfig(AlgorithmConfig):
         Merge and broadcast only the ``W1`` rows the replicas changed in the period, where the
         backend tracks rows and ``momentum == 0``; the merged model is the same to float32
         rounding. ``False`` forces the dense merge.
-    row_weights : {'touched', 'updates'}
+    row_weights : {'auto', 'touched', 'updates'}
         Merge weights of a ``W1`` row. ``'updates'`` (the paper): every row gets each replica's
-        share of the period's updates. ``'touched'`` (the default): a row's weights are
+        share of the period's updates. ``'touched'``: a row's weights are
         renormalized over the replicas that changed it in the period, so a rare feature's row
         seen by one replica keeps that replica's update whole instead of shrinking it by its
         weight (needs the row-sparse merge: a backend that tracks rows, ``sparse_merge``,
-        ``momentum == 0``; the paper's weights elsewhere).
-    label_weights : {'positives', 'updates'}
-        The same choice for the output layer, by label: ``'positives'`` (the default)
+        ``momentum == 0``; the paper's weights elsewhere). ``'auto'`` (the default):
+        ``'touched'`` below :data:`AUTO_WEIGHTS_LABELS` labels, ``'updates'`` from there on
+        (:meth:`resolved`; the run log's ``start`` record gives the value).
+    label_weights : {'auto', 'positives', 'updates'}
+        The same choice for the output layer, by label: ``'positives'``
         renormalizes the weights of ``W2``'s column ``l`` and ``b2[l]`` over the replicas whose
         batches held label ``l`` as a positive in the period (a label no replica saw keeps the
-        paper's weights); same conditions as ``row_weights``. Both defaults depart from the
-        paper, chosen by issue 15's ablation (``bench/RESULTS.md``, "Adaptive SGD with
-        defaults", per-row and per-label weights): at 30,000 labels (the sampled output layer)
-        on ``cpu,cpu@0.5`` the paper's weights ended at P@1 0.567 and did not reach the target in
-        the median run, the two together at 0.590 (the best method's level) reaching it in 2.1 s;
-        on debian_builddeps 0.88-0.90x the time; on the small exact-softmax sets level within
-        the seeds' spread (0.79-1.37x).
+        paper's weights); same conditions as ``row_weights``; ``'auto'`` (the default):
+        ``'positives'`` below :data:`AUTO_WEIGHTS_LABELS` labels, ``'updates'`` from there on.
+        Below that size both defaults depart from the paper, chosen by issue 15's ablation
+        (``bench/RESULTS.md``, "Adaptive SGD with defaults", per-row and per-label weights):
+        at 30,000 labels (the sampled output layer) on ``cpu,cpu@0.5`` the paper's weights
+        ended at P@1 0.567 and did not reach the target in the median run, the two together at
+        0.590 (the best method's level) reaching it in 2.1 s; on debian_builddeps 0.88-0.90x the
+        time; on the small exact-softmax sets level within the seeds' spread (0.79-1.37x). From
+        it on, where the held-out plateau schedule keeps
+        the full rate for as long as held-out P@1 rises, the paper's weights did better: at the
+        Amazon-670K shape in 15 minutes P@1 0.7790 against 0.7452 (``bench/RESULTS.md``).
     weights_from_epoch : int or 'auto'
         The epoch (0-based) from which ``row_weights`` / ``label_weights`` apply; the merges
         of earlier epochs use the paper's weights (0: from the start). ``'auto'`` (the
-        default): 1 for data of at least :data:`AUTO_WEIGHTS_FROM_EPOCH_LABELS` labels, 0 below
-        (:meth:`weights_from_epoch_for`; the run log's ``start`` record gives the value).
+        default): 1 for data of at least :data:`AUTO_WEIGHTS_LABELS` labels, 0 below
+        (:meth:`weights_from_epoch_for`; the run log's ``start`` record gives the value);
+        it matters there only where ``row_weights`` / ``label_weights`` are given, since their
+        ``'auto'`` is the paper's weights at that size.
         On large label spaces the renormalized weights in the first epoch, the one at the full
         learning rate, cost P@1 (0.5318 against 0.5764 after it at the Amazon-670K shape), a
         deficit the later epochs did not make up (0.7022 against 0.7432 after 15 minutes);
@@ -393,8 +402,8 @@ class AdaptiveConfig(AlgorithmConfig):
     boost_factor: float = 0.1
     flag_rule: str = "norm_rise"
     sparse_merge: bool = True
-    row_weights: str = "touched"
-    label_weights: str = "positives"
+    row_weights: str = "auto"
+    label_weights: str = "auto"
     weights_from_epoch: int | str = "auto"
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
@@ -403,10 +412,22 @@ class AdaptiveConfig(AlgorithmConfig):
     def weights_from_epoch_for(self, n_labels: int) -> int:
         """The epoch from which ``row_weights`` / ``label_weights`` apply on data with
         ``n_labels`` labels: ``weights_from_epoch``, or for ``'auto'`` 1 from
-        :data:`AUTO_WEIGHTS_FROM_EPOCH_LABELS` labels on, else 0."""
+        :data:`AUTO_WEIGHTS_LABELS` labels on, else 0."""
         if self.weights_from_epoch != "auto":
             return int(self.weights_from_epoch)
-        return 1 if n_labels >= AUTO_WEIGHTS_FROM_EPOCH_LABELS else 0
+        return 1 if n_labels >= AUTO_WEIGHTS_LABELS else 0
+
+    def resolved(self, n_labels: int) -> AdaptiveConfig:
+        """These options with every ``'auto'`` replaced by its value for data with
+        ``n_labels`` labels (:data:`AUTO_WEIGHTS_LABELS`): what a run uses and logs."""
+        large = n_labels >= AUTO_WEIGHTS_LABELS
+        return dataclasses.replace(
+            self,
+            row_weights=("updates" if large else "touched") if self.row_weights == "auto"
+            else self.row_weights,
+            label_weights=("updates" if large else "positives") if self.label_weights == "auto"
+            else self.label_weights,
+            weights_from_epoch=self.weights_from_epoch_for(n_labels))
 
     def __post_init__(self):
         super().__post_init__()
@@ -417,8 +438,8 @@ class AdaptiveConfig(AlgorithmConfig):
                                   f"{self.weights_from_epoch!r}")
         else:
             self._check_min(0, "weights_from_epoch")
-        self._check_choice("row_weights", ROW_WEIGHTS)
-        self._check_choice("label_weights", LABEL_WEIGHTS)
+        self._check_choice("row_weights", ("auto", *ROW_WEIGHTS))
+        self._check_choice("label_weights", ("auto", *LABEL_WEIGHTS))
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
         self._check_choice("lr_scaling", LR_SCALINGS)
         if not 1 <= self.b_min <= self.b_max:
@@ -800,14 +821,15 @@ class TrainConfig(ConfigMixin):
         """:meth:`from_dict` for a config the engine wrote itself (a saved model, a run
         folder): keys added since are given the value that reproduces the old behaviour, not
         today's default (``normalize``: ``"none"``, the rows as given, as they were trained;
-        ``adaptive``'s ``weights_from_epoch``: 0, the per-row / per-label weights from the
-        start)."""
+        ``adaptive``'s ``weights_from_epoch``: 0 and ``row_weights`` / ``label_weights``
+        ``"touched"`` / ``"positives"``, the per-row / per-label weights from the start)."""
         if isinstance(d, dict):
             d = {"normalize": "none", **d}
             ap = d.get("algorithm_params")
             if d.get("algorithm", cls.algorithm) == "adaptive" and (ap is None
                                                                    or isinstance(ap, dict)):
-                d["algorithm_params"] = {"weights_from_epoch": 0, **(ap or {})}
+                d["algorithm_params"] = {"weights_from_epoch": 0, "row_weights": "touched",
+                                         "label_weights": "positives", **(ap or {})}
         return cls.from_dict(d, source=source)
 
     @classmethod

@@ -15,7 +15,8 @@ not know. The events the engine writes:
     defaults resolved), ``heldout_rows`` (the training rows the plateau rule holds out of
     training, 0 without it; ``n_samples`` counts the rest), ``loss`` (the loss trained:
     ``config``'s, or what ``"auto"`` chose), ``algorithm_params`` (the algorithm's options in
-    effect, ``"auto"`` ones resolved: ``adaptive``'s ``weights_from_epoch``).
+    effect, ``"auto"`` ones resolved: ``adaptive``'s ``row_weights``, ``label_weights`` and
+    ``weights_from_epoch``).
 ``loss_probe``
     Right after ``start`` when ``config`` says ``loss="auto"``
     (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),

@@ -135,11 +135,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
     output = cfg.output_for(Y.shape[1], labels_per_row)
     cfg = dataclasses.replace(cfg, output=output)
-    # AdaptiveConfig.weights_from_epoch="auto": by the label count, written to the start record
+    # AdaptiveConfig's "auto" merge weights: by the label count, written to the start record
     algo = cfg.algorithm_params
-    if getattr(algo, "weights_from_epoch", None) == "auto":
-        cfg = dataclasses.replace(cfg, algorithm_params=dataclasses.replace(
-            algo, weights_from_epoch=algo.weights_from_epoch_for(Y.shape[1])))
+    if hasattr(algo, "resolved"):
+        cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(Y.shape[1]))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
     if found is not None:
@@ -468,7 +467,11 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                         if known is None else "by the loss probe (its record says how)")
                 log.write("threads", device=str(d), threads=be.threads, note=note)
         replicas.append(rep)
-    decay = cfg.lr_decay_for(X.shape[0])  # resolved by fit_model: a number or "plateau"
+    # fit_model resolves "auto" and runs the plateau rule between epochs (its _PlateauWatch
+    # rescales this schedule). A trainer built without it has no held-out rows: "auto" is the
+    # optimizer's fixed decay here, and "plateau" no decay by the epoch (its scale stays 1).
+    given = None if cfg.lr_decay == "auto" else cfg.lr_decay
+    decay = dataclasses.replace(cfg, lr_decay=given).lr_decay_for(X.shape[0])
     schedule = Schedule(cfg.learning_rate, cfg.warmup_epochs,
                         0.0 if decay == "plateau" else decay)
     return Trainer(replicas, devices, get_algorithm(cfg.algorithm, opts), X.shape[0],

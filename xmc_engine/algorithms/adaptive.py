@@ -52,7 +52,9 @@ class AdaptiveSGD(Policy):
 
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
-        c = self.config
+        # the "auto" merge weights by the label count (b2's length); fit_model has resolved
+        # them already, a trainer built directly has not
+        self.config = c = self.config.resolved(len(self.central[-1]))
         if not c.b_min <= self.batch_size <= c.b_max:
             raise ConfigError(f"adaptive: batch_size {self.batch_size} is outside "
                               f"[b_min, b_max] = [{c.b_min}, {c.b_max}]")
@@ -60,9 +62,7 @@ class AdaptiveSGD(Policy):
             self.n_devices, self.batch_size, b_min=c.b_min, b_max=c.b_max, delta_b=c.delta_b,
             rule=c.rule, warmup_epochs=self.warmup_epochs, deadband=c.deadband)
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
-        # the epoch from which the per-row / per-label weights apply ('auto': by the label
-        # count, b2's length)
-        self.weights_from_epoch = c.weights_from_epoch_for(len(self.central[-1]))
+        self.weights_from_epoch = c.weights_from_epoch  # from it the per-row / per-label ones
         if c.per_label_weights:  # the replicas record the labels they see
             for r in replicas:
                 if hasattr(r, "track_labels"):
