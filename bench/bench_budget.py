@@ -82,6 +82,7 @@ def run_one(spec: dict) -> dict:
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     wall = time.perf_counter() - t0
     hist = clf.history_
+    start = next(r for r in hist if r.get("event") == "start")
     evals = [r for r in hist if r.get("event") == "eval"]
     merges = [r for r in hist if r.get("event") == "merge"]
     final = hist[-1]
@@ -105,7 +106,8 @@ def run_one(spec: dict) -> dict:
             "eval_s": sum(r["eval_time"] for r in evals),
             "final": {k: final["metrics"][k] for k in METRICS},
             "lr": cfg.learning_rate,
-            "lr_decay": next(r for r in hist if r.get("event") == "start")["lr_decay"],
+            "lr_decay": start["lr_decay"],
+            "algorithm_params": start.get("algorithm_params"),  # "auto" ones resolved
             "plateau": [{k: v for k, v in r.items() if k != "event"}
                         for r in hist if r.get("event") == "plateau"],
             "normalize": cfg.normalize, "loss": clf.loss_, "batch_size": cfg.batch_size,

@@ -75,6 +75,11 @@ def test_budget_bench_timeline_accounts_for_every_merge():
         assert sum(t["devices"][i]["samples"] for t in tl) == dev["samples"]
         assert tl[-1]["devices"][i]["batch"] == dev["last_batch"]
     assert sum(sum(d["samples"] for d in t["devices"]) for t in tl) == r["samples"]
+    # the options in effect, "auto" ones resolved (40 labels: the per-row / per-label weights)
+    ap = r["algorithm_params"]
+    assert ap["merge_period"] == 128
+    assert (ap["row_weights"], ap["label_weights"], ap["weights_from_epoch"]) == (
+        "touched", "positives", 0)
 
 
 def test_budget_bench_model_stats_describe_the_first_layer():
