@@ -532,16 +532,10 @@ def test_delta_stats_measure_each_replica_s_change_by_row_sharing_and_label_tail
     assert log.merges and all(len(m["delta_w2_tail"]) == 2 for m in log.merges)
 
 
-@pytest.mark.parametrize("value, above_labels, first", [(1, None, 1), ("auto", 0, 1),
-                                                        ("auto", 1, 0)])
-def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide, monkeypatch,
-                                                                        value, above_labels,
-                                                                        first):
-    """``weights_from_epoch=1``: the merges of epoch 0 run with the paper's weights (no
-    per-row / per-label renormalization), those from epoch 1 on with ``row_weights`` /
-    ``label_weights`` (given here: their own ``'auto'`` is the paper's weights from the same
-    threshold on). ``'auto'``: the same from :data:`AUTO_WEIGHTS_LABELS` labels on, from the
-    start below."""
+def _merge_weights_run(be, wide, monkeypatch, epochs, above_labels, **params):
+    """``adaptive`` on ``cpu,cpu@0.5`` (simulated clock) for ``epochs`` epochs with the 'auto'
+    label threshold at the label count plus ``above_labels`` (None: left alone); returns each
+    merge's ``(per_row, per_label)``, the merge log, the replicas and the policy's options."""
     import xmc_engine.algorithms.base as base
     from xmc_engine import config
 
@@ -553,17 +547,33 @@ def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide,
 
     monkeypatch.setattr(base, "merge_changed_rows", spy)
     X, Y = wide
-    if above_labels is not None:  # the 'auto' threshold at the label count, or one above it
+    if above_labels is not None:
         monkeypatch.setattr(config, "AUTO_WEIGHTS_LABELS", Y.shape[1] + above_labels)
     reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
     log = MergeLog()
     with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
                       lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
-                      weights_from_epoch=value, row_weights="touched",
-                      label_weights="positives", seed=3, mode="simulated",
-                      cost=lambda i, b: 1e-3 * b, log=log) as tr:
-        for epoch in range(3):
+                      seed=3, mode="simulated", cost=lambda i, b: 1e-3 * b, log=log,
+                      **params) as tr:
+        for epoch in range(epochs):
             tr.run_epoch(epoch)
+        resolved = tr.policy.config
+    return calls, log, reps, resolved
+
+
+@pytest.mark.parametrize("value, above_labels, first", [(1, None, 1), ("auto", 0, 1),
+                                                        ("auto", 1, 0)])
+def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide, monkeypatch,
+                                                                        value, above_labels,
+                                                                        first):
+    """``weights_from_epoch=1``: the merges of epoch 0 run with the paper's weights (no
+    per-row / per-label renormalization), those from epoch 1 on with ``row_weights`` /
+    ``label_weights`` (given here: their own ``'auto'`` is the paper's weights from the same
+    threshold on). ``'auto'``: the same from :data:`AUTO_WEIGHTS_LABELS` labels on, from the
+    start below."""
+    calls, log, _, _ = _merge_weights_run(be, wide, monkeypatch, 3, above_labels,
+                                          weights_from_epoch=value, row_weights="touched",
+                                          label_weights="positives")
     epochs = [m["epoch"] for m in log.merges]
     assert len(calls) == len(epochs) and epochs.count(0) >= 2 and epochs.count(2) >= 2
     for epoch, (per_row, per_label) in zip(epochs, calls, strict=True):
@@ -577,26 +587,7 @@ def test_auto_merge_weights_are_the_paper_s_on_a_large_label_space(be, wide, mon
     """The defaults (``row_weights`` / ``label_weights`` / ``weights_from_epoch`` ``'auto'``):
     from :data:`AUTO_WEIGHTS_LABELS` labels on every merge uses the paper's weights and the
     replicas record no labels; below it the per-row / per-label weights from the first merge."""
-    import xmc_engine.algorithms.base as base
-    from xmc_engine import config
-
-    calls = []
-
-    def spy(*args, **kwargs):
-        calls.append((kwargs["per_row"], kwargs["per_label"]))
-        return merge_changed_rows(*args, **kwargs)
-
-    monkeypatch.setattr(base, "merge_changed_rows", spy)
-    X, Y = wide
-    monkeypatch.setattr(config, "AUTO_WEIGHTS_LABELS", Y.shape[1] + above_labels)
-    reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
-    log = MergeLog()
-    with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
-                      lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
-                      seed=3, mode="simulated", cost=lambda i, b: 1e-3 * b, log=log) as tr:
-        for epoch in range(2):
-            tr.run_epoch(epoch)
-        resolved = tr.policy.config
+    calls, log, reps, resolved = _merge_weights_run(be, wide, monkeypatch, 2, above_labels)
     assert len(calls) == len(log.merges) >= 4
     assert set(calls) == {(per_row_weights, per_row_weights)}
     assert (resolved.row_weights, resolved.label_weights) == (
