@@ -137,6 +137,9 @@ FLAG_RULES = ("norm_rise", "always", "never")
 ROW_WEIGHTS = ("updates", "touched")
 #: merge weights of an output label (AdaptiveConfig.label_weights; "auto" likewise)
 LABEL_WEIGHTS = ("updates", "positives")
+#: The renormalized merge weights that depart from the paper (per ``W1`` row, per label): what
+#: ``"auto"`` gives below :data:`AUTO_WEIGHTS_LABELS` labels and configs saved before it had.
+PER_ITEM_WEIGHTS = {"row_weights": "touched", "label_weights": "positives"}
 #: ``AdaptiveConfig``'s ``"auto"`` merge weights, by the data's label count. Below this many
 #: labels ``row_weights="auto"`` / ``label_weights="auto"`` are the per-row / per-label weights
 #: (``"touched"``, ``"positives"``), from it on the paper's (``"updates"``); and
@@ -361,9 +364,9 @@ class AdaptiveConfig(AlgorithmConfig):
         ended at P@1 0.567 and did not reach the target in the median run, the two together at
         0.590 (the best method's level) reaching it in 2.1 s; on debian_builddeps 0.88-0.90x the
         time; on the small exact-softmax sets level within the seeds' spread (0.79-1.37x). From
-        it on, where the held-out plateau schedule keeps
-        the full rate for as long as held-out P@1 rises, the paper's weights did better: at the
-        Amazon-670K shape in 15 minutes P@1 0.7790 against 0.7452 (``bench/RESULTS.md``).
+        it on, where the held-out plateau schedule keeps the full rate for as long as held-out
+        P@1 rises, the paper's weights did better: at the Amazon-670K shape in 15 minutes P@1
+        0.7790 against 0.7452 (``bench/RESULTS.md``).
     weights_from_epoch : int or 'auto'
         The epoch (0-based) from which ``row_weights`` / ``label_weights`` apply; the merges
         of earlier epochs use the paper's weights (0: from the start). ``'auto'`` (the
@@ -421,13 +424,10 @@ class AdaptiveConfig(AlgorithmConfig):
         """These options with every ``'auto'`` replaced by its value for data with
         ``n_labels`` labels (:data:`AUTO_WEIGHTS_LABELS`): what a run uses and logs."""
         large = n_labels >= AUTO_WEIGHTS_LABELS
-        return dataclasses.replace(
-            self,
-            row_weights=("updates" if large else "touched") if self.row_weights == "auto"
-            else self.row_weights,
-            label_weights=("updates" if large else "positives") if self.label_weights == "auto"
-            else self.label_weights,
-            weights_from_epoch=self.weights_from_epoch_for(n_labels))
+        auto = {name: "updates" if large else value for name, value in PER_ITEM_WEIGHTS.items()
+                if getattr(self, name) == "auto"}
+        return dataclasses.replace(self, **auto,
+                                   weights_from_epoch=self.weights_from_epoch_for(n_labels))
 
     def __post_init__(self):
         super().__post_init__()
@@ -828,8 +828,8 @@ class TrainConfig(ConfigMixin):
             ap = d.get("algorithm_params")
             if d.get("algorithm", cls.algorithm) == "adaptive" and (ap is None
                                                                    or isinstance(ap, dict)):
-                d["algorithm_params"] = {"weights_from_epoch": 0, "row_weights": "touched",
-                                         "label_weights": "positives", **(ap or {})}
+                d["algorithm_params"] = {"weights_from_epoch": 0, **PER_ITEM_WEIGHTS,
+                                         **(ap or {})}
         return cls.from_dict(d, source=source)
 
     @classmethod

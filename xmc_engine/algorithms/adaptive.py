@@ -62,7 +62,6 @@ class AdaptiveSGD(Policy):
             self.n_devices, self.batch_size, b_min=c.b_min, b_max=c.b_max, delta_b=c.delta_b,
             rule=c.rule, warmup_epochs=self.warmup_epochs, deadband=c.deadband)
         self.trend = NormTrend(c.flag_rule if c.boost else "never")
-        self.weights_from_epoch = c.weights_from_epoch  # from it the per-row / per-label ones
         if c.per_label_weights:  # the replicas record the labels they see
             for r in replicas:
                 if hasattr(r, "track_labels"):
@@ -136,7 +135,8 @@ class AdaptiveSGD(Policy):
         if norm_rise and self._sq_w1 is None:
             self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]
         stats: dict = {}
-        own = ctx.epoch >= self.weights_from_epoch  # else the paper's weights
+        # the per-row / per-label weights from c.weights_from_epoch on, the paper's before
+        own = ctx.epoch >= self.config.weights_from_epoch
         delta = self.merge_rows_only(replicas, p, ctx,
                                      per_row=own and self.config.per_row_weights,
                                      per_label=own and self.config.per_label_weights,
