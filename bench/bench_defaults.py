@@ -54,6 +54,10 @@ and the grid again with the defaults of ``loss="auto"``, both losses in stage 1,
     python bench/bench_defaults.py --loss-auto-study --epochs 5 10 --datasets bibtex \
         delicious corel5k stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags \
         debian_builddeps synth1k synth10k --out bench/results/defaults_loss_auto.json
+    python bench/bench_defaults.py --schedule-study --schedules 0.5 plateau --held-rows 0.5 \
+        --epochs 5 --datasets corel5k bibtex stackex_cooking stackex_cs rcv1sub1 delicious \
+        imdb debian_debtags synth1k debian_builddeps synth10k --heavy synth10k \
+        --out bench/results/defaults_schedule_held.json
 
 The synthetic shapes come from :func:`xmc_engine.datasets.make_synthetic` (power-law label
 popularity, exponent 0.9): ``synth1k`` 10,000 train / 2,500 test rows, 5,000 features, 1,000
@@ -134,6 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "plateau or auto) on --datasets, evaluated at each --epochs")
     t.add_argument("--schedules", nargs="+", type=lr_decay_arg, default=[0.5, "plateau"],
                    help="lr_decay values (default: the fixed decay 0.5 and plateau)")
+    t.add_argument("--held-rows", type=lr_decay_arg, nargs="*", default=[],
+                   help="also train each of these fixed decays on the rows the plateau rule "
+                   "keeps (its held-out rows left out, nothing evaluated on them): what holding "
+                   "rows out costs, apart from the schedule")
     p.add_argument("--normalize-study", action="store_true",
                    help="instead of the grid: the defaults with each feature-row normalisation "
                    "on --datasets, evaluated at each --epochs")
@@ -210,6 +218,11 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
     from xmc_engine import XMCClassifier
 
     X, Y, Xt, Yt = data
+    given, config = config, dict(config)
+    if config.pop("rows", None) == "plateau":  # the rows lr_decay="plateau" trains on
+        from xmc_engine.training import hold_out
+
+        X, Y, _ = hold_out(X, Y, seed)
     clf = XMCClassifier(**config, epochs=max(epochs), eval_every=min(epochs), seed=seed,
                         threads=threads)
     t0 = time.perf_counter()
@@ -228,8 +241,9 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
                                           "train_time": r["train_time"], "probe_s": probe_s}
     compile_s = _common.event_seconds(clf.history_, "compile")
     resolved["loss"] = start.get("loss", config.get("loss"))
+    resolved["n_train"] = X.shape[0]
     resolved["lr_decay"] = start.get("lr_decay")
-    return {"config": config, "seed": seed, "resolved": {**resolved, "lr": start["lr"]},
+    return {"config": given, "seed": seed, "resolved": {**resolved, "lr": start["lr"]},
             "at": at, "wall_s": wall, "compile_s": compile_s}
 
 
@@ -379,14 +393,17 @@ def decay_study(args, meta) -> int:
 def schedule_study(args, meta) -> int:
     """The defaults with only ``lr_decay`` set, to each of ``--schedules``: the fixed decay
     against the held-out plateau rule (``lr_decay="plateau"``, which trains on the rows it does
-    not hold out), :func:`config_study`."""
-    configs = [{"lr_decay": s} for s in args.schedules]
+    not hold out), :func:`config_study`. ``--held-rows``: fixed decays trained on the plateau
+    rule's rows alone, which splits the rule's difference into the rows it holds out and the
+    schedule itself."""
+    configs = ([{"lr_decay": s} for s in args.schedules]
+               + [{"lr_decay": s, "rows": "plateau"} for s in args.held_rows])
     return config_study(args, meta, configs, _schedule_label, "lr_decay=auto",
                         "defaults_schedule")
 
 
 def _schedule_label(c: dict) -> str:
-    return f"lr_decay={c['lr_decay']}"
+    return f"lr_decay={c['lr_decay']}" + (" (plateau's rows)" if c.get("rows") else "")
 
 
 def normalize_study(args, meta) -> int:
