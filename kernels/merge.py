@@ -3,7 +3,10 @@ EASGD / CROSSBOW elastic steps).
 
 Arrays
 ------
-arrays : list of n arrays, same shape, float32, C-contiguous    the replicas ``w_i``
+arrays : list of n arrays, same shape, float32, C-contiguous    the replicas ``w_i`` (the flat
+                                                                 loops' callers pass a
+                                                                 Fortran-order array as its
+                                                                 transpose, which is C order)
 weights : (n,) float64 host array (or sequence)                  ``p_i``
 out : same shape, float32                                        the result (may alias an input
                                                                  of ``momentum``, not of
@@ -18,7 +21,8 @@ Versions
                the row-sparse pair ``merge_rows_cpu`` / ``copy_rows_cpu``, which merge and
                broadcast only the listed rows of ``W1`` (prange over rows), and the
                column-sparse pair ``merge_columns_cpu`` / ``copy_columns_cpu`` for the ``W2``
-               columns a sampled output layer changed (prange over rows, listed columns); both
+               columns a sampled output layer changed (prange over rows, listed columns; over
+               the listed columns where ``W2`` is label-major, Fortran order); both
                merges can write the merged values back to the replicas in the same pass
                (``broadcast``), which the scheduler's sparse merge uses.
 ``*_kernel``   @cuda.jit grid-stride loops over the flattened arrays.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 from xmc_engine.kernels._cuda import TPB, blocks_for, cuda, cuda_kernel, launch
+from xmc_engine.kernels.sampled_output import label_major
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=True)
@@ -199,10 +204,34 @@ def merge_columns_cpu(arrays, weights, cols, central, broadcast):
     them once instead of once per replica and per pass (at the Amazon-670K shape, 6 % of the
     columns, two replicas: about half the time of the merge and two separate copies;
     ``bench/bench_w2_layout.py``).
+
+    Where ``central`` is label-major (Fortran order: a column's entries adjacent, as the CPU
+    replicas of the sampled layer hold ``W2``) the pass goes column by column instead, each
+    column merged, checked and written back on its own (a column with a non-finite value
+    stays as it was in the replicas).
     """
     n = len(arrays)
     m = cols.shape[0]
     bad = 0
+    if label_major(central):  # a column's entries adjacent: one column per iteration
+        for j in prange(m):
+            c = cols[j]
+            out = central[:, c]
+            nb = 0
+            for h in range(out.shape[0]):
+                v = weights[0, j] * arrays[0][h, c]
+                for i in range(1, n):
+                    v += weights[i, j] * arrays[i][h, c]
+                out[h] = v
+                if not np.isfinite(v):
+                    nb += 1
+            if broadcast and nb == 0:
+                for i in range(n):
+                    a = arrays[i][:, c]
+                    for h in range(out.shape[0]):
+                        a[h] = out[h]
+            bad += nb
+        return bad == 0
     for h in prange(central.shape[0]):
         out = central[h]
         for j0 in range(0, m, COLUMN_BLOCK):
@@ -228,8 +257,14 @@ def merge_columns_cpu(arrays, weights, cols, central, broadcast):
 
 @njit(nogil=True, cache=True, parallel=True)
 def copy_columns_cpu(dst, src, cols):
-    """``dst[:, c] = src[:, c]`` for every ``c`` in ``cols`` (2-D, C order: the column-sparse
-    merge's broadcast)."""
+    """``dst[:, c] = src[:, c]`` for every ``c`` in ``cols`` (2-D: the column-sparse merge's
+    broadcast; prange over the rows in C order, over the columns in Fortran order)."""
+    if label_major(dst):
+        for j in prange(cols.shape[0]):
+            c = cols[j]
+            for h in range(dst.shape[0]):
+                dst[h, c] = src[h, c]
+        return
     for h in prange(dst.shape[0]):
         d = dst[h]
         v = src[h]

@@ -8,7 +8,7 @@ label ids, so no two threads ever write the same entry.
 
 Arrays
 ------
-W2 : (n_hidden, n_labels) float32, C-contiguous     output weights (a column per label)
+W2 : (n_hidden, n_labels) float32, C- or F-contiguous  output weights (a column per label)
 b2 : (n_labels,) float32                            output bias
 cols : (m,) int64, unique                           candidate labels of the batch
 W2s : (n_hidden, m) float32, C-contiguous           gathered block ``W2[:, cols]``
@@ -18,8 +18,14 @@ acc_W2, acc_b2 : same shapes as W2, b2              Adagrad accumulators; only `
 
 Versions
 --------
-``*_cpu``      @njit: a prange over the rows of ``W2``, each row reading or writing the ``m``
-               entries of its candidate columns; then a serial loop over the ``m`` bias entries.
+``*_cpu``      @njit, for either memory order of ``W2`` (and of ``acc_W2``, which has the same):
+               C order (row-major, a label's column one float per row): a prange over the rows
+               of ``W2``, each row reading or writing the ``m`` entries of its candidate
+               columns; Fortran order (label-major, a label's column ``n_hidden`` contiguous
+               floats: what the CPU replicas of the sampled layer hold, see
+               :func:`xmc_engine.model.label_major_w2`): a prange over the candidates, each
+               reading or writing its contiguous column. Then a serial loop over the ``m`` bias
+               entries.
 ``*_kernel``   @cuda.jit, one thread per entry of the ``(n_hidden, m)`` block in a grid-stride
                loop (entries ``t >= n_hidden * m`` handle the ``m`` bias entries);
                ``*_launch`` queues them on a stream and never synchronises.
@@ -33,15 +39,28 @@ from xmc_engine.kernels._cuda import TPB, blocks_for, cuda, cuda_kernel, launch
 from xmc_engine.kernels.adagrad import adagrad_entry_cpu, adagrad_entry_device
 
 
+@njit(nogil=True, cache=True)
+def label_major(W2):
+    """Whether ``W2`` (2-D) is stored label-major: a column's entries adjacent in memory
+    (Fortran order), so that a kernel should visit it column by column."""
+    return W2.shape[0] > 1 and W2.strides[0] < W2.strides[1]
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def gather_columns_cpu(W2, b2, cols, W2s, b2s):
     """``W2s[:, j] = W2[:, cols[j]]``; ``b2s[j] = b2[cols[j]]``."""
     m = cols.shape[0]
-    for h in prange(W2.shape[0]):
-        src = W2[h]
-        dst = W2s[h]
-        for j in range(m):
-            dst[j] = src[cols[j]]
+    if label_major(W2):
+        for j in prange(m):
+            src = W2[:, cols[j]]
+            for h in range(src.shape[0]):
+                W2s[h, j] = src[h]
+    else:
+        for h in prange(W2.shape[0]):
+            src = W2[h]
+            dst = W2s[h]
+            for j in range(m):
+                dst[j] = src[cols[j]]
     for j in range(m):
         b2s[j] = b2[cols[j]]
 
@@ -51,11 +70,17 @@ def scatter_add_columns_cpu(W2, b2, cols, dW2s, db2s, alpha):
     """``W2[:, cols[j]] += alpha dW2s[:, j]``; ``b2[cols[j]] += alpha db2s[j]``."""
     m = cols.shape[0]
     a = np.float32(alpha)
-    for h in prange(W2.shape[0]):
-        dst = W2[h]
-        src = dW2s[h]
-        for j in range(m):
-            dst[cols[j]] += a * src[j]
+    if label_major(W2):
+        for j in prange(m):
+            dst = W2[:, cols[j]]
+            for h in range(dst.shape[0]):
+                dst[h] += a * dW2s[h, j]
+    else:
+        for h in prange(W2.shape[0]):
+            dst = W2[h]
+            src = dW2s[h]
+            for j in range(m):
+                dst[cols[j]] += a * src[j]
     for j in range(m):
         b2[cols[j]] += a * db2s[j]
 
@@ -67,13 +92,21 @@ def adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
     m = cols.shape[0]
     lr32 = np.float32(lr)
     eps32 = np.float32(eps)
-    for h in prange(W2.shape[0]):
-        w = W2[h]
-        acc = acc_W2[h]
-        g = dW2s[h]
-        for j in range(m):
+    if label_major(W2):
+        for j in prange(m):
             c = cols[j]
-            w[c], acc[c] = adagrad_entry_cpu(w[c], acc[c], g[j], lr32, eps32)
+            w = W2[:, c]
+            acc = acc_W2[:, c]
+            for h in range(w.shape[0]):
+                w[h], acc[h] = adagrad_entry_cpu(w[h], acc[h], dW2s[h, j], lr32, eps32)
+    else:
+        for h in prange(W2.shape[0]):
+            w = W2[h]
+            acc = acc_W2[h]
+            g = dW2s[h]
+            for j in range(m):
+                c = cols[j]
+                w[c], acc[c] = adagrad_entry_cpu(w[c], acc[c], g[j], lr32, eps32)
     for j in range(m):
         c = cols[j]
         b2[c], acc_b2[c] = adagrad_entry_cpu(b2[c], acc_b2[c], db2s[j], lr32, eps32)

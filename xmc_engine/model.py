@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from xmc_engine.backends.base import empty_like
 from xmc_engine.batches import CSRBatch, RowGather, mark_columns
 from xmc_engine.config import (
     EVAL_ROWS,
@@ -198,8 +199,10 @@ class MLPReplica:
         #: short to repay timing it; None where it was never calibrated
         self.threads_timed: bool | None = None
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
+        if label_major_w2(backend, output):
+            self._params[-2] = np.asfortranarray(self._params[-2])
         self.n_dense = (len(self._params) - 4) // 2
-        self._acc = ([backend.zeros(p.shape) for p in self._params]
+        self._acc = ([empty_like(backend, p, zero=True) for p in self._params]
                      if optimizer == "adagrad" else None)
         # W1 rows changed by steps since the last set_params (a step changes only the rows of
         # its batch's features); None where the backend's merges are dense.
@@ -504,6 +507,20 @@ def grad_step(be, params, Xb, Yb, *, label_chunk: int | None = None,
                                                    label_chunk=label_chunk, loss=loss)
         grads = _hidden_grads(be, params, x_parts, acts, dH)
         return be.to_float(total), [*grads, dW2, db2]  # synchronize!
+
+
+def label_major_w2(backend, output: str) -> bool:
+    """Whether a replica on ``backend`` holds ``W2`` (and its Adagrad accumulator) label-major:
+    still of shape ``(n_hidden, n_labels)``, but in Fortran order, a label's column of
+    ``n_hidden`` floats adjacent in memory. So on the CPU with the sampled output layer, whose
+    steps gather and update a few thousand scattered columns out of a ``W2`` far larger than
+    the caches, and whose merges read and write the columns the period changed: in C order each
+    column is ``n_hidden`` cache lines, in Fortran order ``n_hidden / 16`` (``bench/RESULTS.md``,
+    "W2 label-major"). Everything else reads ``W2`` by its indices, BLAS calls by its strides,
+    the flat merge kernels through C-order views of buffers of the same order
+    (:func:`xmc_engine.backends.base.empty_like`), and MPI's all-reduce in C order (a copy);
+    the exact layer (whole rows of ``W2`` per step) and the CUDA backend keep C order."""
+    return backend.name == "cpu" and output == "sampled"
 
 
 def fused_step_covers(n_hidden_layers: int, output: str, label_chunk: int | None,

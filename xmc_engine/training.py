@@ -389,6 +389,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
 
     Returns the seconds spent, also written to ``log`` as a ``compile`` record.
     """
+    from xmc_engine.backends.base import empty_like
     from xmc_engine.scheduler.merge import merge_changed_rows, weighted_merge
 
     t0 = time.perf_counter()
@@ -418,7 +419,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
                      label_chunk=cfg.label_chunk)
         if len(replicas) > 1:
             weights = [1.0 / len(replicas)] * len(replicas)
-            central = [be.asarray(np.array(p, dtype=np.float32)) for p in params]
+            central = [empty_like(be, p) for p in replicas[0].params()]
             weighted_merge([r.params() for r in replicas], weights, central, be)
             merge_changed_rows(replicas, weights, central, be, per_row=per_row,
                                per_label=per_label)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from xmc_engine.algorithms.base import Policy
+from xmc_engine.backends.base import empty_like
 from xmc_engine.distributed import combine_nodes
 from xmc_engine.errors import ConfigError
 from xmc_engine.scheduler.controller import BatchSizeController
@@ -162,7 +163,7 @@ class AdaptiveSGD(Policy):
         if not all(accs):
             return
         if self._acc is None:
-            self._acc = [self.backend.zeros(a.shape, a.dtype) for a in accs[0]]
+            self._acc = [empty_like(self.backend, a, zero=True) for a in accs[0]]
         if mode == "average":
             weighted_merge(accs, p, self._acc, self.backend, check=False)
         for acc in accs:

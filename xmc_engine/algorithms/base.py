@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from xmc_engine.backends.base import empty_like
 from xmc_engine.config import ALGORITHMS, AlgorithmConfig, algorithm_config
 from xmc_engine.errors import ConfigError, DivergenceError
 from xmc_engine.scheduler.merge import find_nonfinite, merge_changed_rows
@@ -105,9 +106,9 @@ class Policy:
         return out
 
     def empty_params(self, params: Sequence) -> list:
-        """Uninitialised arrays shaped like ``params`` on this policy's backend (merge
-        scratch), allocated on its stream."""
-        return [self.backend.empty(a.shape, a.dtype) for a in params]
+        """Uninitialised arrays shaped (and ordered in memory) like ``params`` on this
+        policy's backend (merge scratch), allocated on its stream."""
+        return [empty_like(self.backend, a) for a in params]
 
     # -- per period ----------------------------------------------------------------------------
     def batch_sizes(self) -> list[int]:

@@ -157,9 +157,8 @@ class CPUBackend:
         if not isinstance(src, np.ndarray) and hasattr(src, "get"):
             src = src.get()
         if (dst.size >= _PARALLEL_COPY_MIN and dst.dtype == src.dtype == _F32
-                and dst.shape == src.shape and dst.flags.c_contiguous
-                and src.flags.c_contiguous):
-            merge.copy_cpu(dst, src)
+                and dst.shape == src.shape and _order(dst) == _order(src) != "strided"):
+            merge.copy_cpu(*_c_views(dst, src))
         else:
             np.copyto(dst, src)
 
@@ -454,14 +453,15 @@ class CPUBackend:
     @staticmethod
     def all_finite(a) -> bool:
         """No NaN or infinity in ``a`` (the merge's check; one parallel pass)."""
-        a = np.ascontiguousarray(a)
+        a = a.T if _order(a) == "F" else np.ascontiguousarray(a)
         if a.dtype != _F32:
             return bool(np.isfinite(a).all())
         return bool(merge.all_finite_cpu(a))
 
     @staticmethod
     def weighted_sum(arrays, weights, out):
-        return merge.weighted_sum_cpu(arrays, weights, out)
+        *views, out_view = _c_views(*arrays, out)
+        return merge.weighted_sum_cpu(views, weights, out_view)
 
     @staticmethod
     def merge_rows(arrays, weights, rows, out, broadcast: bool = False) -> tuple[bool, float]:
@@ -497,17 +497,19 @@ class CPUBackend:
 
     @staticmethod
     def momentum(wbar, z1, z2, mu, out):
-        merge.momentum_cpu(wbar, z1, z2, mu, out)
+        w, a, b, o = _c_views(wbar, z1, z2, out)
+        merge.momentum_cpu(w, a, b, mu, o)
         return out
 
     @staticmethod
     def elastic(x, center, alpha, diff_out):
-        merge.elastic_cpu(x, center, alpha, diff_out)
+        xv, c, d = _c_views(x, center, diff_out)
+        merge.elastic_cpu(xv, c, alpha, d)
         return diff_out
 
     @staticmethod
     def adagrad_dense(w, g, acc, lr, eps):
-        adagrad.adagrad_dense_cpu(w, g, acc, lr, eps)
+        adagrad.adagrad_dense_cpu(*_c_views(w, g, acc), lr, eps)
 
     @staticmethod
     def adagrad_rows(W, rows, grad_rows, acc_W, lr, eps):
@@ -524,6 +526,27 @@ def _optimizer_args(acc) -> tuple:
     if acc is None:
         return _EMPTY_2D, _EMPTY_1D, _EMPTY_2D, _EMPTY_1D, False
     return (*acc, True)
+
+
+def _order(a) -> str:
+    """``"C"`` (C-contiguous, also any 1-D or one-row array), ``"F"`` (Fortran order only: the
+    label-major ``W2`` of a sampled CPU replica, :func:`xmc_engine.model.label_major_w2`) or
+    ``"strided"``."""
+    if a.flags.c_contiguous:
+        return "C"
+    return "F" if a.flags.f_contiguous else "strided"
+
+
+def _c_views(*arrays) -> tuple:
+    """The arrays of one flat (elementwise) kernel as C-order views: a Fortran-order array as
+    its transpose, the same memory in the same order. The flat loops pair entries by their place
+    in memory, so every array of a call must be in the same order (``ValueError`` otherwise:
+    it would pair ``W2[h, c]`` of one with another entry of the other)."""
+    orders = {_order(a) for a in arrays if a.ndim > 1}
+    if len(orders) > 1:
+        raise ValueError(f"arrays of one elementwise kernel in different memory orders "
+                         f"{sorted(orders)}: allocate them alike (empty_like)")
+    return tuple(a.T if a.ndim > 1 and _order(a) == "F" else a for a in arrays)
 
 
 def _as_rows(a: np.ndarray) -> np.ndarray:

@@ -131,7 +131,7 @@ def sq_norms(params: Sequence, backend) -> list[float]:
     with backend.activate():
         backend.fence()
         for a in params:
-            v = xp.ravel(a)
+            v = xp.ravel(a, order="K")  # no copy of a label-major W2
             out.append(backend.to_float(xp.dot(v, v)))  # synchronize!
     return out
 
