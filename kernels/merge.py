@@ -185,6 +185,15 @@ def copy_rows_cpu(dst, src, rows):
 COLUMN_BLOCK = 256
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _merged_entry(arrays, weights, j, h, c):
+    """``sum_i weights[i, j] * arrays[i][h, c]``, in the order of the replicas."""
+    v = weights[0, j] * arrays[0][h, c]
+    for i in range(1, len(arrays)):
+        v += weights[i, j] * arrays[i][h, c]
+    return v
+
+
 @njit(nogil=True, cache=True, parallel=True, fastmath=_REASSOC)
 def merge_columns_cpu(arrays, weights, cols, central, broadcast):
     """Merge the listed columns of 2-D replicas into ``central``, in place (the column-sparse
@@ -219,9 +228,7 @@ def merge_columns_cpu(arrays, weights, cols, central, broadcast):
             out = central[:, c]
             nb = 0
             for h in range(out.shape[0]):
-                v = weights[0, j] * arrays[0][h, c]
-                for i in range(1, n):
-                    v += weights[i, j] * arrays[i][h, c]
+                v = _merged_entry(arrays, weights, j, h, c)
                 out[h] = v
                 if not np.isfinite(v):
                     nb += 1
@@ -239,9 +246,7 @@ def merge_columns_cpu(arrays, weights, cols, central, broadcast):
             nb = 0
             for j in range(j0, j1):
                 c = cols[j]
-                v = weights[0, j] * arrays[0][h, c]
-                for i in range(1, n):
-                    v += weights[i, j] * arrays[i][h, c]
+                v = _merged_entry(arrays, weights, j, h, c)
                 out[c] = v
                 if not np.isfinite(v):
                     nb += 1
