@@ -516,8 +516,8 @@ def label_major_w2(backend, output: str) -> bool:
     steps gather and update a few thousand scattered columns out of a ``W2`` far larger than
     the caches, and whose merges read and write the columns the period changed: in C order each
     column is ``n_hidden`` cache lines, in Fortran order ``n_hidden / 16`` (``bench/RESULTS.md``,
-    "W2 label-major"). Everything else reads ``W2`` by its indices, BLAS calls by its strides,
-    the flat merge kernels through C-order views of buffers of the same order
+    "``W2`` label-major on the CPU"). Everything else reads ``W2`` by its indices, BLAS calls
+    by its strides, the flat merge kernels through C-order views of buffers of the same order
     (:func:`xmc_engine.backends.base.empty_like`), and MPI's all-reduce in C order (a copy);
     the exact layer (whole rows of ``W2`` per step) and the CUDA backend keep C order."""
     return backend.name == "cpu" and output == "sampled"

@@ -36,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["Backend", "SchedulerBackend", "empty_like"]
+__all__ = ["Backend", "SchedulerBackend", "empty_like", "fortran_only"]
 
 F32 = np.float32
 
@@ -275,12 +275,18 @@ class Backend(SchedulerBackend, Protocol):
         """The same on ``W[rows]`` only."""
 
 
+def fortran_only(a) -> bool:
+    """Whether ``a`` is 2-D and contiguous in Fortran order only (a column's entries adjacent):
+    the label-major ``W2`` of a sampled CPU replica, :func:`xmc_engine.model.label_major_w2`."""
+    return a.ndim == 2 and a.flags.f_contiguous and not a.flags.c_contiguous
+
+
 def empty_like(backend, a, *, zero: bool = False):
     """An array on ``backend`` with ``a``'s shape, dtype and memory order (C, or Fortran for the
     label-major ``W2`` of a sampled CPU replica, :func:`xmc_engine.model.label_major_w2`), so
     that the flat merge kernels pair its entries with ``a``'s; uninitialised, or zeros with
     ``zero``. Every merge buffer shaped like a replica's parameters is made here."""
     make = backend.zeros if zero else backend.empty
-    if a.ndim == 2 and a.flags.f_contiguous and not a.flags.c_contiguous:
+    if fortran_only(a):
         return make(a.shape[::-1], a.dtype).T
     return make(a.shape, a.dtype)

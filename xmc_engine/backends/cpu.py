@@ -18,6 +18,7 @@ import numpy as np
 import scipy.sparse
 
 from xmc_engine import output_layer as host_output_layer
+from xmc_engine.backends.base import fortran_only
 from xmc_engine.batches import CSRBatch
 from xmc_engine.kernels import (
     adagrad,
@@ -529,12 +530,11 @@ def _optimizer_args(acc) -> tuple:
 
 
 def _order(a) -> str:
-    """``"C"`` (C-contiguous, also any 1-D or one-row array), ``"F"`` (Fortran order only: the
-    label-major ``W2`` of a sampled CPU replica, :func:`xmc_engine.model.label_major_w2`) or
-    ``"strided"``."""
+    """``"C"`` (C-contiguous, also any 1-D or one-row array), ``"F"`` (:func:`fortran_only`)
+    or ``"strided"``."""
     if a.flags.c_contiguous:
         return "C"
-    return "F" if a.flags.f_contiguous else "strided"
+    return "F" if fortran_only(a) else "strided"
 
 
 def _c_views(*arrays) -> tuple:
