@@ -15,7 +15,7 @@ from xmc_engine import XMCClassifier, training
 from xmc_engine.backends.cpu import CPUBackend
 from xmc_engine.checkpoint import CheckpointManager
 from xmc_engine.cli.argtypes import lr_decay as lr_decay_arg
-from xmc_engine.config import PLATEAU_HOLDOUT_ROWS
+from xmc_engine.config import PLATEAU_HOLDOUT_ROWS, PLATEAU_STOP_SCALE
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import ModelShape, heldout_p1, init_params
 from xmc_engine.scheduler.controller import Plateau, Schedule
@@ -33,6 +33,19 @@ def test_the_rule_halves_after_an_epoch_that_does_not_improve():
     assert steps == [False, False, True, True, False, True, False]
     assert rule.scale == 0.125
     assert rule.best == 2.3
+
+
+def test_the_rule_is_done_once_its_scale_is_below_the_stop():
+    rule = Plateau(0.5, stop_scale=0.25)
+    assert not rule.update(1.0) and not rule.done  # the first epoch sets the best
+    rule.update(1.0)  # x0.5
+    rule.update(1.0)  # x0.25: at the stop, not below it
+    assert rule.scale == 0.25 and not rule.done
+    rule.update(0.5)  # an improvement keeps the rate (and does not undo the halvings)
+    assert not rule.done
+    rule.update(0.5)
+    assert rule.scale == 0.125 and rule.done
+    assert Plateau().stop_scale == PLATEAU_STOP_SCALE
 
 
 def test_the_schedule_multiplies_its_rate_by_the_scale():
@@ -174,3 +187,50 @@ def test_the_memory_plan_counts_the_plateau_rules_copy_and_workspace():
                    (TrainConfig(), PLATEAU_MIN_ROWS - 1)):
         assert not any("plateau" in k for k in plan_memory(cfg, n_samples=n,
                                                            **shape).pools[0].items)
+
+
+@pytest.mark.parametrize("algorithm, devices", [("single", "cpu"), ("adaptive", "cpu,cpu@0.5")])
+def test_a_run_stops_once_the_rule_is_below_its_stop(small, monkeypatch, algorithm, devices):
+    """A held-out P@1 that never improves after epoch 1 halves the rate after epochs 2, 3, ...;
+    below the default stop (x1/32) after epoch 7 (x1/64): training ends there, evaluated, with a
+    ``plateau_stop`` record and ``final``'s status saying why."""
+    X, Y, Xt, Yt = small
+    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)
+    m = XMCClassifier(epochs=12, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax", algorithm=algorithm, devices=devices)
+    m.fit(X, Y, eval_set=(Xt, Yt))
+    scales = [r["lr_scale"] for r in _records(m, "plateau")]
+    assert scales == [0.5 ** k for k in range(7)] and scales[-1] < PLATEAU_STOP_SCALE
+    stop, = _records(m, "plateau_stop")
+    assert stop["epoch"] == 7 and stop["lr_scale"] == 1 / 64
+    assert stop["stop_scale"] == PLATEAU_STOP_SCALE and stop["best_p1"] == pytest.approx(0.4)
+    final, = _records(m, "final")
+    assert final["status"] == "plateau_stop"
+    assert final["samples"] == 7 * m.n_train_ and final["epoch"] == 7
+    assert _records(m, "eval")[-1]["samples"] == 7 * m.n_train_  # the model it stopped with
+    assert max(r["epoch"] for r in _records(m, "merge")) == 6
+
+
+def test_a_run_that_keeps_improving_trains_every_epoch(small, monkeypatch):
+    X, Y, _, _ = small
+    seen = iter(np.linspace(0.1, 0.5, 9))
+    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: float(next(seen)))
+    m = XMCClassifier(epochs=10, threads=1, eval_every=0, lr_decay="plateau",
+                      loss="softmax").fit(X, Y)
+    assert not _records(m, "plateau_stop")
+    final, = _records(m, "final")
+    assert final["status"] == "completed" and final["samples"] == 10 * m.n_train_
+
+
+def test_a_resumed_run_whose_rule_had_stopped_trains_no_further(small, tmp_path, monkeypatch):
+    X, Y, _, _ = small
+    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)
+    kw = dict(threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax",
+              log_dir=tmp_path / "run", checkpoint_every=X.shape[0] // 2)
+    first = XMCClassifier(epochs=12, **kw).fit(X, Y)
+    assert _records(first, "final")[0]["status"] == "plateau_stop"
+    again = XMCClassifier(epochs=14, **kw).fit(X, Y, resume=True)
+    assert not _records(again, "merge") and not _records(again, "plateau")
+    final, = _records(again, "final")
+    assert final["status"] == "plateau_stop"
+    assert final["samples"] == _records(first, "final")[0]["samples"]

@@ -107,7 +107,9 @@ class XMCClassifier:
     lr_warmup_epochs, lr_decay : linear warm-up length; decay ``lr0 / (1 + λ (e - e_warm))``;
         the schedule of every algorithm (``lr_warmup_epochs=None``: the algorithm's own,
         none by default). ``lr_decay="plateau"``: the rate halves after every epoch whose P@1
-        on 2,000 training rows held out of training is not above the best so far;
+        on 2,000 training rows held out of training is not above the best so far, and
+        training stops once it is below 1/32 of the base
+        (:data:`xmc_engine.config.PLATEAU_STOP_SCALE`);
         ``"auto"`` (the default): ``"plateau"`` with Adagrad from
         :data:`xmc_engine.config.PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed
         decay; ``None``: that fixed decay, :data:`xmc_engine.config.DEFAULT_LR_DECAY` (0.5 for

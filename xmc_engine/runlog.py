@@ -58,10 +58,19 @@ not know. The events the engine writes:
 ``device_dropped``
     A device failed and the run continues without it: ``device``, ``reason``, ``epoch``,
     ``samples``.
+``plateau_stop``
+    With ``lr_decay="plateau"``, when the rule has lowered the rate below
+    ``PLATEAU_STOP_SCALE`` and training ends before ``epochs``: ``epoch``, ``samples``,
+    ``train_time``, ``lr_scale``, ``stop_scale``, ``best_p1`` (the best held-out P@1).
+``time_budget``
+    When ``max_train_seconds`` ended training before ``epochs``: ``max_train_seconds``,
+    ``train_time``, ``samples``, ``epoch``.
 ``final``
-    Once, last. ``status`` (``"completed"``, ``"time_limit"``, ``"diverged"``, ``"interrupted"``),
-    ``epoch``, ``samples``, ``train_time``, ``eval_time`` (total), ``metrics`` (the last
-    evaluation, if any).
+    Once, last, when training ended normally (a divergence or a signal writes ``diverged`` or
+    ``interrupted`` instead and raises). ``status`` (``"completed"``: every epoch trained,
+    ``"time_budget"`` or ``"plateau_stop"``: what ended it sooner), ``epoch``, ``samples``,
+    ``train_time``, ``metrics`` (the last evaluation, if any), ``mean_loss`` (the training
+    loss averaged over the samples of this call).
 
 For example::
 

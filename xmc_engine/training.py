@@ -653,6 +653,11 @@ class _Driver:
                 pass
         return previous
 
+    def _plateau_done(self) -> bool:
+        """Has the plateau rule lowered the rate below its stop (the same on every node: its
+        multiplier is rank 0's)?"""
+        return self.watch is not None and self.watch.rule.done
+
     def _reset_ckpt_clock(self):
         self.last_ckpt_samples = self.state["samples"]
         self.last_ckpt_time = time.perf_counter()
@@ -742,7 +747,7 @@ class _Driver:
             epoch = int(st["epoch"])
             # A signal stops the loop at the next barrier, where a checkpoint can be taken.
             while (st["samples"] < total and not self._budget_spent()
-                   and self._signal is None):
+                   and self._signal is None and not self._plateau_done()):
                 st["epoch"] = epoch
                 before, t0 = st["samples"], st["train_time"]
                 stop_after = None
@@ -783,7 +788,20 @@ class _Driver:
                     self.checkpoint(epoch)
             if self._signal is not None:
                 self._interrupted(epoch)
-            if st["samples"] < total:  # the time budget ended the run
+            status = "completed"
+            if st["samples"] < total and self._plateau_done():  # the plateau rule ended it
+                status = "plateau_stop"
+                rule = self.watch.rule
+                self.log.write("plateau_stop", epoch=epoch, samples=st["samples"],
+                               train_time=st["train_time"], lr_scale=rule.scale,
+                               stop_scale=rule.stop_scale,
+                               best_p1=self.watch.state()["plateau_best_p1"])
+                logger.info("epoch %d: the plateau rule has lowered the learning rate to x%g "
+                            "(below x%g) without a better held-out P@1: training stops (a "
+                            "number for lr_decay trains every epoch)", epoch, rule.scale,
+                            rule.stop_scale)
+            elif st["samples"] < total:  # the time budget ended the run
+                status = "time_budget"
                 self.log.write("time_budget", max_train_seconds=cfg.max_train_seconds,
                                train_time=st["train_time"], samples=st["samples"],
                                epoch=round(st["samples"] / self.n, 4))
@@ -801,7 +819,7 @@ class _Driver:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             bar.close()
-        self.log.write("final", epoch=round(st["samples"] / self.n, 4), samples=st["samples"],
-                       train_time=st["train_time"], metrics=self.metrics,
+        self.log.write("final", status=status, epoch=round(st["samples"] / self.n, 4),
+                       samples=st["samples"], train_time=st["train_time"], metrics=self.metrics,
                        mean_loss=st.get("loss_sum", 0.0) / max(st["samples"], 1))
         return self.metrics

@@ -33,8 +33,9 @@ _CONFIG_OPTIONS = {
                          "linear learning-rate warm-up, every algorithm (default 0)"),
     "lr_decay": ("--lr-decay", lr_decay, "decay lambda: lr0/(1+lambda(e-e_warm)); plateau: "
                  "halve the rate after an epoch whose P@1 on 2,000 held-out training rows "
-                 "does not improve; auto (default): plateau with adagrad from 40,000 training "
-                 "rows, else the optimizer's fixed decay (0.5 for adagrad, 0 for sgd)"),
+                 "does not improve, stop below 1/32 of it; auto (default): plateau with "
+                 "adagrad from 40,000 training rows, else the optimizer's fixed decay (0.5 "
+                 "for adagrad, 0 for sgd)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xmc_engine.config import BATCH_RULES, LR_SCALINGS, PLATEAU_FACTOR
+from xmc_engine.config import BATCH_RULES, LR_SCALINGS, PLATEAU_FACTOR, PLATEAU_STOP_SCALE
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +69,19 @@ class Plateau:
     ``factor``. Like a fixed decay it lowers the rate where more of it stops helping (the small
     sets overfit from epoch 1-4, bench/RESULTS.md), and unlike one it leaves the rate alone for
     as long as every epoch still improves on held-out rows (large data that is far from fitting
-    its training rows)."""
+    its training rows). Once ``scale`` is below ``stop_scale`` the rule is :attr:`done`: the
+    driver stops training there (a converged model would otherwise go on halving a rate that
+    no longer changes it)."""
 
     factor: float = PLATEAU_FACTOR
     best: float = math.inf
     scale: float = 1.0
+    stop_scale: float = PLATEAU_STOP_SCALE
+
+    @property
+    def done(self) -> bool:
+        """Has the rate been lowered below ``stop_scale`` (training should stop)?"""
+        return self.scale < self.stop_scale
 
     def update(self, error: float) -> bool:
         """Record one epoch's held-out error; returns whether the rate was lowered."""
