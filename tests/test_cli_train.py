@@ -56,6 +56,25 @@ def test_train_evaluate_predict_plot(files, tmp_path):
     assert png.exists()
 
 
+def test_a_run_that_ends_before_its_epochs_says_why(files, tmp_path):
+    """A rate too small to move the model: held-out P@1 ties every epoch, the plateau rule
+    halves after epochs 2-7 and stops below 1/32 after epoch 7. A time budget likewise."""
+    out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 20, "--batch-size", 32,
+                  "--lr", "1e-12", "--lr-decay", "plateau", "--loss", "softmax",
+                  "--out", tmp_path / "run").stdout
+    assert ", 7 of 20 epochs (stopped: held-out P@1 no longer improved and the plateau rule " \
+           "had lowered the learning rate to x0.015625; --lr-decay 0.5 trains every epoch)" in out
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["event"] == "final" and log[-1]["status"] == "plateau_stop"
+    out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 50, "--batch-size", 32,
+                  "--max-train-seconds", "0.001", "--loss", "softmax",
+                  "--out", tmp_path / "run2").stdout
+    assert " of 50 epochs (stopped: --max-train-seconds 0.001)" in out
+    out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 1, "--loss", "softmax",
+                  "--out", tmp_path / "run3").stdout
+    assert "stopped" not in out and "train time" in out
+
+
 def test_resume_continues_the_run(files, tmp_path):
     run = tmp_path / "run"
     run_cli("train", "--data", files, "--hidden", 16, "--epochs", 2, "--batch-size", 32,

@@ -53,6 +53,21 @@ _CONFIG_OPTIONS = {
 }
 
 
+def _ended_early(model, final: dict) -> str:
+    """``", 23 of 40 epochs (...)"``: why a run ended before its epochs (the ``final`` record's
+    ``status``), for the line after training; empty when it trained them all."""
+    status = final.get("status")
+    if status not in ("plateau_stop", "time_budget"):
+        return ""
+    done = f", {final.get('epoch', float('nan')):g} of {model.epochs:g} epochs"
+    if status == "time_budget":
+        return f"{done} (stopped: --max-train-seconds {model.max_train_seconds:g})"
+    stop = next((r for r in model.history_ if r.get("event") == "plateau_stop"), {})
+    return (f"{done} (stopped: held-out P@1 no longer improved and the plateau rule had "
+            f"lowered the learning rate to x{stop.get('lr_scale', float('nan')):g}; "
+            f"--lr-decay 0.5 trains every epoch)")
+
+
 def _algo_param(s: str):
     """``KEY=VALUE`` -> ``(KEY, VALUE as JSON, else the string)``; NaN and infinities refused."""
     if "=" not in s:
@@ -330,7 +345,7 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     if m:
         print("  ".join(f"{k} {m[k]:.4f}" for k in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@5")
                         if k in m))
-    print(f"train time {final.get('train_time', float('nan')):.1f} s")
+    print(f"train time {final.get('train_time', float('nan')):.1f} s" + _ended_early(model, final))
     probe = next((r for r in model.history_ if r.get("event") == "loss_probe"), None)
     if probe is not None:
         seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
