@@ -7,16 +7,17 @@ are fractions in ``[0, 1]`` with the names of :mod:`xmc_engine.metrics` (``"P@1"
 not know. The events the engine writes:
 
 ``start``
-    Once, first. ``config`` (the full run configuration as a JSON object), ``algorithm``
-    (``"adaptive"``, ``"sync"``, ``"average"``, ``"easgd"``, ``"crossbow"``, ``"single"``),
-    ``devices`` (the device spec string), ``dataset``, ``n_samples``, ``n_features``,
-    ``n_labels``, ``seed``, ``version``, ``host`` (CPU, GPUs, library versions), ``lr``,
-    ``lr_decay`` (a number, or ``"plateau"``) and ``warmup_epochs`` (the values in effect,
-    defaults resolved), ``heldout_rows`` (the training rows the plateau rule holds out of
-    training, 0 without it; ``n_samples`` counts the rest), ``loss`` (the loss trained:
-    ``config``'s, or what ``"auto"`` chose), ``algorithm_params`` (the algorithm's options in
-    effect, ``"auto"`` ones resolved: ``adaptive``'s ``row_weights``, ``label_weights`` and
-    ``weights_from_epoch``).
+    Once per training call, first. ``config`` (the run configuration as given, a JSON object:
+    its ``algorithm``, ``devices``, ``seed`` and the rest), ``output`` (the output layer trained,
+    ``"exact"`` or ``"sampled"``, what ``"auto"`` chose), ``loss`` (the loss trained: ``config``'s,
+    or what ``"auto"`` chose), ``algorithm_params`` (the algorithm's options in effect, ``"auto"``
+    ones resolved: ``adaptive``'s ``row_weights``, ``label_weights`` and
+    ``weights_from_epoch``), ``lr``, ``lr_decay`` (a number, or ``"plateau"``) and
+    ``warmup_epochs`` (the values in effect, defaults resolved), ``heldout_rows`` (the training
+    rows the plateau rule holds out of training, 0 without it; ``n_samples`` counts the rest),
+    ``n_samples``, ``n_features``, ``n_labels``, ``devices`` (one object per device: ``kind``,
+    ``index``, ``speed``, ``threads``), ``resumed`` (whether the run continues from a checkpoint)
+    with ``samples`` and ``epoch`` (where it starts: 0 for a new run).
 ``loss_probe``
     Right after ``start`` when ``config`` says ``loss="auto"``
     (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),
@@ -46,18 +47,35 @@ not know. The events the engine writes:
     multiplied by ``PLATEAU_FACTOR``), ``lr_scale`` (the multiplier now in effect), ``seconds``
     (the evaluation's time, counted in ``train_time``).
 ``merge``
-    After each merge period (Adaptive SGD and the averaging baselines). ``merge`` (index),
-    ``epoch``, ``samples``, ``train_time``, ``lr``, ``devices``: a list with one object per
-    device: ``device`` (name), ``batch_size``, ``updates``, ``samples``, ``weight`` (merge weight
-    ``p_i``), ``busy_s``, ``idle_s`` (time computing vs. waiting at the barrier); optionally
-    ``norm`` and ``flag`` (the adaptive-normalisation trend).
+    After each merge period (every algorithm; one device's "merge" is the end of a period of
+    its own). ``epoch`` (the whole epochs before it), ``period`` (index within the epoch),
+    ``progress`` (epochs done, a float), ``lr`` (the schedule's rate before per-device scaling),
+    ``algorithm``, ``merge_s`` (the merge's seconds), ``nonfinite`` (devices left out of it),
+    ``devices``: a list with one object per device: ``device`` (index), ``name``,
+    ``batch_size``, ``updates``, ``samples``, ``weight`` (merge weight ``p_i``), ``lr`` (its
+    rate), ``busy_s``, ``idle_s`` (time computing vs. waiting at the barrier), ``cpu_s`` (its
+    thread's CPU time), ``loss`` (its mean training loss in the period). The algorithm may add
+    fields: ``adaptive``'s ``norm`` and ``flag`` (the adaptive-normalisation trend) and, with
+    ``delta_stats``, the replicas' change statistics; ``easgd``'s ``alpha``; ``crossbow``'s
+    ``momentum``.
 ``checkpoint``
-    After a checkpoint is written: ``path``, ``seq``, ``epoch``, ``samples``, ``train_time``.
-``resume``
-    When a run continues from a checkpoint: ``path``, ``seq``, ``epoch``, ``samples``.
+    After a checkpoint is written: ``path``, ``epoch``, ``samples``, ``train_time``, ``loss`` (the
+    loss trained), and with the plateau rule ``lr_scale`` and ``plateau_best_p1`` (its state).
+    A resumed run says so in its ``start`` record (``resumed``, ``samples``, ``epoch``).
+``nonfinite``
+    A device's loss went non-finite in a period: it was left out of the merge, reset to the
+    merged model and its rate halved: ``epoch``, ``period``, ``device`` (index), ``name``,
+    ``lr_scale``.
 ``device_dropped``
-    A device failed and the run continues without it: ``device``, ``reason``, ``epoch``,
-    ``samples``.
+    A device failed and the run continues without it: ``epoch``, ``period``, ``device``
+    (index), ``name``, ``error``, ``remaining`` (the indices still training),
+    ``rejoin_after`` (periods before it is tried again; ``null``: never).
+``diverged``
+    Training diverged (the run raises ``DivergenceError``): ``samples``, ``error``,
+    ``last_checkpoint``.
+``interrupted``
+    SIGINT or SIGTERM stopped the run after a checkpoint (it raises ``TrainingInterrupted``):
+    ``signal``, ``epoch``, ``samples``, ``train_time``, ``checkpoint``.
 ``plateau_stop``
     With ``lr_decay="plateau"``, when the rule has lowered the rate below
     ``PLATEAU_STOP_SCALE`` and training ends before ``epochs``: ``epoch``, ``samples``,
