@@ -176,3 +176,47 @@ def test_a_full_disk_loses_no_record_and_tears_none(tmp_path, caplog):
     assert [r["event"] for r in read_log(tmp_path)] == [
         "start", "eval", "checkpoint_failed", "final"]
     assert [r["event"] for r in log.records] == ["start", "eval", "checkpoint_failed", "final"]
+
+
+def _documented_fields() -> dict[str, str]:
+    """The run log's docstring cut into one text per event (``name`` at the start of a line)."""
+    import re
+
+    import xmc_engine.runlog as runlog
+
+    parts = re.split(r"^``(\w+)``\n", runlog.__doc__, flags=re.M)
+    return {parts[k]: parts[k + 1] for k in range(1, len(parts) - 1, 2)}
+
+
+def test_every_field_a_training_run_writes_is_documented(tmp_path, monkeypatch):
+    """The events and fields of real runs (one device with a loss probe, the plateau rule, an
+    evaluation and checkpoints; every multi-device algorithm on two devices, ``adaptive`` with
+    ``delta_stats``, each stopped by a time budget) against ``xmc_engine.runlog``'s
+    docstring: a field the engine writes and the docstring does not name fails here."""
+    from xmc_engine.datasets import make_synthetic
+
+    from xmc_engine import XMCClassifier, training
+
+    X, Y, Xt, Yt = make_synthetic(n_train=2400, n_test=100, n_features=200, n_labels=30, seed=1)
+    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)  # the rule stops early
+    runs = [XMCClassifier(epochs=12, threads=1, hidden=8, lr_decay="plateau", eval_every=4,
+                          log_dir=tmp_path / "a", checkpoint_every=2400).fit(X, Y, (Xt, Yt))]
+    runs += [XMCClassifier(epochs=1, threads=1, hidden=8, algorithm=algorithm,
+                           devices="cpu,cpu", loss="softmax", max_train_seconds=1e-4,
+                           algorithm_params={"delta_stats": True} if algorithm == "adaptive"
+                           else None).fit(X, Y, (Xt, Yt))
+             for algorithm in ("adaptive", "average", "sync", "easgd", "crossbow")]
+    docs = _documented_fields()
+    seen = set()
+    for m in runs:
+        for rec in m.history_:
+            event = rec["event"]
+            seen.add(event)
+            assert event in docs, f"event {event!r} is not documented in xmc_engine.runlog"
+            for key in set(rec) - {"event", "wall_time"}:
+                assert f"``{key}``" in docs[event], f"{event}: field {key!r} is not documented"
+            for dev in rec.get("devices", []) if event == "merge" else []:
+                for key in dev:
+                    assert f"``{key}``" in docs[event], f"merge devices: {key!r} undocumented"
+    assert {"start", "loss_probe", "compile", "eval", "plateau", "plateau_stop", "checkpoint",
+            "merge", "time_budget", "final"} <= seen

@@ -55,9 +55,14 @@ not know. The events the engine writes:
     ``batch_size``, ``updates``, ``samples``, ``weight`` (merge weight ``p_i``), ``lr`` (its
     rate), ``busy_s``, ``idle_s`` (time computing vs. waiting at the barrier), ``cpu_s`` (its
     thread's CPU time), ``loss`` (its mean training loss in the period). The algorithm may add
-    fields: ``adaptive``'s ``norm`` and ``flag`` (the adaptive-normalisation trend) and, with
-    ``delta_stats``, the replicas' change statistics; ``easgd``'s ``alpha``; ``crossbow``'s
-    ``momentum``.
+    fields: ``adaptive``'s ``norm`` and ``flag`` (the adaptive-normalisation trend); its
+    row-sparse merge's ``rows_touched`` and ``rows_single`` (``W1`` rows changed by any replica,
+    by exactly one), ``labels_seen`` and ``labels_single`` (labels some / exactly one replica
+    held as a positive, with the per-label weights) and ``labels_changed`` (``W2`` columns
+    changed, sampled layer); with ``delta_stats`` the per-replica RMS changes
+    ``delta_w1_single``, ``delta_w1_shared``, ``delta_w2_head``, ``delta_w2_tail``;
+    ``node_weights`` (each MPI node's share of the merge); ``easgd``'s ``alpha``;
+    ``crossbow``'s ``momentum``.
 ``checkpoint``
     After a checkpoint is written: ``path``, ``epoch``, ``samples``, ``train_time``, ``loss`` (the
     loss trained), and with the plateau rule ``lr_scale`` and ``plateau_best_p1`` (its state).
