@@ -97,6 +97,7 @@ def run_one(spec: dict) -> dict:
     return {**spec, "wall_s": wall, "load_s": load_s, "compile_s": compile_s,
             "train_s": final["train_time"], "samples": final["samples"],
             "epochs_done": final["epoch"], "merges": len(merges),
+            "status": final.get("status"),  # completed / time_budget / plateau_stop
             "merge_s": sum(m.get("merge_s", 0.0) for m in merges),
             "per_device": per_device,
             "curve": [(r["train_time"], r["epoch"], *(r["metrics"][k] for k in METRICS))
@@ -239,7 +240,10 @@ def main(argv=None) -> None:
         r = json.loads(line[0][len("RESULT "):])
         runs.append(r)
         f = r["final"]
-        print(f"  {r['epochs_done']:.2f} epochs in {r['train_s']:.0f} s, merges {r['merge_s']:.1f}"
+        why = {"plateau_stop": " (the plateau rule stopped it)",
+               "completed": " (every epoch: --max-epochs)"}.get(r.get("status"), "")
+        print(f"  {r['epochs_done']:.2f} epochs{why} in {r['train_s']:.0f} s, merges "
+              f"{r['merge_s']:.1f}"
               f" s; P@1 {f['P@1']:.4f} P@3 {f['P@3']:.4f} P@5 {f['P@5']:.4f} PSP@5 "
               f"{f['PSP@5']:.4f}; peak {r['peak_rss_mib']:,.0f} MiB, planned "
               f"{r['planned_host_bytes'] / 2**20:,.0f} MiB", flush=True)

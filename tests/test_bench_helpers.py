@@ -307,3 +307,25 @@ def test_the_defaults_grid_carries_each_loss_and_widens_the_winner():
     assert runs[-1] == ("defaults", {})
     assert bench_defaults._label(stage2[0]) == "adagrad bce lr=0.1 b=64 h=128"
     assert "loss" not in bench_defaults._cfg("adagrad", 0.05, 64, 128)  # the engine's default
+
+
+def test_plateau_stop_replay_reads_the_stop_epoch_and_the_p1_there():
+    """bench_plateau_stop.py: the first epoch whose multiplier is below the floor; P@1 of the last
+    evaluation at or before it (conservative), training seconds after it interpolated."""
+    from bench_plateau_stop import replay, stop_epoch
+
+    scales = [1, 1, 0.5, 0.5, 0.25, 0.125, 0.0625]
+    plateau = [{"epoch": e + 1, "lr_scale": s, "lowered": s < (scales[e - 1] if e else 1)}
+               for e, s in enumerate(scales)]
+    assert stop_epoch(plateau, 0.25) == 6 and stop_epoch(plateau, 0.5) == 5
+    assert stop_epoch(plateau, 0.01) is None
+    curve = [(10.0 * e, float(e), 0.5 + 0.01 * e, 0, 0) for e in (2, 4, 6, 8)]
+    run = {"algorithm": "adaptive", "epochs_done": 8.0, "curve": curve, "plateau": plateau}
+    out = replay(run, [0.25, 0.5, 0.01])
+    assert out["lowered_at"] == [3, 5, 6, 7]
+    at = out["floors"]["0.25"]  # stops after epoch 6: the evaluation at epoch 6
+    assert at["stop_epoch"] == 6 and at["P@1"] == pytest.approx(0.56)
+    assert at["loss"] == pytest.approx(0.02) and at["saved_s"] == pytest.approx(20.0)
+    at = out["floors"]["0.5"]  # after epoch 5: the evaluation at epoch 4, 30 s saved
+    assert at["P@1"] == pytest.approx(0.54) and at["saved_s"] == pytest.approx(30.0)
+    assert out["floors"]["0.01"] == {"stop_epoch": None, "P@1": 0.58, "loss": 0.0, "saved_s": 0.0}
