@@ -132,8 +132,9 @@ def test_weights_from_epoch_auto_follows_the_label_count():
 
 
 def test_auto_merge_weights_follow_the_label_count():
-    """``row_weights`` / ``label_weights`` ``'auto'`` (the defaults): the per-row / per-label
-    weights below :data:`AUTO_WEIGHTS_LABELS` labels, the paper's from there on; a value given
+    """``row_weights`` / ``label_weights`` ``'auto'`` (the defaults): with the softmax loss the
+    per-row / per-label weights below :data:`AUTO_WEIGHTS_LABELS` labels, the paper's from there
+    on; with the logistic loss the paper's; a value given
     stays; configs saved before ``'auto'`` keep the per-row / per-label weights they had."""
     from xmc_engine import config
     from xmc_engine.config import AdaptiveConfig
@@ -141,16 +142,21 @@ def test_auto_merge_weights_follow_the_label_count():
     n = config.AUTO_WEIGHTS_LABELS
     c = AdaptiveConfig()
     assert (c.row_weights, c.label_weights) == ("auto", "auto")
-    small, large = c.resolved(n - 1), c.resolved(n)
+    small, large = c.resolved(n - 1, "softmax"), c.resolved(n, "softmax")
     assert (small.row_weights, small.label_weights, small.weights_from_epoch) == (
         "touched", "positives", 0)
     assert (large.row_weights, large.label_weights, large.weights_from_epoch) == (
         "updates", "updates", 1)
     assert small.per_row_weights and small.per_label_weights
     assert not (large.per_row_weights or large.per_label_weights)
-    given = AdaptiveConfig(row_weights="touched", label_weights="updates").resolved(n)
+    # the logistic loss keeps the paper's weights at every size
+    exact = c.resolved(n - 1, "bce")
+    assert (exact.row_weights, exact.label_weights, exact.weights_from_epoch) == (
+        "updates", "updates", 0)
+    given = AdaptiveConfig(row_weights="touched", label_weights="updates").resolved(n, "bce")
     assert (given.row_weights, given.label_weights) == ("touched", "updates")
-    assert c.resolved(n).resolved(n - 1) == large  # resolving twice changes nothing
+    # resolving twice changes nothing
+    assert c.resolved(n, "softmax").resolved(n - 1, "softmax") == large
     with pytest.raises(ConfigError, match="row_weights must be one of"):
         AdaptiveConfig(row_weights="often")
     old = TrainConfig.from_saved({"algorithm": "adaptive",
@@ -159,20 +165,23 @@ def test_auto_merge_weights_follow_the_label_count():
         "touched", "positives")
 
 
-@pytest.mark.parametrize("threshold, expected", [(10**9, 0), (1, 1)])
-def test_run_log_records_the_resolved_weights_from_epoch(small, monkeypatch, threshold,
-                                                          expected):
+@pytest.mark.parametrize("threshold, loss, expected, per_item", [
+    (10**9, "softmax", 0, True), (1, "softmax", 1, False), (10**9, "bce", 0, False)])
+def test_run_log_records_the_resolved_merge_weights(small, monkeypatch, threshold, loss,
+                                                     expected, per_item):
     from xmc_engine import config
 
     monkeypatch.setattr(config, "AUTO_WEIGHTS_LABELS", threshold)
     X, Y, _, _ = small
-    m = XMCClassifier(epochs=0.5, algorithm="adaptive", devices="cpu,cpu@0.5").fit(X, Y)
+    m = XMCClassifier(epochs=0.5, algorithm="adaptive", devices="cpu,cpu@0.5",
+                      loss=loss).fit(X, Y)
     start = next(r for r in m.history_ if r["event"] == "start")
     for key in ("weights_from_epoch", "row_weights", "label_weights"):
         assert start["config"]["algorithm_params"][key] == "auto"
+    assert start["loss"] == loss
     assert start["algorithm_params"]["weights_from_epoch"] == expected
-    assert start["algorithm_params"]["row_weights"] == ("updates" if expected else "touched")
-    assert start["algorithm_params"]["label_weights"] == ("updates" if expected else "positives")
+    assert start["algorithm_params"]["row_weights"] == ("touched" if per_item else "updates")
+    assert start["algorithm_params"]["label_weights"] == ("positives" if per_item else "updates")
 
 
 def test_compile_kernels_logs_its_time_and_says_when_slow(small, monkeypatch, caplog):

@@ -39,9 +39,10 @@ def many_labels():
     return tiny_data(n=400, n_features=300, n_labels=400)
 
 
-def mlp(be, X, Y, seed=0, optimizer="sgd", output="exact"):
+def mlp(be, X, Y, seed=0, optimizer="sgd", output="exact", loss="softmax"):
     p = init_params(ModelShape(X.shape[1], Y.shape[1], (16,)), seed, avg_nnz=8.0)
-    return MLPReplica(be, X, Y, p, optimizer=optimizer, output=output, negatives=6, seed=seed)
+    return MLPReplica(be, X, Y, p, optimizer=optimizer, output=output, negatives=6, seed=seed,
+                      loss=loss)
 
 
 def sq64(a):
@@ -532,10 +533,12 @@ def test_delta_stats_measure_each_replica_s_change_by_row_sharing_and_label_tail
     assert log.merges and all(len(m["delta_w2_tail"]) == 2 for m in log.merges)
 
 
-def _merge_weights_run(be, wide, monkeypatch, epochs, above_labels, **params):
-    """``adaptive`` on ``cpu,cpu@0.5`` (simulated clock) for ``epochs`` epochs with the 'auto'
-    label threshold at the label count plus ``above_labels`` (None: left alone); returns each
-    merge's ``(per_row, per_label)``, the merge log, the replicas and the policy's options."""
+def _merge_weights_run(be, wide, monkeypatch, epochs, above_labels, loss="softmax",
+                       **params):
+    """``adaptive`` on ``cpu,cpu@0.5`` (simulated clock) for ``epochs`` epochs, replicas training
+    ``loss``, with the 'auto' label threshold at the label count plus ``above_labels``
+    (None: left alone); returns each merge's ``(per_row, per_label)``, the merge log, the
+    replicas and the policy's options."""
     import xmc_engine.algorithms.base as base
     from xmc_engine import config
 
@@ -549,7 +552,7 @@ def _merge_weights_run(be, wide, monkeypatch, epochs, above_labels, **params):
     X, Y = wide
     if above_labels is not None:
         monkeypatch.setattr(config, "AUTO_WEIGHTS_LABELS", Y.shape[1] + above_labels)
-    reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+    reps = [mlp(be, X, Y, optimizer="adagrad", loss=loss) for _ in range(2)]
     log = MergeLog()
     with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
                       lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
@@ -580,14 +583,17 @@ def test_weights_from_epoch_keeps_the_paper_s_weights_until_that_epoch(be, wide,
         assert per_row is per_label is (epoch >= first)
 
 
-@pytest.mark.parametrize("above_labels, per_row_weights", [(0, False), (1, True)])
+@pytest.mark.parametrize("above_labels, loss, per_row_weights",
+                         [(0, "softmax", False), (1, "softmax", True), (1, "bce", False)])
 def test_auto_merge_weights_are_the_paper_s_on_a_large_label_space(be, wide, monkeypatch,
-                                                                   above_labels,
+                                                                   above_labels, loss,
                                                                    per_row_weights):
     """The defaults (``row_weights`` / ``label_weights`` / ``weights_from_epoch`` ``'auto'``):
-    from :data:`AUTO_WEIGHTS_LABELS` labels on every merge uses the paper's weights and the
-    replicas record no labels; below it the per-row / per-label weights from the first merge."""
-    calls, log, reps, resolved = _merge_weights_run(be, wide, monkeypatch, 2, above_labels)
+    from :data:`AUTO_WEIGHTS_LABELS` labels on, and with the logistic loss at any size, every
+    merge uses the paper's weights and the replicas record no labels; with the softmax below
+    it the per-row / per-label weights from the first merge."""
+    calls, log, reps, resolved = _merge_weights_run(be, wide, monkeypatch, 2, above_labels,
+                                                    loss)
     assert len(calls) == len(log.merges) >= 4
     assert set(calls) == {(per_row_weights, per_row_weights)}
     assert (resolved.row_weights, resolved.label_weights) == (

@@ -135,10 +135,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
     output = cfg.output_for(Y.shape[1], labels_per_row)
     cfg = dataclasses.replace(cfg, output=output)
-    # AdaptiveConfig's "auto" merge weights: by the label count, written to the start record
+    # AdaptiveConfig's "auto" merge weights: by the label count and the loss, written to the
+    # start record
     algo = cfg.algorithm_params
     if hasattr(algo, "resolved"):
-        cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(Y.shape[1]))
+        cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(Y.shape[1], cfg.loss))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
     if found is not None:

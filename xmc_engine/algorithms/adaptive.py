@@ -53,9 +53,10 @@ class AdaptiveSGD(Policy):
 
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
-        # the "auto" merge weights by the label count (b2's length); fit_model has resolved
-        # them already, a trainer built directly has not
-        self.config = c = self.config.resolved(len(self.central[-1]))
+        # the "auto" merge weights by the label count (b2's length) and the replicas' loss;
+        # fit_model has resolved them already, a trainer built directly has not
+        self.config = c = self.config.resolved(len(self.central[-1]),
+                                               getattr(replicas[0], "loss", "softmax"))
         if not c.b_min <= self.batch_size <= c.b_max:
             raise ConfigError(f"adaptive: batch_size {self.batch_size} is outside "
                               f"[b_min, b_max] = [{c.b_min}, {c.b_max}]")
