@@ -34,7 +34,7 @@ def test_config_errors():
         AdaptiveConfig(rule="magic")
     with pytest.raises(ConfigError, match="flag_rule"):
         AdaptiveConfig(flag_rule="sometimes")
-    for name in ("row_weights", "label_weights", "optimizer_state", "lr_scaling"):
+    for name in ("row_weights", "label_weights", "optimizer_state", "lr_scaling", "weight_by"):
         with pytest.raises(ConfigError, match=f"{name} must be one of .*got 'bogus'"):
             AdaptiveConfig(**{name: "bogus"})
     with pytest.raises(ConfigError, match="b_min"):
@@ -118,6 +118,34 @@ def test_adaptive_merge_weights_by_default_are_the_shares_of_updates():
     set_all(reps, 1)
     info = pol.merge(reps, [3, 2, 1], MergeContext())
     assert info["weights"] == pytest.approx([0.5, 2 / 6, 1 / 6]) and info["flag"] == 0
+
+
+def test_adaptive_merge_weights_are_the_shares_of_samples_by_default():
+    """``weight_by="samples"`` (the default): ``p_i`` is device ``i``'s share of the rows the
+    period trained on, where the trainer counted them (``ctx.samples``); ``"updates"`` is the
+    paper's share of updates; a merge called without sample counts falls back to the updates."""
+    for weight_by, expected in (("samples", [300 / 800, 400 / 800, 100 / 800]),
+                                ("updates", [3 / 6, 2 / 6, 1 / 6])):
+        reps = fakes(3)
+        pol = get_algorithm("adaptive", weight_by=weight_by)
+        setup(pol, reps)
+        vals = set_all(reps, 4)
+        info = pol.merge(reps, [3, 2, 1], MergeContext(samples=[300, 400, 100]))
+        assert info["weights"] == pytest.approx(expected)
+        for k, a in enumerate(pol.central_params()):
+            np.testing.assert_allclose(a, sum(expected[i] * vals[i][k] for i in range(3)))
+    assert AdaptiveConfig().weight_by == "samples"
+    pol = get_algorithm("adaptive")
+    reps = fakes(2)
+    setup(pol, reps)
+    set_all(reps, 5)
+    assert pol.merge(reps, [3, 1], MergeContext())["weights"] == pytest.approx([0.75, 0.25])
+    # a device left out (failed) gets weight 0 whatever it counted
+    reps = fakes(3)
+    setup(pol, reps)
+    set_all(reps, 6)
+    info = pol.merge(reps, [1, 1, 1], MergeContext(excluded={2}, samples=[30, 10, 60]))
+    assert info["weights"] == pytest.approx([0.75, 0.25, 0.0])
 
 
 def test_adaptive_momentum_recursion():

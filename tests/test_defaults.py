@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import pytest
 from xmc_engine.datasets import make_synthetic
 
@@ -163,6 +164,30 @@ def test_auto_merge_weights_follow_the_label_count():
                                   "algorithm_params": {"weights_from_epoch": "auto"}})
     assert (old.algorithm_params.row_weights, old.algorithm_params.label_weights) == (
         "touched", "positives")
+
+
+@pytest.mark.parametrize("weight_by, share", [("samples", "samples"), ("updates", "updates")])
+def test_a_run_s_merge_weights_are_each_device_s_share_of_samples(small, weight_by, share):
+    """``weight_by="samples"`` (the default) through the trainer: every merge weights each
+    device by its share of the period's rows, as the run log's ``merge`` record counts them
+    (``"updates"``: the paper's share of updates). Small periods and batch steps so that the
+    batch sizes adapt, where the two shares differ."""
+    X, Y, _, _ = small
+    params = {"merge_period": 128, "b_min": 8, "delta_b": 8}
+    if weight_by != "samples":
+        params["weight_by"] = weight_by
+    m = XMCClassifier(epochs=3, algorithm="adaptive", devices="cpu,cpu@0.5", batch_size=32,
+                      algorithm_params=params).fit(X, Y)
+    merges = [r["devices"] for r in m.history_ if r["event"] == "merge"]
+    assert len(merges) >= 6
+    for devices in merges:
+        counts = np.array([d[share] for d in devices], dtype=float)
+        assert [d["weight"] for d in devices] == pytest.approx(list(counts / counts.sum()))
+    # a config saved before the option keeps the paper's shares
+    old = TrainConfig.from_saved({"algorithm": "adaptive", "algorithm_params": {}})
+    assert old.algorithm_params.weight_by == "updates"
+    assert TrainConfig.from_saved(TrainConfig(algorithm="adaptive").to_dict()
+                                  ).algorithm_params.weight_by == "samples"
 
 
 @pytest.mark.parametrize("threshold, loss, expected, per_item", [

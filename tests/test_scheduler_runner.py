@@ -126,14 +126,18 @@ def test_log_records_per_device_period_stats_and_weights():
     res = tr.run_epoch(0)
     merges = [f for e, f in log.events if e == "merge"]
     assert len(merges) == res["periods"] >= 4
+    differ = 0  # merges where the shares of samples (the default weights) and of updates differ
     for f in merges:
         devs = f["devices"]
         assert {"batch_size", "updates", "samples", "weight", "busy_s", "idle_s"} <= set(devs[0])
+        s = np.array([d["samples"] for d in devs], float)
         c = np.array([d["updates"] for d in devs], float)
-        np.testing.assert_allclose([d["weight"] for d in devs], c / c.sum())
+        np.testing.assert_allclose([d["weight"] for d in devs], s / s.sum())
+        differ += not np.allclose(s / s.sum(), c / c.sum())
         # the virtual period length is the same for every device: busy + idle
         assert devs[0]["busy_s"] + devs[0]["idle_s"] == pytest.approx(
             devs[1]["busy_s"] + devs[1]["idle_s"])
+    assert differ  # the batch sizes adapted
     assert sum(f["devices"][0]["samples"] + f["devices"][1]["samples"] for f in merges) == 2048
 
 

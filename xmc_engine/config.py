@@ -50,6 +50,7 @@ __all__ = [
     "PLATEAU_HOLDOUT_ROWS",
     "PLATEAU_MIN_ROWS",
     "TRAIN_LOSSES",
+    "WEIGHT_BY",
     "AdaptiveConfig",
     "AlgorithmConfig",
     "AverageConfig",
@@ -172,6 +173,8 @@ AUTO_WEIGHTS_LABELS = 200_000
 #: 0.002); with the softmax on debian_builddeps in 1.06-1.17x (final within 0.0025), and on the
 #: synthetic 30,000-label shape, whose probe picks the softmax, see that section.
 AUTO_WEIGHTS_LOSSES = ("softmax",)
+#: what a replica's merge weight is the share of (AdaptiveConfig.weight_by)
+WEIGHT_BY = ("samples", "updates")
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
 OPTIMIZER_STATES = ("keep", "average", "reset")
 #: a device's learning rate against its batch size (AdaptiveConfig.lr_scaling)
@@ -350,6 +353,16 @@ class AdaptiveConfig(AlgorithmConfig):
         grid points around the steady state).
     momentum : float
         ``μ`` of the central momentum ``z_t = w̄_t + μ (z_{t−1} − z_{t−2})``, in [0, 1).
+    weight_by : {'samples', 'updates'}
+        What a replica's merge weight ``p_i`` is the share of: the training rows it stepped on
+        in the period (``'samples'``, the default) or its updates (``'updates'``, the paper's
+        ``p_i = c_i / Σ c``). The two agree while the batches are equal; once the batch sizes
+        have adapted so that every device makes the same number of updates, the paper's
+        weights are uniform, while the fast device has trained on more rows, in larger
+        batches, at a larger rate (``lr_scaling``). Measured with the defaults of ``45ce7c1``
+        (``bench/RESULTS.md``, "The merge weights by samples"), on ``cpu,cpu@0.5`` the
+        samples' shares reached the target 0.83-0.84x as soon on delicious, debian_debtags and
+        debian_builddeps (5 seeds), with final P@1 within 0.002 or higher.
     boost : bool
         Adaptive normalization (largest weight +``boost_factor``, smallest −) on/off. Off by
         default (the paper's method has it on): without it Adagrad runs reached the target
@@ -425,6 +438,7 @@ class AdaptiveConfig(AlgorithmConfig):
     rule: str = "step"
     deadband: float = 0.05
     momentum: float = 0.0
+    weight_by: str = "samples"
     boost: bool = False
     boost_factor: float = 0.1
     flag_rule: str = "norm_rise"
@@ -467,6 +481,7 @@ class AdaptiveConfig(AlgorithmConfig):
         self._check_choice("label_weights", ("auto", *LABEL_WEIGHTS))
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
         self._check_choice("lr_scaling", LR_SCALINGS)
+        self._check_choice("weight_by", WEIGHT_BY)
         if not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
         self._check_choice("rule", BATCH_RULES)
@@ -848,15 +863,16 @@ class TrainConfig(ConfigMixin):
         """:meth:`from_dict` for a config the engine wrote itself (a saved model, a run
         folder): keys added since are given the value that reproduces the old behaviour, not
         today's default (``normalize``: ``"none"``, the rows as given, as they were trained;
-        ``adaptive``'s ``weights_from_epoch``: 0 and ``row_weights`` / ``label_weights``
-        ``"touched"`` / ``"positives"``, the per-row / per-label weights from the start)."""
+        ``adaptive``'s ``weights_from_epoch``: 0, ``row_weights`` / ``label_weights``
+        ``"touched"`` / ``"positives"``, the per-row / per-label weights from the start, and
+        ``weight_by``: ``"updates"``, the paper's shares)."""
         if isinstance(d, dict):
             d = {"normalize": "none", **d}
             ap = d.get("algorithm_params")
             if d.get("algorithm", cls.algorithm) == "adaptive" and (ap is None
                                                                    or isinstance(ap, dict)):
                 d["algorithm_params"] = {"weights_from_epoch": 0, **PER_ITEM_WEIGHTS,
-                                         **(ap or {})}
+                                         "weight_by": "updates", **(ap or {})}
         return cls.from_dict(d, source=source)
 
     @classmethod

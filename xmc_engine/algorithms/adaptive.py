@@ -2,13 +2,15 @@
 
 Per merge period of ``S`` samples (DESIGN.md §4): devices draw batches from one shared cursor
 (faster devices make more updates), each steps with ``lr_i = lr(t) b_i / B``; the merge weights
-are the shares of updates ``p_i = c_i / Σ c`` (with ``boost``, raised for the fastest replica by
-adaptive normalization while the merged model's L2 norm rises); the merged model gets momentum
+are the shares of updates ``p_i = c_i / Σ c`` (the paper's, ``weight_by="updates"``) or, by
+default, of the rows each device trained on (``weight_by="samples"``; the same while the
+batches are equal), with ``boost`` raised for the fastest replica by adaptive normalization
+while the merged model's L2 norm rises; the merged model gets momentum
 ``z_t = w̄_t + μ (z_{t-1} − z_{t-2})`` and is broadcast; after warm-up the batch sizes adapt so
 that all devices make the same number of updates per period. The options and their defaults
 are :class:`~xmc_engine.config.AdaptiveConfig`; the measurements behind the defaults that are
-not the paper's (``merge_period``, ``momentum``, ``deadband``, ``sparse_merge``, ``boost``) are
-in ``bench/RESULTS.md``.
+not the paper's (``merge_period``, ``momentum``, ``weight_by``, ``deadband``, ``sparse_merge``,
+``boost``) are in ``bench/RESULTS.md``.
 
 Periods shorter than ``S / 2`` (the remainder at the end of an epoch) merge normally but do not
 adapt the batch sizes: one or two updates per device are too few to measure anything.
@@ -95,21 +97,22 @@ class AdaptiveSGD(Policy):
         """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B)."""
         c = self.config
         flag = self.trend.flag
+        shares = self.weight_counts(updates, ctx)  # what p_i is the share of
         deltas = {}
         if self._tail is not None:  # delta_stats: read the replicas before the merge
             deltas = delta_stats(replicas, self.central, self._tail) or {}
         if c.sparse_merge and c.momentum == 0:
-            info = self._merge_sparse(replicas, updates, flag, ctx)
+            info = self._merge_sparse(replicas, shares, flag, ctx)
             if info is not None:
                 self._merge_optimizer_state(replicas, info["weights"])
                 return {**info, **deltas}
         params = [r.params() for r in replicas]
-        counts, bad = self.finite_updates(params, updates, ctx)
+        counts, bad = self.finite_updates(params, shares, ctx)
         p = adaptive_normalization(merge_weights(counts), flag, c.boost_factor)
         weighted_merge(params, p, self._wbar, self.backend, check=False)
         # Across nodes (DESIGN.md §6): w̄ <- Σ c_node w̄_node / Σ c_node, before the norm trend
         # and the momentum so that both see the global model, identically on every rank.
-        nodes = combine_nodes(ctx.comm, self._wbar, float(np.asarray(updates)[counts > 0].sum()),
+        nodes = combine_nodes(ctx.comm, self._wbar, float(np.asarray(shares)[counts > 0].sum()),
                               self.backend)
         norm = None
         if self.trend.rule == "norm_rise":
@@ -129,10 +132,18 @@ class AdaptiveSGD(Policy):
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
                 "nonfinite": bad, **nodes, **deltas}
 
-    def _merge_sparse(self, replicas, updates, flag, ctx) -> dict[str, Any] | None:
+    def weight_counts(self, updates: Sequence[int], ctx) -> Sequence[int]:
+        """What the merge weights are the shares of (``weight_by``): each device's updates, or
+        the rows it trained on in the period (``ctx.samples``; the updates where the caller
+        counted none)."""
+        if self.config.weight_by == "samples" and ctx.samples is not None:
+            return ctx.samples
+        return updates
+
+    def _merge_sparse(self, replicas, shares, flag, ctx) -> dict[str, Any] | None:
         """The merge with the row-sparse path (``sparse_merge``); ``None`` where it does not
         apply or a replica is non-finite (then the dense merge runs, which finds it)."""
-        p = adaptive_normalization(merge_weights(updates), flag, self.config.boost_factor)
+        p = adaptive_normalization(merge_weights(shares), flag, self.config.boost_factor)
         norm_rise = self.trend.rule == "norm_rise"
         if norm_rise and self._sq_w1 is None:
             self._sq_w1 = sq_norms(self.central[:1], self.backend)[0]

@@ -76,6 +76,9 @@ class MergeContext:
         merged model (by the broadcast, or by the policy).
     lrs : list of float
         The learning rate each device stepped with in the period.
+    samples : list of int or None
+        The training rows each device stepped on in the period (``None``: not counted, as
+        where a test calls a merge directly).
     comm : NodeComm or None
         The node communicator of a multi-node run (:mod:`xmc_engine.distributed`); ``None`` on
         one node.
@@ -89,6 +92,7 @@ class MergeContext:
     excluded: set = field(default_factory=set)
     nonfinite: set = field(default_factory=set)
     lrs: list = field(default_factory=list)
+    samples: list | None = None
     comm: Any = None
     run_on_devices: Callable[[Callable[[int], Any]], list] = lambda fn: []
     epoch: int = 0
@@ -344,7 +348,8 @@ class Trainer:
             nonfinite = {i for i in range(n)
                          if self.alive[i] and not math.isfinite(res["loss"][i])}
             ctx = MergeContext(excluded={i for i in range(n) if not self.alive[i]},
-                               nonfinite=nonfinite, lrs=lrs, comm=self.comm,
+                               nonfinite=nonfinite, lrs=lrs, samples=list(acct.samples),
+                               comm=self.comm,
                                run_on_devices=self._run_on_devices, epoch=epoch,
                                period=acct.period)
             with self._merge_budget():
