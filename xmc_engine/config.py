@@ -359,10 +359,12 @@ class AdaptiveConfig(AlgorithmConfig):
         ``p_i = c_i / Σ c``). The two agree while the batches are equal; once the batch sizes
         have adapted so that every device makes the same number of updates, the paper's
         weights are uniform, while the fast device has trained on more rows, in larger
-        batches, at a larger rate (``lr_scaling``). Measured with the defaults of ``45ce7c1``
-        (``bench/RESULTS.md``, "The merge weights by samples"), on ``cpu,cpu@0.5`` the
-        samples' shares reached the target 0.83-0.84x as soon on delicious, debian_debtags and
-        debian_builddeps (5 seeds), with final P@1 within 0.002 or higher.
+        batches, at a larger rate (``lr_scaling``). Measured at ``ed28a3b`` (``bench/RESULTS.md``,
+        "The merge weights by samples"), ``adaptive`` alone, 5 seeds: on delicious,
+        debian_debtags and debian_builddeps on ``cpu,cpu@0.5`` and ``cpu,cpu@0.5,cpu@0.25``
+        the paper's shares took 0.99-1.21x the time to the target (median 1.16x), and on the
+        synthetic 30,000-label shape they missed it where these reached it; final P@1 within
+        -0.002..+0.023.
     boost : bool
         Adaptive normalization (largest weight +``boost_factor``, smallest −) on/off. Off by
         default (the paper's method has it on): without it Adagrad runs reached the target
@@ -378,7 +380,7 @@ class AdaptiveConfig(AlgorithmConfig):
         rounding. ``False`` forces the dense merge.
     row_weights : {'auto', 'touched', 'updates'}
         Merge weights of a ``W1`` row. ``'updates'`` (the paper): every row gets each replica's
-        share of the period's updates. ``'touched'``: a row's weights are
+        merge weight ``p_i`` (``weight_by``). ``'touched'``: a row's weights are
         renormalized over the replicas that changed it in the period, so a rare feature's row
         seen by one replica keeps that replica's update whole instead of shrinking it by its
         weight (needs the row-sparse merge: a backend that tracks rows, ``sparse_merge``,

@@ -46,12 +46,14 @@ def merge_weights(updates: Sequence[float]) -> np.ndarray:
     Parameters
     ----------
     updates : sequence of float, length n_devices
-        ``c_i``, the updates (steps) device ``i`` made in the period.
+        ``c_i``: the updates (steps) device ``i`` made in the period (the paper's), or what
+        else the weights are the shares of (``AdaptiveConfig.weight_by``: the rows it trained
+        on).
 
     Returns
     -------
     numpy.ndarray of float64, shape (n_devices,)
-        Sums to 1. When no device made an update the weights are uniform.
+        Sums to 1. When every count is 0 the weights are uniform.
     """
     c = np.asarray(updates, dtype=np.float64)
     if c.ndim != 1 or c.size == 0 or np.any(c < 0) or not np.all(np.isfinite(c)):
