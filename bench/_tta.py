@@ -83,8 +83,8 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
             "final": {"P@1": curve[-1][2], "P@3": curve[-1][3], "P@5": curve[-1][4]},
             "best_P@1": max(c[2] for c in curve),
             "rows_single_share": rows_single_share(merges),
-            "last_period": [{k: d.get(k) for k in ("name", "batch_size", "updates", "weight")}
-                            for d in last]}
+            "last_period": [{k: d.get(k) for k in ("name", "batch_size", "updates", "samples",
+                                                   "weight")} for d in last]}
 
 
 def rows_single_share(merges) -> float | None:

@@ -85,6 +85,8 @@ FIT_TOLERANCE = {"fit_single": 0.01, "sync": 0.01, "adaptive": 0.01}
 #: virtual seconds of one step on n rows in the adaptive comparison: (fixed, per row)
 SIM_COST_S = (2e-4, 2e-6)
 ADAPTIVE_PARAMS = {"boost": True, "momentum": 0.5}
+#: what ``last_merge`` keeps of each device in the run log's last ``merge`` record
+MERGE_FIELDS = ("device", "batch_size", "updates", "samples", "weight")
 #: Amazon-670K (XC repository): training rows, features, labels
 AMAZON_670K = {"n_train": 490_449, "n_features": 135_909, "n_labels": 670_091}
 THROUGHPUT_HIDDEN = 128
@@ -916,7 +918,7 @@ def _fit_record(clf, seconds: float, quality: dict) -> dict:
     if fin.get("train_time"):
         rec["samples_per_s"] = fin["samples"] / fin["train_time"]
     if merges:
-        rec["last_merge"] = [{k: d.get(k) for k in ("device", "batch_size", "updates", "weight")}
+        rec["last_merge"] = [{k: d.get(k) for k in MERGE_FIELDS}
                              for d in merges[-1].get("devices", [])]
     return rec
 
@@ -990,7 +992,7 @@ def simulated_fit(params: dict, spec: str, X, Y, Xt, Yt) -> dict:
     return {"devices": spec, "wall_s": round(wall, 2), "merges": len(merges),
             "P@1": float(met["P@1"]), "P@5": float(met["P@5"]),
             "troubles": history_troubles(res["history"]),
-            "last_merge": [{k: d.get(k) for k in ("device", "batch_size", "updates", "weight")}
+            "last_merge": [{k: d.get(k) for k in MERGE_FIELDS}
                            for d in (merges[-1].get("devices", []) if merges else [])]}
 
 
