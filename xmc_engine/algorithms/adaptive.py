@@ -110,8 +110,9 @@ class AdaptiveSGD(Policy):
         counts, bad = self.finite_updates(params, shares, ctx)
         p = adaptive_normalization(merge_weights(counts), flag, c.boost_factor)
         weighted_merge(params, p, self._wbar, self.backend, check=False)
-        # Across nodes (DESIGN.md §6): w̄ <- Σ c_node w̄_node / Σ c_node, before the norm trend
-        # and the momentum so that both see the global model, identically on every rank.
+        # Across nodes (DESIGN.md §6): w̄ <- Σ c_node w̄_node / Σ c_node (c: the node's rows or
+        # updates, as weight_by says), before the norm trend and the momentum so that both see
+        # the global model, identically on every rank.
         nodes = combine_nodes(ctx.comm, self._wbar, float(np.asarray(shares)[counts > 0].sum()),
                               self.backend)
         norm = None
