@@ -121,7 +121,8 @@ def test_adaptive_merge_weights_by_default_are_the_shares_of_updates():
 
 
 def test_adaptive_merge_weights_are_the_shares_of_samples_by_default():
-    """``weight_by="samples"`` (the default): ``p_i`` is device ``i``'s share of the rows the
+    """``weight_by="samples"`` (the default below 200,000 labels): ``p_i`` is device ``i``'s share
+    of the rows the
     period trained on, where the trainer counted them (``ctx.samples``); ``"updates"`` is the
     paper's share of updates; a merge called without sample counts falls back to the updates."""
     for weight_by, expected in (("samples", [300 / 800, 400 / 800, 100 / 800]),
@@ -134,7 +135,7 @@ def test_adaptive_merge_weights_are_the_shares_of_samples_by_default():
         assert info["weights"] == pytest.approx(expected)
         for k, a in enumerate(pol.central_params()):
             np.testing.assert_allclose(a, sum(expected[i] * vals[i][k] for i in range(3)))
-    assert AdaptiveConfig().weight_by == "samples"
+    assert AdaptiveConfig().weight_by == "auto"  # "samples" at this size (test_defaults)
     pol = get_algorithm("adaptive")
     reps = fakes(2)
     setup(pol, reps)

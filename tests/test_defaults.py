@@ -168,7 +168,8 @@ def test_auto_merge_weights_follow_the_label_count():
 
 @pytest.mark.parametrize("weight_by, share", [("samples", "samples"), ("updates", "updates")])
 def test_a_run_s_merge_weights_are_each_device_s_share_of_samples(small, weight_by, share):
-    """``weight_by="samples"`` (the default) through the trainer: every merge weights each
+    """``weight_by="samples"`` (the default below 200,000 labels) through the trainer: every
+    merge weights each
     device by its share of the period's rows, as the run log's ``merge`` record counts them
     (``"updates"``: the paper's share of updates). Small periods and batch steps so that the
     batch sizes adapt, where the two shares differ."""
@@ -183,11 +184,30 @@ def test_a_run_s_merge_weights_are_each_device_s_share_of_samples(small, weight_
     for devices in merges:
         counts = np.array([d[share] for d in devices], dtype=float)
         assert [d["weight"] for d in devices] == pytest.approx(list(counts / counts.sum()))
+    start = next(r for r in m.history_ if r["event"] == "start")
+    assert start["algorithm_params"]["weight_by"] == weight_by
     # a config saved before the option keeps the paper's shares
     old = TrainConfig.from_saved({"algorithm": "adaptive", "algorithm_params": {}})
     assert old.algorithm_params.weight_by == "updates"
     assert TrainConfig.from_saved(TrainConfig(algorithm="adaptive").to_dict()
-                                  ).algorithm_params.weight_by == "samples"
+                                  ).algorithm_params.weight_by == "auto"
+
+
+def test_auto_weight_by_follows_the_label_count():
+    """``weight_by="auto"`` (the default): the shares of rows below :data:`AUTO_WEIGHTS_LABELS`
+    labels, the paper's shares of updates from there on, whatever the loss; a value given
+    stays."""
+    from xmc_engine import config
+    from xmc_engine.config import AdaptiveConfig
+
+    n = config.AUTO_WEIGHTS_LABELS
+    c = AdaptiveConfig()
+    assert c.weight_by == "auto"
+    for loss in ("softmax", "bce"):
+        assert c.resolved(n - 1, loss).weight_by == "samples"
+        assert c.resolved(n, loss).weight_by == "updates"
+    assert AdaptiveConfig(weight_by="samples").resolved(n, "bce").weight_by == "samples"
+    assert AdaptiveConfig(weight_by="updates").resolved(10, "bce").weight_by == "updates"
 
 
 @pytest.mark.parametrize("threshold, loss, expected, per_item", [
@@ -207,6 +227,8 @@ def test_run_log_records_the_resolved_merge_weights(small, monkeypatch, threshol
     assert start["algorithm_params"]["weights_from_epoch"] == expected
     assert start["algorithm_params"]["row_weights"] == ("touched" if per_item else "updates")
     assert start["algorithm_params"]["label_weights"] == ("positives" if per_item else "updates")
+    assert start["config"]["algorithm_params"]["weight_by"] == "auto"
+    assert start["algorithm_params"]["weight_by"] == ("updates" if threshold == 1 else "samples")
 
 
 def test_compile_kernels_logs_its_time_and_says_when_slow(small, monkeypatch, caplog):

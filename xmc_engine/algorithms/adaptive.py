@@ -2,15 +2,15 @@
 
 Per merge period of ``S`` samples (DESIGN.md §4): devices draw batches from one shared cursor
 (faster devices make more updates), each steps with ``lr_i = lr(t) b_i / B``; the merge weights
-are the shares of updates ``p_i = c_i / Σ c`` (the paper's, ``weight_by="updates"``) or, by
-default, of the rows each device trained on (``weight_by="samples"``; the same while the
-batches are equal), with ``boost`` raised for the fastest replica by adaptive normalization
-while the merged model's L2 norm rises; the merged model gets momentum
-``z_t = w̄_t + μ (z_{t-1} − z_{t-2})`` and is broadcast; after warm-up the batch sizes adapt so
-that all devices make the same number of updates per period. The options and their defaults
-are :class:`~xmc_engine.config.AdaptiveConfig`; the measurements behind the defaults that are
-not the paper's (``merge_period``, ``momentum``, ``weight_by``, ``deadband``, ``sparse_merge``,
-``boost``) are in ``bench/RESULTS.md``.
+are the shares of updates ``p_i = c_i / Σ c`` (the paper's, ``weight_by="updates"``, the default
+from 200,000 labels) or of the rows each device trained on (``weight_by="samples"``, the
+default below; the same while the batches are equal), with ``boost`` raised for the fastest
+replica by adaptive normalization while the merged model's L2 norm rises; the merged model
+gets momentum ``z_t = w̄_t + μ (z_{t-1} − z_{t-2})`` and is broadcast; after warm-up the batch
+sizes adapt so that all devices make the same number of updates per period. The options and
+their defaults are :class:`~xmc_engine.config.AdaptiveConfig`; the measurements behind the
+defaults that are not the paper's (``merge_period``, ``momentum``, ``weight_by``,
+``deadband``, ``sparse_merge``, ``boost``) are in ``bench/RESULTS.md``.
 
 Periods shorter than ``S / 2`` (the remainder at the end of an epoch) merge normally but do not
 adapt the batch sizes: one or two updates per device are too few to measure anything.
