@@ -122,9 +122,9 @@ def test_adaptive_merge_weights_by_default_are_the_shares_of_updates():
 
 def test_adaptive_merge_weights_are_the_shares_of_samples_by_default():
     """``weight_by="samples"`` (the default below 200,000 labels): ``p_i`` is device ``i``'s share
-    of the rows the
-    period trained on, where the trainer counted them (``ctx.samples``); ``"updates"`` is the
-    paper's share of updates; a merge called without sample counts falls back to the updates."""
+    of the rows the period trained on, where the trainer counted them (``ctx.samples``);
+    ``"updates"`` is the paper's share of updates; a merge called without sample counts falls
+    back to the updates."""
     for weight_by, expected in (("samples", [300 / 800, 400 / 800, 100 / 800]),
                                 ("updates", [3 / 6, 2 / 6, 1 / 6])):
         reps = fakes(3)

@@ -169,10 +169,9 @@ def test_auto_merge_weights_follow_the_label_count():
 @pytest.mark.parametrize("weight_by, share", [("samples", "samples"), ("updates", "updates")])
 def test_a_run_s_merge_weights_are_each_device_s_share_of_samples(small, weight_by, share):
     """``weight_by="samples"`` (the default below 200,000 labels) through the trainer: every
-    merge weights each
-    device by its share of the period's rows, as the run log's ``merge`` record counts them
-    (``"updates"``: the paper's share of updates). Small periods and batch steps so that the
-    batch sizes adapt, where the two shares differ."""
+    merge weights each device by its share of the period's rows, as the run log's ``merge``
+    record counts them (``"updates"``: the paper's share of updates). Small periods and batch
+    steps so that the batch sizes adapt, where the two shares differ."""
     X, Y, _, _ = small
     params = {"merge_period": 128, "b_min": 8, "delta_b": 8}
     if weight_by != "samples":
@@ -186,17 +185,12 @@ def test_a_run_s_merge_weights_are_each_device_s_share_of_samples(small, weight_
         assert [d["weight"] for d in devices] == pytest.approx(list(counts / counts.sum()))
     start = next(r for r in m.history_ if r["event"] == "start")
     assert start["algorithm_params"]["weight_by"] == weight_by
-    # a config saved before the option keeps the paper's shares
-    old = TrainConfig.from_saved({"algorithm": "adaptive", "algorithm_params": {}})
-    assert old.algorithm_params.weight_by == "updates"
-    assert TrainConfig.from_saved(TrainConfig(algorithm="adaptive").to_dict()
-                                  ).algorithm_params.weight_by == "auto"
 
 
 def test_auto_weight_by_follows_the_label_count():
     """``weight_by="auto"`` (the default): the shares of rows below :data:`AUTO_WEIGHTS_LABELS`
     labels, the paper's shares of updates from there on, whatever the loss; a value given
-    stays."""
+    stays; a config saved before the option keeps the paper's shares."""
     from xmc_engine import config
     from xmc_engine.config import AdaptiveConfig
 
@@ -208,6 +202,10 @@ def test_auto_weight_by_follows_the_label_count():
         assert c.resolved(n, loss).weight_by == "updates"
     assert AdaptiveConfig(weight_by="samples").resolved(n, "bce").weight_by == "samples"
     assert AdaptiveConfig(weight_by="updates").resolved(10, "bce").weight_by == "updates"
+    old = TrainConfig.from_saved({"algorithm": "adaptive", "algorithm_params": {}})
+    assert old.algorithm_params.weight_by == "updates"
+    assert TrainConfig.from_saved(TrainConfig(algorithm="adaptive").to_dict()
+                                  ).algorithm_params.weight_by == "auto"
 
 
 @pytest.mark.parametrize("threshold, loss, expected, per_item", [

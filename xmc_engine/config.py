@@ -471,11 +471,12 @@ class AdaptiveConfig(AlgorithmConfig):
         """These options with every ``'auto'`` replaced by its value for data with
         ``n_labels`` labels trained with ``loss`` (``"softmax"`` or ``"bce"``;
         :data:`AUTO_WEIGHTS_LABELS`, :data:`AUTO_WEIGHTS_LOSSES`): what a run uses and logs."""
-        paper = n_labels >= AUTO_WEIGHTS_LABELS or loss not in AUTO_WEIGHTS_LOSSES
+        large = n_labels >= AUTO_WEIGHTS_LABELS
+        paper = large or loss not in AUTO_WEIGHTS_LOSSES
         auto = {name: "updates" if paper else value for name, value in PER_ITEM_WEIGHTS.items()
                 if getattr(self, name) == "auto"}
         if self.weight_by == "auto":
-            auto["weight_by"] = "updates" if n_labels >= AUTO_WEIGHTS_LABELS else "samples"
+            auto["weight_by"] = "updates" if large else "samples"
         return dataclasses.replace(self, **auto,
                                    weights_from_epoch=self.weights_from_epoch_for(n_labels))
 

@@ -97,7 +97,7 @@ class AdaptiveSGD(Policy):
         """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B)."""
         c = self.config
         flag = self.trend.flag
-        shares = self.weight_counts(updates, ctx)  # what p_i is the share of
+        shares = self._weight_counts(updates, ctx)  # what p_i is the share of
         deltas = {}
         if self._tail is not None:  # delta_stats: read the replicas before the merge
             deltas = delta_stats(replicas, self.central, self._tail) or {}
@@ -133,7 +133,7 @@ class AdaptiveSGD(Policy):
         return {"weights": [float(x) for x in p], "flag": int(flag), "norm": norm,
                 "nonfinite": bad, **nodes, **deltas}
 
-    def weight_counts(self, updates: Sequence[int], ctx) -> Sequence[int]:
+    def _weight_counts(self, updates: Sequence[int], ctx) -> Sequence[int]:
         """What the merge weights are the shares of (``weight_by``): each device's updates, or
         the rows it trained on in the period (``ctx.samples``; the updates where the caller
         counted none)."""
