@@ -118,7 +118,7 @@ _REASSOC = {"reassoc", "contract", "arcp"}
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=_REASSOC)
-def merge_rows_cpu(arrays, weights, rows, central, broadcast):
+def merge_rows_cpu(arrays, weights, rows, central, broadcast, norm):
     """Merge the listed rows of 2-D replicas into ``central``, in place (the row-sparse merge).
 
     ``central[r] = sum_i weights[i] * arrays[i][r]`` for every ``r`` in ``rows``; the other rows
@@ -128,15 +128,29 @@ def merge_rows_cpu(arrays, weights, rows, central, broadcast):
     replica (the merge's broadcast, while the row is in cache); a row with a non-finite value
     is left as it was in the replicas, so that the one that holds it can still be found.
 
+    The passes over memory are what a merge costs, so none is made that cannot change a value:
+    a replica of weight 0 is not read (its row is not in the sum; the per-row weights give 0 to
+    the replicas that did not change the row, whose row is the central one), and where one
+    replica has weight 1 and every other 0 (a row only that replica changed, under per-row
+    weights) the merged row is that replica's row and is not written back to it. Without
+    ``norm`` the old rows of ``central`` are not read either.
+
     Returns ``(finite, delta_sumsq)``: whether every merged value is finite (a NaN or infinity
-    in a replica with a non-zero weight makes its merged value non-finite), and the change of
-    ``sum(central**2)`` over those rows, accumulated in float64 (the merged model's L2 norm is
-    kept up to date without reading the rows nobody changed).
+    in a replica with a non-zero weight makes its merged value non-finite), and, with ``norm``,
+    the change of ``sum(central**2)`` over those rows, accumulated in float64 (the merged
+    model's L2 norm is kept up to date without reading the rows nobody changed); ``0.0``
+    without it.
     """
     n = len(arrays)
     w = np.empty(n, np.float32)
+    nonzero, last = 0, -1
     for i in range(n):
         w[i] = np.float32(weights[i])
+        if w[i] != 0:
+            nonzero += 1
+            last = i
+    # the replica whose row the merged row is (weight 1, every other 0): no write-back to it
+    sole = last if nonzero == 1 and w[last] == 1 else -1
     cols = central.shape[1]
     delta = 0.0
     bad = 0
@@ -144,25 +158,36 @@ def merge_rows_cpu(arrays, weights, rows, central, broadcast):
         r = rows[j]
         out = central[r]
         old = 0.0
-        for c in range(cols):
-            old += np.float64(out[c]) * np.float64(out[c])
-        a = arrays[0][r]
-        w0 = w[0]
-        for c in range(cols):
-            out[c] = w0 * a[c]
-        for i in range(1, n):
-            a = arrays[i][r]
-            wi = w[i]
+        if norm:
             for c in range(cols):
-                out[c] += wi * a[c]
+                old += np.float64(out[c]) * np.float64(out[c])
+        first = True
+        for i in range(n):
+            wi = w[i]
+            if wi == 0:
+                continue
+            a = arrays[i][r]
+            if first:
+                for c in range(cols):
+                    out[c] = wi * a[c]
+                first = False
+            else:
+                for c in range(cols):
+                    out[c] += wi * a[c]
+        if first:  # every weight 0
+            for c in range(cols):
+                out[c] = 0.0
         new = 0.0
         for c in range(cols):
             new += np.float64(out[c]) * np.float64(out[c])
-        delta += new - old
+        if norm:
+            delta += new - old
         if not np.isfinite(new):  # a float32 square cannot overflow float64: NaN/inf only
             bad += 1
         elif broadcast:
             for i in range(n):
+                if i == sole:
+                    continue
                 a = arrays[i][r]
                 for c in range(cols):
                     a[c] = out[c]

@@ -68,6 +68,56 @@ def test_merge_rows_matches_numpy_on_the_rows_only(be, n):
     assert delta == pytest.approx(sq64(out) - sq64(before), rel=1e-9)
 
 
+def test_merge_rows_without_norm_merges_the_same_and_reports_no_change(be):
+    """``norm=False`` (no L2-norm trend to feed) gives the same rows and a change of 0.0."""
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal((30, 6)).astype(np.float32) for _ in range(2)]
+    rows = np.array([1, 4, 9, 28], np.int64)
+    a = rng.standard_normal((30, 6)).astype(np.float32)
+    b = a.copy()
+    ok_a, delta_a = be.merge_rows(arrays, [0.3, 0.7], rows, a)
+    ok_b, delta_b = be.merge_rows(arrays, [0.3, 0.7], rows, b, norm=False)
+    assert ok_a and ok_b
+    np.testing.assert_array_equal(a, b)
+    assert delta_a != 0.0 and delta_b == 0.0
+
+
+def test_merge_rows_leaves_out_replicas_of_weight_zero(be):
+    """A replica of weight 0 is not read: not even a NaN in it reaches the merged row (the
+    per-row weights give 0 to the replicas that did not change a row)."""
+    rng = np.random.default_rng(6)
+    arrays = [rng.standard_normal((10, 4)).astype(np.float32) for _ in range(3)]
+    arrays[1][:] = np.nan
+    rows = np.array([0, 5, 9], np.int64)
+    out = np.zeros((10, 4), np.float32)
+    ok, _ = be.merge_rows(arrays, [0.25, 0.0, 0.75], rows, out, broadcast=True)
+    assert ok
+    expect = np.float32(0.25) * arrays[0][rows] + np.float32(0.75) * arrays[2][rows]
+    np.testing.assert_allclose(out[rows], expect, rtol=1e-6)
+    for a in arrays:  # the broadcast still reaches every replica, the weight-0 one too
+        np.testing.assert_array_equal(a[rows], out[rows])
+    assert np.isnan(arrays[1][1]).all()  # rows not listed: not touched
+
+
+@pytest.mark.parametrize("sole", [0, 1, 2])
+def test_merge_rows_with_one_replica_of_weight_one_takes_its_rows(be, sole):
+    """Weight 1 for one replica and 0 for the others (a row only it changed): the merged rows
+    are its rows, bit for bit, and every replica holds them afterwards."""
+    rng = np.random.default_rng(7 + sole)
+    arrays = [rng.standard_normal((12, 5)).astype(np.float32) for _ in range(3)]
+    mine = arrays[sole].copy()
+    w = np.zeros(3)
+    w[sole] = 1.0
+    rows = np.array([2, 3, 11], np.int64)
+    out = np.zeros((12, 5), np.float32)
+    ok, delta = be.merge_rows(arrays, w, rows, out, broadcast=True)
+    assert ok
+    np.testing.assert_array_equal(out[rows], mine[rows])
+    for a in arrays:
+        np.testing.assert_array_equal(a[rows], mine[rows])
+    assert delta == pytest.approx(sq64(mine[rows]), rel=1e-9)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_merge_rows_reports_a_nonfinite_value(be, bad):
     arrays = [np.ones((6, 4), np.float32), np.ones((6, 4), np.float32)]
@@ -253,11 +303,13 @@ def test_merge_changed_rows_gives_the_dense_merge(be, wide, n):
             assert np.array_equal(x, c)
 
 
+@pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("n", [2, 3])
-def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wide, n):
+def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wide, n, norm):
     """``per_row``: a row changed by one replica takes that replica's value whole; a row changed
-    by several, their weights renormalized; the rest of the model the paper's merge; and the
-    touch statistics count the rows."""
+    by several, their weights renormalized; the rest of the model the paper's merge; the touch
+    statistics count the rows; every replica holds the merged model afterwards; without
+    ``norm`` the same merge reports no change of the norm."""
     X, Y = wide
     reps = [mlp(be, X, Y) for _ in range(n)]
     central = [np.array(a) for a in reps[0].params()]
@@ -271,9 +323,15 @@ def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wi
         q = p * masks[:, row]
         want[row] = sum(q[i] / q.sum() * params[i][0][row] for i in range(n))
     stats = {}
-    delta = merge_changed_rows(reps, p, central, be, per_row=True, stats=stats)
-    assert delta == pytest.approx(sq64(central[0]) - sq64(start), rel=1e-9)
+    delta = merge_changed_rows(reps, p, central, be, per_row=True, stats=stats, norm=norm)
+    if norm:
+        assert delta == pytest.approx(sq64(central[0]) - sq64(start), rel=1e-9)
+    else:
+        assert delta == 0.0
     np.testing.assert_allclose(central[0], want, rtol=1e-6, atol=1e-7)
+    for r in reps:
+        for x, c in zip(r.params(), central, strict=True):
+            assert np.array_equal(x, c)
     single = np.flatnonzero(masks.sum(axis=0) == 1)
     assert single.size > 0  # the toy periods leave rows that one replica alone changed
     assert stats == {"rows_touched": int(masks.any(axis=0).sum()), "rows_single": single.size}

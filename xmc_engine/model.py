@@ -296,9 +296,11 @@ class MLPReplica:
         last = len(self._params) - 2  # W2, b2
         for k, (dst, src) in enumerate(zip(self._params, params, strict=True)):
             if k == 0 and rows is not None:
-                be.copy_rows(dst, src, rows)
+                if len(rows):  # an empty list: nothing to launch
+                    be.copy_rows(dst, src, rows)
             elif k >= last and cols is not None:
-                be.copy_columns(dst, src, cols)
+                if len(cols):
+                    be.copy_columns(dst, src, cols)
             else:
                 be.copy_into(dst, src)
         if self._changed is not None:

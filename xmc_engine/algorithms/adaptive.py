@@ -154,7 +154,7 @@ class AdaptiveSGD(Policy):
         delta = self.merge_rows_only(replicas, p, ctx,
                                      per_row=own and self.config.per_row_weights,
                                      per_label=own and self.config.per_label_weights,
-                                     stats=stats)
+                                     stats=stats, norm=norm_rise)
         if delta is None:
             return None
         norm = None

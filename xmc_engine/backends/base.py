@@ -126,11 +126,12 @@ class SchedulerBackend(Protocol):
         """``diff_out = alpha * (x - center)``; ``x -= diff_out``; returns ``diff_out``."""
 
     def merge_rows(self, arrays: Sequence, weights: Sequence[float], rows,
-                   out, broadcast: bool = False) -> tuple[bool, float]:
+                   out, broadcast: bool = False, norm: bool = True) -> tuple[bool, float]:
         """``out[r] = sum_i weights[i] arrays[i][r]`` for ``r`` in ``rows`` (float32 2-D);
         returns ``(all finite, change of sum(out**2))`` (waits for the result). With
         ``broadcast`` each merged row whose values are all finite is also written back to every
-        array of ``arrays`` (the merge's broadcast); a row with a non-finite value is not."""
+        array of ``arrays`` (the merge's broadcast); a row with a non-finite value is not.
+        With ``norm=False`` the caller does not need the change, and it may be ``0.0``."""
 
     def copy_rows(self, dst, src, rows) -> None:
         """``dst[r] = src[r]`` for ``r`` in ``rows`` (int64, host)."""

@@ -465,13 +465,17 @@ class CPUBackend:
         return merge.weighted_sum_cpu(views, weights, out_view)
 
     @staticmethod
-    def merge_rows(arrays, weights, rows, out, broadcast: bool = False) -> tuple[bool, float]:
+    def merge_rows(arrays, weights, rows, out, broadcast: bool = False,
+                   norm: bool = True) -> tuple[bool, float]:
         """``out[r] = sum_i weights[i] arrays[i][r]`` for ``r`` in ``rows`` (float32 2-D, C order);
         returns ``(all finite, change of sum(out**2))`` (the row-sparse merge,
         :func:`xmc_engine.scheduler.merge.merge_changed_rows`). ``broadcast``: each finite
-        merged row is also written back to every array of ``arrays``, in the same pass."""
+        merged row is also written back to every array of ``arrays``, in the same pass.
+        ``norm=False``: the change is not computed (``0.0``), which spares a pass over the old
+        rows (:func:`~xmc_engine.kernels.merge.merge_rows_cpu`)."""
         ok, delta = merge.merge_rows_cpu(tuple(arrays), np.asarray(weights, np.float64),
-                                         np.asarray(rows, np.int64), out, bool(broadcast))
+                                         np.asarray(rows, np.int64), out, bool(broadcast),
+                                         bool(norm))
         return bool(ok), float(delta)
 
     @staticmethod

@@ -557,10 +557,12 @@ class CUDABackend:
             self._release()
         return out
 
-    def merge_rows(self, arrays, weights, rows, out, broadcast=False) -> tuple[bool, float]:
+    def merge_rows(self, arrays, weights, rows, out, broadcast=False,
+                   norm=True) -> tuple[bool, float]:
         """``out[r] = sum_i weights[i] arrays[i][r]`` for ``r`` in ``rows``; returns ``(all
         finite, change of sum(out**2))`` (waits for the result). ``broadcast``: the finite
-        merged rows are also written back to every array of ``arrays``."""
+        merged rows are also written back to every array of ``arrays``. ``norm`` is accepted
+        for the interface; the change is always computed here."""
         cp = self.xp
         with self.activate():
             self.fence()

@@ -236,7 +236,7 @@ def _touch_counts(replicas: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
 
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
                        backend, *, per_row: bool = False, per_label: bool = False,
-                       stats: dict | None = None) -> float | None:
+                       stats: dict | None = None, norm: bool = True) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
     only the ``W1`` rows some replica changed in the period and, where the replicas record them
     (the sampled output layer, ``changed_columns()``), only the ``W2`` columns and ``b2``
@@ -282,13 +282,18 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         one replica changed), with ``per_label`` also ``labels_seen`` and ``labels_single``,
         and with the sampled output layer ``labels_changed`` (``W2`` columns some replica
         changed): the instrumentation of how sparse a period's updates are.
+    norm : bool
+        Compute the change of ``sum(central[0]**2)`` (the return value); ``False`` (a caller
+        without the L2-norm trend) spares the merge a pass over the old rows and returns
+        ``0.0`` in its place.
 
     Returns
     -------
     float or None
-        The change of ``sum(central[0]**2)`` (for the merged model's L2 norm) when the merge was
-        done; ``None`` when it does not apply (a replica or the backend without row tracking, a
-        weight of 0) or a replica is non-finite, and the caller merges densely. Where it does
+        The change of ``sum(central[0]**2)`` (for the merged model's L2 norm; ``0.0`` without
+        ``norm``) when the merge was done; ``None`` when it does not apply (a replica or the
+        backend without row tracking, a weight of 0) or a replica is non-finite, and the
+        caller merges densely. Where it does
         not apply nothing is written; where a merged value is non-finite the changed rows of
         ``central[0]`` (and columns of ``W2``) may hold partial results and the replicas'
         finite merged rows (blocks of columns) may already be written back, but every
@@ -322,10 +327,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
             sel = np.array([(pattern >> i) & 1 for i in range(len(w))], dtype=bool)
             q = np.where(sel, w, 0.0)
             ok, d = backend.merge_rows(W1s, q / q.sum(), rows[code == pattern], central[0],
-                                       broadcast=True)
+                                       broadcast=True, norm=norm)
             finite, delta = finite and ok, delta + d
     else:
-        finite, delta = backend.merge_rows(W1s, w, rows, central[0], broadcast=True)
+        finite, delta = backend.merge_rows(W1s, w, rows, central[0], broadcast=True,
+                                           norm=norm)
     if not finite:
         return None
     seen = [r.seen_labels() if hasattr(r, "seen_labels") else None for r in replicas]

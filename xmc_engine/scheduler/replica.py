@@ -128,7 +128,7 @@ class HostBackend:
         x -= diff_out
         return diff_out
 
-    def merge_rows(self, arrays, weights, rows, out, broadcast=False):
+    def merge_rows(self, arrays, weights, rows, out, broadcast=False, norm=True):
         raise NotImplementedError("HostBackend.tracks_rows is False: no row-sparse merge "
                                   "(merge densely with weighted_sum)")
 
