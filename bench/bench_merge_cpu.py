@@ -15,14 +15,16 @@ plain NumPy way, in the same run.
 and records it: what the row-sparse merge saves on that data.
 
 ``--in-runs DATASET [DATASET ...]`` measures merges where they happen: ``adaptive`` with the
-defaults (but ``loss="softmax"``, no loss probe) on ``--devices`` (``cpu,cpu@0.5``) for
-``--epochs`` (1), ``--rounds`` runs per dataset (seeds 0, 1, ...), and prints per dataset the
-median milliseconds of a merge (the run log's ``merge_s``, the devices waiting), the merges'
-share of the training time, and the training seconds. Copied into an older checkout and run
+defaults but ``--loss`` (``softmax``, the default here; ``bce``; ``auto``, the engine's default,
+probes before every run) on ``--devices`` (``cpu,cpu@0.5``) for ``--epochs`` (1), ``--rounds``
+runs per dataset (seeds 0, 1, ...), and prints per dataset the median milliseconds of a merge
+(the run log's ``merge_s``, the devices waiting), the merges' share of the training time, and
+the training seconds. With the softmax the per-row / per-label merge weights apply (below
+200,000 labels), with the logistic loss the paper's. Copied into an older checkout and run
 there and here in turn, it is the before / after of a change to the merge::
 
     python bench/bench_merge_cpu.py --in-runs debian_debtags debian_builddeps delicious \
-        --out bench/results/merge_in_runs.json
+        --loss bce --out bench/results/merge_in_runs.json
 
 Default shape: two replicas of the debian_debtags model at hidden 256 (29,261 features, 590
 labels: a 30 MB ``W1``). Usage::
@@ -61,28 +63,31 @@ def touched_fraction(name: str, period: int, periods: int = 5) -> float:
     return float(np.mean(fracs))
 
 
-def in_runs(names, devices: str, epochs: float, rounds: int) -> list[dict]:
-    """Per dataset, ``rounds`` runs of ``adaptive`` with the defaults on ``devices``: the median
-    merge (ms), the merges' share of the training seconds, and the training seconds."""
+def in_runs(names, devices: str, epochs: float, rounds: int, loss: str) -> list[dict]:
+    """Per dataset, ``rounds`` runs of ``adaptive`` with the defaults but ``loss`` on
+    ``devices``: the median merge (ms), the merges' share of the training seconds, and the
+    training seconds."""
     from xmc_engine import XMCClassifier
 
     out = []
-    print(f"{'data':<18} {'merge ms (median)':>17} {'merges':>7} {'share':>6} {'train s':>8}")
+    print(f"{'data':<18} {'loss':<8} {'merge ms (median)':>17} {'merges':>7} {'share':>6} "
+          f"{'train s':>8}")
     for name in names:
         X, Y = _common.load_dataset(name)[:2]
         warm = min(3000, X.shape[0])  # Numba's cache and the loader warm, outside the runs
         XMCClassifier(epochs=1, seed=0, eval_every=0, devices=devices, algorithm="adaptive",
-                      loss="softmax").fit(X[:warm], Y[:warm])
+                      loss="softmax" if loss == "auto" else loss).fit(X[:warm], Y[:warm])
         for seed in range(rounds):
             clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, devices=devices,
-                                algorithm="adaptive", loss="softmax").fit(X, Y)
+                                algorithm="adaptive", loss=loss).fit(X, Y)
             merges = [r["merge_s"] for r in clf.history_ if r.get("event") == "merge"]
             train = max(r["train_time"] for r in clf.history_ if "train_time" in r)
-            row = {"dataset": name, "seed": seed, "merge_ms": [1e3 * m for m in merges],
+            row = {"dataset": name, "seed": seed, "loss": clf.loss_,
+                   "merge_ms": [1e3 * m for m in merges],
                    "median_merge_ms": 1e3 * float(np.median(merges)),
                    "merge_share": sum(merges) / train, "train_s": train}
             out.append(row)
-            print(f"{name:<18} {row['median_merge_ms']:>17.2f} {len(merges):>7} "
+            print(f"{name:<18} {clf.loss_:<8} {row['median_merge_ms']:>17.2f} {len(merges):>7} "
                   f"{row['merge_share']:>6.1%} {train:>8.3f}", flush=True)
     return out
 
@@ -104,11 +109,13 @@ def main(argv=None) -> int:
     p.add_argument("--devices", default="cpu,cpu@0.5", help="with --in-runs")
     p.add_argument("--epochs", type=float, default=1.0, help="with --in-runs")
     p.add_argument("--rounds", type=int, default=3, help="with --in-runs: runs per dataset")
+    p.add_argument("--loss", choices=("softmax", "bce", "auto"), default="softmax",
+                   help="with --in-runs: the training loss")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "merge_cpu.json"))
     args = p.parse_args(argv)
     meta = _common.result_metadata()
     if args.in_runs:
-        rows = in_runs(args.in_runs, args.devices, args.epochs, args.rounds)
+        rows = in_runs(args.in_runs, args.devices, args.epochs, args.rounds, args.loss)
         path = _common.write_result(args.out, {**meta, "benchmark": "merge_in_runs",
                                                "args": vars(args), "rows": rows})
         print(f"wrote {path}")
