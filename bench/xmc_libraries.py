@@ -184,12 +184,13 @@ def _l2_rows(X):
 def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
                         params: dict | None = None) -> dict:
     """The engine as a user gets it (``XMCClassifier(epochs=, seed=)``, nothing else set, or
-    ``params`` set on top), in the libraries' record format; kernels are compiled (or loaded)
-    outside ``train_time``, and so is ``loss="auto"``'s probe (``loss_probe_s``; ``wall_s``
-    holds both)."""
+    ``params`` set on top, ``epochs`` included), in the libraries' record format; kernels are
+    compiled (or loaded) outside ``train_time``, and so is ``loss="auto"``'s probe
+    (``loss_probe_s``; ``wall_s`` holds both)."""
     from xmc_engine import XMCClassifier
 
-    clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **(params or {}))
+    epochs = (params or {}).get("epochs", epochs)
+    clf = XMCClassifier(**{"epochs": epochs, "seed": seed, "eval_every": 0, **(params or {})})
     t0, c0 = time.perf_counter(), time.process_time()
     clf.fit(X, Y)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
