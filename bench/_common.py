@@ -297,6 +297,42 @@ def git_commit(repo=REPO_DIR) -> str | None:
     return head + "-dirty" if changes else head
 
 
+#: The engine's packages whose code a benchmark measures: ``git_commit`` names it only where
+#: they come from this checkout (:func:`engine_outside`).
+ENGINE_PACKAGES = ("xmc_engine", "xmc_engine.kernels", "xmc_engine.datasets")
+
+
+def engine_outside(repo=REPO_DIR, packages=ENGINE_PACKAGES) -> dict[str, str]:
+    """The packages of ``packages`` whose code is not in ``repo``: name -> folder (or file).
+
+    With the engine installed in editable mode from one checkout, ``PYTHONPATH=<another
+    checkout>`` takes ``xmc_engine`` from the other checkout but ``xmc_engine.kernels`` and
+    ``xmc_engine.datasets`` still from the installed one (the editable install maps them by
+    path, since they live at the top of the repository), so a benchmark run there would record
+    one commit and measure another's kernels. Linking ``xmc_engine/kernels`` to ``../kernels``
+    and ``xmc_engine/datasets`` to ``../datasets`` in the other checkout avoids it. Packages
+    that are not installed are left out.
+    """
+    import importlib.util
+
+    repo = Path(repo).resolve()
+    out = {}
+    for name in packages:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        where = list(spec.submodule_search_locations or []) or [spec.origin]
+        if not where or where[0] is None:
+            continue
+        path = Path(where[0]).resolve()
+        if path != repo and repo not in path.parents:
+            out[name] = str(path)
+    return out
+
+
 def result_metadata(machine_extra: dict | None = None, argv: list[str] | None = None) -> dict:
     """The record every result JSON opens with: ``command``, ``git_commit`` and ``machine``.
 
@@ -310,8 +346,15 @@ def result_metadata(machine_extra: dict | None = None, argv: list[str] | None = 
     argv : list of str, optional
         The script's argument vector (:func:`command_line`); ``sys.argv`` by default.
     """
-    return {"command": command_line(argv), "git_commit": git_commit(),
+    meta = {"command": command_line(argv), "git_commit": git_commit(),
             "machine": machine_info(extra=machine_extra)}
+    outside = engine_outside()
+    if outside:  # the commit does not name all the code measured: say so, and record it
+        print(f"warning: {', '.join(f'{k} from {v}' for k, v in outside.items())}: not from "
+              f"this checkout ({REPO_DIR}), so git_commit {meta['git_commit']} does not name "
+              "the code measured", file=sys.stderr)
+        meta["engine_outside_checkout"] = outside
+    return meta
 
 
 def write_result(path, payload: dict) -> Path:

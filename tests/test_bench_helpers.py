@@ -177,6 +177,20 @@ def test_result_metadata_names_command_commit_and_machine():
     assert commit is None or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", commit), commit
 
 
+def test_engine_outside_names_packages_not_from_the_checkout(capsys, monkeypatch):
+    """The engine imported here comes from this checkout; a package from elsewhere (here the
+    standard library's ``json``, standing in for an installed checkout's kernels) is named,
+    and ``result_metadata`` records it and warns that the commit does not name it."""
+    assert _common.engine_outside() == {}
+    out = _common.engine_outside(packages=("xmc_engine", "json", "no_such_package_xyz"))
+    assert list(out) == ["json"] and Path(out["json"]).name == "json"
+    assert "engine_outside_checkout" not in _common.result_metadata(argv=["bench/b.py"])
+    monkeypatch.setattr(_common, "engine_outside", lambda: out)
+    meta = _common.result_metadata(argv=["bench/b.py"])
+    assert meta["engine_outside_checkout"] == out
+    assert "does not name the code measured" in capsys.readouterr().err
+
+
 def test_write_result_refuses_a_payload_without_its_metadata(tmp_path):
     with pytest.raises(ValueError, match=r"lacks \['git_commit'\]"):
         _common.write_result(tmp_path / "r.json", {"command": "c", "machine": {}, "rows": []})
