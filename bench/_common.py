@@ -324,10 +324,10 @@ def engine_outside(repo=REPO_DIR, packages=ENGINE_PACKAGES) -> dict[str, str]:
             continue
         if spec is None:
             continue
-        where = list(spec.submodule_search_locations or []) or [spec.origin]
-        if not where or where[0] is None:
+        where = next(iter(spec.submodule_search_locations or []), spec.origin)
+        if where is None:
             continue
-        path = Path(where[0]).resolve()
+        path = Path(where).resolve()
         if path != repo and repo not in path.parents:
             out[name] = str(path)
     return out

@@ -189,8 +189,8 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
     (``loss_probe_s``; ``wall_s`` holds both)."""
     from xmc_engine import XMCClassifier
 
-    epochs = (params or {}).get("epochs", epochs)
-    clf = XMCClassifier(**{"epochs": epochs, "seed": seed, "eval_every": 0, **(params or {})})
+    kwargs = {"epochs": epochs, "seed": seed, "eval_every": 0, **(params or {})}
+    clf = XMCClassifier(**kwargs)
     t0, c0 = time.perf_counter(), time.process_time()
     clf.fit(X, Y)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -205,7 +205,7 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
             "train_time": final["train_time"],
             "wall_s": wall, "train_cpu_time": cpu, "predict_time": predict,
             "compile_s": compile_s, "loss": clf.loss_, "loss_probe_s": probe_s,
-            "epochs": epochs, **_score(top, Y_test)}
+            "epochs": kwargs["epochs"], **_score(top, Y_test)}
 
 
 def _json_object(text: str) -> dict:

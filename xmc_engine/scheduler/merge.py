@@ -293,12 +293,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         The change of ``sum(central[0]**2)`` (for the merged model's L2 norm; ``0.0`` without
         ``norm``) when the merge was done; ``None`` when it does not apply (a replica or the
         backend without row tracking, a weight of 0) or a replica is non-finite, and the
-        caller merges densely. Where it does
-        not apply nothing is written; where a merged value is non-finite the changed rows of
-        ``central[0]`` (and columns of ``W2``) may hold partial results and the replicas'
-        finite merged rows (blocks of columns) may already be written back, but every
-        non-finite value stays in the replica that holds it, so that the dense merge finds
-        and drops that replica.
+        caller merges densely. Where it does not apply nothing is written; where a merged
+        value is non-finite the changed rows of ``central[0]`` (and columns of ``W2``) may
+        hold partial results and the replicas' finite merged rows (blocks of columns) may
+        already be written back, but every non-finite value stays in the replica that holds
+        it, so that the dense merge finds and drops that replica.
     """
     if not backend.tracks_rows:
         return None
