@@ -3,7 +3,8 @@ comparison behind a default (e.g. ``merge_period``), without the whole study of
 ``bench_time_to_accuracy.py`` (no learning-rate tuning, no baselines).
 
 Each ``--config`` is a JSON object: ``algorithm``, ``devices``, ``lr``, and optionally ``params``
-(the algorithm's options) and ``label``. Every run uses Adagrad by default, no warm-up, and
+(the algorithm's options), ``batch_size`` (the base batch ``B`` of that configuration alone) and
+``label``. Every run uses Adagrad by default, no warm-up, and
 evaluates every ``--eval-every`` epochs (on several devices: at the next merge barrier); the time
 to ``--target`` is interpolated between evaluations (``_tta.time_to_target``). Seeds run in the
 outer loop, so that a drift of the machine's speed falls on every configuration alike. The table
@@ -62,15 +63,18 @@ def parse_config(text: str) -> dict:
 
 def _complete(cfg: dict) -> dict:
     """Fill a configuration's optional keys: ``lr`` (``None``: the engine's default),
-    ``params``, ``threads`` (``None``: the device set's share of the cores), ``setups`` (the
-    device sets whose table lists it; default its own) and ``label``."""
+    ``batch_size`` (``None``: ``--batch-size``), ``params``, ``threads`` (``None``: the device
+    set's share of the cores), ``setups`` (the device sets whose table lists it; default its
+    own) and ``label``."""
     cfg.setdefault("lr", None)
+    cfg.setdefault("batch_size", None)
     cfg.setdefault("params", {})
     cfg.setdefault("threads", None)
     cfg.setdefault("setups", [cfg["devices"]])
     cfg.setdefault("label", " ".join(
         [cfg["algorithm"], cfg["devices"]]
         + ([f"lr {cfg['lr']}"] if cfg["lr"] is not None else [])
+        + ([f"B {cfg['batch_size']}"] if cfg["batch_size"] is not None else [])
         + ([f"threads {cfg['threads']}"] if cfg["threads"] is not None else [])
         + [f"{k}={v}" for k, v in cfg["params"].items()]))
     return cfg
@@ -188,8 +192,9 @@ def main(argv=None) -> int:
     # Seeds outside, configurations inside: a drift of the machine's speed during the sweep
     # then falls on every configuration alike.
     for seed in args.seeds:
-        for m, acc in zip(methods, runs, strict=True):
-            r = _tta.run_method(m, data, epochs=args.epochs, lr=m.lr, batch_size=args.batch_size,
+        for cfg, m, acc in zip(configs, methods, runs, strict=True):
+            r = _tta.run_method(m, data, epochs=args.epochs, lr=m.lr,
+                                batch_size=cfg["batch_size"] or args.batch_size,
                                 hidden=args.hidden, seed=seed, optimizer=args.optimizer,
                                 loss=args.loss,
                                 lr_decay=args.lr_decay, warmup_epochs=args.warmup_epochs,
