@@ -58,6 +58,10 @@ def parse_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"--config is not JSON ({e}): {text!r}") from None
     if not isinstance(cfg, dict) or any(k not in cfg for k in ("algorithm", "devices")):
         raise argparse.ArgumentTypeError(f"--config needs algorithm and devices: {text!r}")
+    b = cfg.get("batch_size")
+    if b is not None and (type(b) is not int or b < 1):
+        raise argparse.ArgumentTypeError(f"--config batch_size must be a positive integer, got "
+                                         f"{b!r}: {text!r}")
     return _complete(cfg)
 
 

@@ -93,7 +93,14 @@ def test_sweep_config_needs_algorithm_and_devices():
     # without lr: the engine's default learning rate, and the label says nothing of it
     cfg = parse_config('{"algorithm": "sync", "devices": "cpu,cpu@0.5"}')
     assert cfg["lr"] is None and cfg["label"] == "sync cpu,cpu@0.5"
+    assert cfg["batch_size"] is None  # the sweep's --batch-size (or the engine's default)
+    cfg = parse_config('{"algorithm": "adaptive", "devices": "cpu,cpu", "batch_size": 32}')
+    assert cfg["batch_size"] == 32 and cfg["label"] == "adaptive cpu,cpu B 32"
     import argparse
+
+    for bad in ('0', '"32"', '2.5', 'true'):
+        with pytest.raises(argparse.ArgumentTypeError, match="batch_size must be"):
+            parse_config('{"algorithm": "adaptive", "devices": "cpu", "batch_size": ' + bad + "}")
 
     with pytest.raises(argparse.ArgumentTypeError, match="not JSON"):
         parse_config("{algorithm: adaptive}")
