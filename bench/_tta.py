@@ -52,6 +52,7 @@ class Method:
     params: dict = field(default_factory=dict)
     lr: float | None = None  # None: the script's --lr
     threads: int | None = None
+    batch_size: int | None = None  # None: the script's --batch-size
 
 
 def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd",
@@ -59,12 +60,14 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
     """Train once; returns a dict with the curve and totals. ``lr_decay`` and ``warmup_epochs``
     are the engine's schedule (``lr_warmup_epochs``; ``None``: each algorithm's own warm-up);
     ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier).
-    ``batch_size``, ``hidden``, ``optimizer``, ``lr_decay``, ``loss`` or a learning rate
-    (``m.lr`` and ``lr``) that is ``None`` is left to the engine's default."""
+    ``hidden``, ``optimizer``, ``lr_decay``, ``loss``, a batch size (``m.batch_size`` and
+    ``batch_size``) or a learning rate (``m.lr`` and ``lr``) that is ``None`` is left to the
+    engine's default."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
-    chosen = {"hidden": hidden, "batch_size": batch_size, "optimizer": optimizer,
+    chosen = {"hidden": hidden, "optimizer": optimizer,
+              "batch_size": m.batch_size if m.batch_size is not None else batch_size,
               "lr": m.lr if m.lr is not None else lr, "lr_decay": lr_decay, "loss": loss}
     clf = XMCClassifier(epochs=epochs, lr_warmup_epochs=warmup_epochs, devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,

@@ -191,14 +191,14 @@ def main(argv=None) -> int:
     data = subset_test(_tta.load_data(args.data), args.test_rows)
     out = Path(args.out or _common.RESULTS_DIR / "tta_sweep" / f"{_tta.data_tag(args.data)}.json")
     methods = [_tta.Method(cfg["label"], cfg["algorithm"], cfg["devices"], dict(cfg["params"]),
-                           lr=cfg["lr"], threads=cfg["threads"]) for cfg in configs]
+                           lr=cfg["lr"], threads=cfg["threads"], batch_size=cfg["batch_size"])
+               for cfg in configs]
     runs: list[list[dict]] = [[] for _ in methods]
     # Seeds outside, configurations inside: a drift of the machine's speed during the sweep
     # then falls on every configuration alike.
     for seed in args.seeds:
-        for cfg, m, acc in zip(configs, methods, runs, strict=True):
-            r = _tta.run_method(m, data, epochs=args.epochs, lr=m.lr,
-                                batch_size=cfg["batch_size"] or args.batch_size,
+        for m, acc in zip(methods, runs, strict=True):
+            r = _tta.run_method(m, data, epochs=args.epochs, lr=m.lr, batch_size=args.batch_size,
                                 hidden=args.hidden, seed=seed, optimizer=args.optimizer,
                                 loss=args.loss,
                                 lr_decay=args.lr_decay, warmup_epochs=args.warmup_epochs,

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import _common  # noqa: E402
-from _tta import load_data, summarise, time_to_target  # noqa: E402
+from _tta import Method, load_data, run_method, summarise, time_to_target  # noqa: E402
 from bench_time_to_accuracy import pick_lr  # noqa: E402
 from bench_tta_sweep import median_quartiles, parse_config, standard_configs  # noqa: E402
 
@@ -108,6 +108,36 @@ def test_sweep_config_needs_algorithm_and_devices():
         parse_config('{"algorithm": "adaptive"}')
     with pytest.raises(argparse.ArgumentTypeError, match="needs algorithm and devices"):
         parse_config("3")
+
+
+def test_run_method_takes_the_methods_batch_and_rate_over_the_scripts(monkeypatch):
+    """A method's own ``batch_size`` / ``lr`` win over the script's; ``None`` leaves the
+    script's, and a script value of ``None`` is left out (the engine's default)."""
+    import xmc_engine
+
+    seen = []
+
+    class Fake:
+        def __init__(self, **kw):
+            seen.append(kw)
+            self.history_ = [{"event": "eval", "train_time": 1.0, "epoch": 1.0,
+                              "metrics": {"P@1": 0.5, "P@3": 0.4, "P@5": 0.3}}]
+
+        def fit(self, X, Y, eval_set=None):
+            return self
+
+        def get_config(self):
+            return type("C", (), {"learning_rate": 0.05})()
+
+    monkeypatch.setattr(xmc_engine, "XMCClassifier", Fake)
+    common = {"epochs": 1, "hidden": None, "seed": 0}
+    run_method(Method("a", "adaptive", "cpu,cpu", batch_size=32, lr=0.1), (None,) * 4,
+               lr=0.2, batch_size=64, **common)
+    run_method(Method("b", "adaptive", "cpu,cpu"), (None,) * 4, lr=0.2, batch_size=64, **common)
+    run_method(Method("c", "adaptive", "cpu,cpu"), (None,) * 4, lr=None, batch_size=None,
+               **common)
+    assert [(kw.get("batch_size"), kw.get("lr")) for kw in seen] == [(32, 0.1), (64, 0.2),
+                                                                      (None, None)]
 
 
 def test_standard_configs_share_one_single_run_per_device_and_thread_share(monkeypatch):
