@@ -142,7 +142,11 @@ class CPUBackend:
 
     @staticmethod
     def zeros(shape, dtype=_F32):
-        return np.zeros(shape, dtype)
+        """Zeros written now, page by page, not ``np.zeros``' lazily mapped pages: those fault
+        on their first write, which for an Adagrad accumulator is inside a training step (a
+        device worker's first step took 5-50 ms instead of 2; bench/RESULTS.md, "Zeros written
+        at allocation")."""
+        return np.full(shape, 0, dtype)
 
     def workspace(self, name, shape, dtype=_F32):
         n = math.prod(shape)
