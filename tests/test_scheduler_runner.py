@@ -241,6 +241,29 @@ def test_thread_budget_is_entered_in_worker_threads():
     assert not any(name.startswith("xmc-device-") for _, name in merges)
 
 
+def test_workers_enter_their_budget_before_the_training_clock():
+    """Entering a worker's thread budget (threadpoolctl: milliseconds) is set-up: the
+    constructor waits for it, so the first period's training seconds do not hold it."""
+    import contextlib
+
+    devs = [DeviceSpec("cpu"), DeviceSpec("cpu")]
+    reps = [FakeReplica(256, sleep=False) for _ in devs]
+
+    @contextlib.contextmanager
+    def slow_budget(n):
+        time.sleep(0.3)
+        yield
+
+    for r in reps:
+        r.backend.thread_budget = slow_budget
+    t0 = time.perf_counter()
+    with make_trainer(reps, devs, "average", 256, merge_period=256) as tr:
+        built = time.perf_counter() - t0
+        res = tr.run_epoch(0)
+    assert built >= 0.3  # the constructor waited for both workers (they enter side by side)
+    assert res["samples"] == 256 and res["train_seconds"] < 0.25
+
+
 def test_slow_merges_switch_the_main_thread_to_the_full_budget(monkeypatch):
     """After a merge longer than MERGE_ONE_THREAD_MAX_S the main thread stops limiting itself
     to one thread (the backend's default budget: no kernel_threads call); simulated
