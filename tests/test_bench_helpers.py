@@ -380,3 +380,26 @@ def test_plateau_stop_replay_reads_the_stop_epoch_and_the_p1_there():
     at = out["floors"]["0.5"]  # after epoch 5: the evaluation at epoch 4, 30 s saved
     assert at["P@1"] == pytest.approx(0.54) and at["saved_s"] == pytest.approx(30.0)
     assert out["floors"]["0.01"] == {"stop_epoch": None, "P@1": 0.58, "loss": 0.0, "saved_s": 0.0}
+
+
+def test_startup_benchmark_times_first_and_later_periods_and_compares(tmp_path, capsys):
+    import bench_startup
+
+    out = tmp_path / "a.json"
+    bench_startup.main(["--data", "synthetic:3000:500:50", "--devices", "cpu", "cpu,cpu@0.5",
+                        "--seeds", "0", "--epochs", "3", "--out", str(out)])
+    runs = json.loads(out.read_text())["runs"]["synthetic:3000:500:50"]
+    assert [r["devices"] for r in runs] == ["cpu", "cpu,cpu@0.5"]
+    one, two = runs
+    assert one["periods"] >= 8 and len(one["first_period"]) == 1  # a record per 1,024 samples
+    assert two["periods"] >= 3 and len(two["first_period"]) == 2  # a record per merge
+    for r in runs:
+        assert r["first_period_us"] > 0 and r["later_period_us"] > 0
+        assert 0 < r["train_s"] < r["wall_s"]
+    capsys.readouterr()
+    bench_startup.main(["--compare", f"x={out}", f"y={tmp_path}/*.json"])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| data | devices | x (1 files)") and "y (1 files)" in table[0]
+    assert [line.split(" | ")[1] for line in table[2:]] == ["`cpu`", "`cpu,cpu@0.5`"]
+    with pytest.raises(SystemExit, match="LABEL=GLOB"):
+        bench_startup.main(["--compare", f"x={tmp_path}/none*.json"])
