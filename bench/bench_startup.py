@@ -52,6 +52,9 @@ def run_one(data, devices: str, seed: int, epochs: float, loss: str) -> dict:
     clf.fit(Xtr, Ytr)
     wall = time.perf_counter() - t0
     merges = [r for r in clf.history_ if r.get("event") == "merge"]
+    if not merges:
+        raise SystemExit(f"{devices}, {epochs} epochs: the run logged no merge period; "
+                         "give more --epochs")
     # a period's wall seconds: any device's busy plus idle time in it
     us = [1e6 * (r["devices"][0]["busy_s"] + r["devices"][0]["idle_s"])
           / sum(d["samples"] for d in r["devices"]) for r in merges]
@@ -67,8 +70,7 @@ def run_one(data, devices: str, seed: int, epochs: float, loss: str) -> dict:
 def measure(args) -> None:
     from xmc_engine import XMCClassifier
 
-    out = {"command": _common.command_line(), "git_commit": _common.git_commit(),
-           "machine": _common.machine_info(), "benchmark": "startup", "epochs": args.epochs,
+    out = {**_common.result_metadata(), "benchmark": "startup", "epochs": args.epochs,
            "loss": args.loss, "runs": {}}
     for name in args.data:
         data = _tta.load_data(name)
@@ -80,7 +82,7 @@ def measure(args) -> None:
             print(f"{name:18s} {dev:22s} first period {_med(rs, 'first_period_us'):.1f} "
                   f"us/sample, later {_med(rs, 'later_period_us'):.1f}, training "
                   f"{_med(rs, 'train_s'):.3f} s, fit {_med(rs, 'wall_s'):.3f} s", flush=True)
-    _common.write_json(args.out, out)
+    _common.write_result(args.out, out)
     print(f"wrote {args.out}")
 
 
