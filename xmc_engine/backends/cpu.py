@@ -144,7 +144,7 @@ class CPUBackend:
     def zeros(shape, dtype=_F32):
         """Zeros written now, page by page, not ``np.zeros``' lazily mapped pages: those fault
         on their first write, which for an Adagrad accumulator is inside a training step (a
-        device worker's first step took 5-50 ms instead of 2; bench/RESULTS.md, "Zeros written
+        device worker's first step took 3-50 ms instead of 2; bench/RESULTS.md, "Zeros written
         at allocation")."""
         return np.full(shape, 0, dtype)
 
