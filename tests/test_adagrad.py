@@ -47,6 +47,21 @@ def test_backend_exposes_adagrad():
     np.testing.assert_allclose(a, 4.0)
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_backend_adagrad_on_matrices_of_either_order(order):
+    """The backend hands the kernel flat views, so its updates land in the arrays themselves,
+    whatever their memory order; a strided array (whose flat form would be a copy) is refused."""
+    rng = np.random.default_rng(3)
+    w, g = (np.asarray(rng.standard_normal((7, 5)), np.float32, order=order) for _ in range(2))
+    acc = np.asarray(rng.random((7, 5)), np.float32, order=order)
+    w_ref, acc_ref = reference.adagrad_dense(w.copy(), g, acc.copy(), 0.1, 1e-10)
+    get_backend("cpu").adagrad_dense(w, g, acc, 0.1, 1e-10)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(acc, acc_ref, rtol=1e-6)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        get_backend("cpu").adagrad_dense(w[:, ::2], g[:, ::2], acc[:, ::2], 0.1, 1e-10)
+
+
 def test_adagrad_trains_and_resumes_exactly(tmp_path):
     X, Y = tiny_data()
     kw = dict(hidden=16, epochs=3, batch_size=50, lr=0.05, optimizer="adagrad", seed=2)

@@ -274,16 +274,21 @@ XMCClassifier(epochs=2, threads=1, seed=1, hidden=[24], devices=sys.argv[1],
               algorithm=sys.argv[2]).fit(X, Y, eval_set=(Xt, Yt))
 after = signatures()
 print(json.dumps({"compiled": sum(map(len, seen.values())),
-                  "new_in_training": {k: v for k, v in after.items() if v != seen.get(k)}}))
+                  "new_in_training": {k: v for k, v in after.items() if v != seen.get(k)},
+                  "signatures": after}))
 """
 
 
-@pytest.mark.parametrize("devices,algorithm", [("cpu", "single"), ("cpu,cpu", "adaptive")])
+@pytest.mark.parametrize("devices,algorithm", [("cpu", "single"), ("cpu,cpu", "adaptive"),
+                                               ("cpu,cpu", "sync")])
 def test_kernels_are_compiled_before_the_clock(devices, algorithm):
     """Compilation (or loading from numba's cache) happens in ``compile_kernels``, before the
     training clock starts: in a fresh process, no kernel gains a compiled signature while the
     model trains and is evaluated (a kernel first compiled inside an epoch would count in
-    ``train_time``)."""
+    ``train_time``). And only what the run calls is compiled, once: the gradient step only for
+    ``sync`` (the one algorithm that steps by gradient), the forward kernel for one type of row
+    pointers (training's gathered batches and prediction's SciPy rows alike), the dense Adagrad
+    rule for one shape (flat)."""
     import json
     import subprocess
     import sys
@@ -294,6 +299,9 @@ def test_kernels_are_compiled_before_the_clock(devices, algorithm):
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["compiled"] > 0
     assert out["new_in_training"] == {}
+    assert len(out["signatures"]["sparse_forward.sparse_forward_cpu"]) == 1
+    assert len(out["signatures"]["adagrad.adagrad_dense_cpu"]) <= 1  # weights and biases alike
+    assert bool(out["signatures"]["train_step.grad_step_cpu"]) == (algorithm == "sync")
 
 
 def test_the_estimators_defaults_are_the_configs():

@@ -381,15 +381,18 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
 
     One throwaway replica per device, of the run's depth but with at most :data:`COMPILE_WIDTH`
     units per hidden layer (memory ``O(n_features + n_labels)``), built like the run's
-    (:func:`make_replica`: optimizer, output layer, label chunk), takes one step and one gradient on
-    the first rows of ``X`` at learning rate 0; the first device predicts their top-k, and several
-    devices merge the throwaway replicas (weighted and row-sparse). Numba compiles per argument type
-    (dtype, dimensions, layout), not size, so the run's own calls find every kernel compiled; the
-    run's model is not touched. When this lasts longer than :data:`COMPILE_NOTICE_S` a warning says
-    what is happening (the first run after an install compiles, later runs load the cache).
+    (:func:`make_replica`: optimizer, output layer, label chunk), takes one step on the first rows
+    of ``X`` at learning rate 0 (one gradient and its update where the run's algorithm steps by
+    gradient, :attr:`~xmc_engine.algorithms.Policy.steps_by_gradient`: ``sync``); the first device
+    predicts their top-k, and several devices merge the throwaway replicas (weighted and
+    row-sparse). Numba compiles per argument type (dtype, dimensions, layout), not size, so the
+    run's own calls find every kernel compiled; the run's model is not touched. When this lasts
+    longer than :data:`COMPILE_NOTICE_S` a warning says what is happening (the first run after
+    an install compiles, later runs load the cache).
 
     Returns the seconds spent, also written to ``log`` as a ``compile`` record.
     """
+    from xmc_engine.algorithms import POLICIES
     from xmc_engine.backends.base import empty_like
     from xmc_engine.scheduler.merge import merge_changed_rows, weighted_merge
 
@@ -412,8 +415,10 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
             rep = make_replica(cfg, d, X, Y, params, len(replicas))
             if per_label:
                 rep.track_labels()
-            rep.train_batch(rows, 0.0)
-            rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
+            if POLICIES[cfg.algorithm].steps_by_gradient:
+                rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
+            else:
+                rep.train_batch(rows, 0.0)
             replicas.append(rep)
         be = replicas[0].backend
         predict_topk(be, replicas[0].params(), X[rows], max(5, cfg.eval_k),

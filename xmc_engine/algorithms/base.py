@@ -57,6 +57,10 @@ class Policy:
         Whether it runs across MPI nodes (DESIGN.md §6).
     max_steps_per_period : int or None
         The most steps a device makes per period (``None``: as many as the queue grants).
+    steps_by_gradient : bool
+        Whether its steps compute gradients without updating (the replicas' ``grad_batch`` /
+        ``apply_grads``) instead of training in place (``train_batch``): the kernels
+        :func:`xmc_engine.training.compile_kernels` compiles beforehand.
     """
 
     name = "base"
@@ -64,6 +68,7 @@ class Policy:
     max_devices: int | None = None
     supports_nodes = False
     max_steps_per_period: int | None = None
+    steps_by_gradient = False
 
     def __init__(self, config: AlgorithmConfig | dict | None = None, **overrides):
         expected = ALGORITHMS[self.name]

@@ -58,6 +58,7 @@ class SyncSGD(Policy):
     name = "sync"
     static = True
     max_steps_per_period = 1
+    steps_by_gradient = True
 
     def period_samples(self, n_devices: int, batch_size: int) -> int:
         """One global batch: ``n B`` (``B`` when ``split_global_batch``)."""

@@ -175,12 +175,15 @@ class CPUBackend:
     @staticmethod
     def csr_parts(X):
         """SciPy CSR (or a :class:`~xmc_engine.batches.CSRBatch`) -> ``(indptr, indices,
-        data float32)`` NumPy arrays."""
+        data float32)`` NumPy arrays. A SciPy matrix's row pointers come back as int64, the
+        type of the training batches' (:class:`~xmc_engine.batches.RowGather`), so that
+        prediction calls the forward kernel Numba compiled for training rather than a second
+        compilation of it (1.5 s of a first run)."""
         if isinstance(X, CSRBatch):
             return X.indptr, X.indices, X.data
         X = scipy.sparse.csr_matrix(X) if not scipy.sparse.isspmatrix_csr(X) else X
         data = X.data if X.data.dtype == _F32 else X.data.astype(_F32)
-        return X.indptr, X.indices, data
+        return X.indptr.astype(np.int64, copy=False), X.indices, data
 
     def synchronize(self):
         """Nothing to wait for: CPU kernels return when done."""
@@ -518,7 +521,8 @@ class CPUBackend:
 
     @staticmethod
     def adagrad_dense(w, g, acc, lr, eps):
-        adagrad.adagrad_dense_cpu(*_c_views(w, g, acc), lr, eps)
+        # flat views: the kernel compiles once, for weights and biases alike
+        adagrad.adagrad_dense_cpu(*(_flat(a) for a in _c_views(w, g, acc)), lr, eps)
 
     @staticmethod
     def adagrad_rows(W, rows, grad_rows, acc_W, lr, eps):
@@ -555,6 +559,15 @@ def _c_views(*arrays) -> tuple:
         raise ValueError(f"arrays of one elementwise kernel in different memory orders "
                          f"{sorted(orders)}: allocate them alike (empty_like)")
     return tuple(a.T if a.ndim > 1 and _order(a) == "F" else a for a in arrays)
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous array as a 1-D view of the same memory (never a copy: an in-place
+    kernel's writes must land in ``a``)."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"an in-place flat kernel needs C-contiguous arrays, got strides "
+                         f"{a.strides} for shape {a.shape}")
+    return a.reshape(-1)
 
 
 def _as_rows(a: np.ndarray) -> np.ndarray:
