@@ -118,8 +118,8 @@ def train_step_cpu(indptr, indices, data, y_indptr, y_indices, W1, b1, W2, b2,
                              bce, np.empty(0, np.float32), H, Z, dH, dW2, db2, loss_rows,
                              colsum_parts)
     _first_layer_update(indptr, indices, data, dH, W1, b1, acc_W1, acc_b1, adagrad, lr, eps)
-    if adagrad:
-        adagrad_dense_cpu(W2, dW2, acc_W2, lr, eps)
+    if adagrad:  # flat views: the rule compiles once, for weights and biases alike
+        adagrad_dense_cpu(W2.reshape(-1), dW2.reshape(-1), acc_W2.reshape(-1), lr, eps)
         adagrad_dense_cpu(b2, db2, acc_b2, lr, eps)
     else:
         axpy_parallel_cpu(W2, dW2, -lr)
