@@ -403,3 +403,16 @@ def test_startup_benchmark_times_first_and_later_periods_and_compares(tmp_path, 
     assert [line.split(" | ")[1] for line in table[2:]] == ["`cpu`", "`cpu,cpu@0.5`"]
     with pytest.raises(SystemExit, match="LABEL=GLOB"):
         bench_startup.main(["--compare", f"x={tmp_path}/none*.json"])
+
+
+def test_rank_prior_candidate_chance():
+    """``q_j`` of bench_rank_prior: 1 where the drawn negatives cover every label, else rising
+    with the label's frequency from ``K / L`` (a label no row has) to 1 (one every row has)."""
+    import bench_rank_prior
+    import numpy as np
+    import scipy.sparse as sp
+
+    Y = sp.csr_matrix(np.array([[1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 1, 0]], dtype=np.float32))
+    np.testing.assert_allclose(bench_rank_prior.candidate_chance(Y, 64, 8), 1.0)
+    q = bench_rank_prior.candidate_chance(Y, 2, 1)  # one other row, one draw of four labels
+    np.testing.assert_allclose(q, [1.0, 1 - (2 / 3) * 0.75, 1 - (2 / 3) * 0.75, 0.25])
