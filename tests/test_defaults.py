@@ -240,12 +240,52 @@ def test_compile_kernels_logs_its_time_and_says_when_slow(small, monkeypatch, ca
             self.function(*self.args, **self.kwargs)
 
     monkeypatch.setattr(training.threading, "Timer", FiresAtOnce)
-    log = RunLog(None)
+    log, report = RunLog(None), {}
     with caplog.at_level(logging.WARNING, logger="xmc_engine.training"):
-        seconds = training.compile_kernels(cfg, parse_devices(cfg.devices), X, Y, log)
+        seconds = training.compile_kernels(cfg, parse_devices(cfg.devices), X, Y, log,
+                                           report=report)
     assert [r["event"] for r in log.records] == ["compile"]
     assert log.records[0]["seconds"] == seconds >= 0.0
+    assert log.records[0]["compiled"] == report["compiled"] >= 0
     assert any("compiling kernels" in r.getMessage() for r in caplog.records)
+
+
+def test_compile_watch_counts_numbas_compilations_and_shows_a_bar(monkeypatch):
+    """The count is of real compilations: a new function compiles once, a second call of the
+    same types compiles nothing. Past the notice a progress bar counts them."""
+    from numba import njit
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.n, self.closed = 0, False
+            bars.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(training.progress, "bar", Bar)
+    with training._CompileWatch() as watch:
+        @njit
+        def twice(x):
+            return 2 * x
+
+        assert twice(3) == 6 and twice(4) == 8
+    assert watch.count == 1 and bars == []  # under COMPILE_NOTICE_S: no notice, no bar
+    monkeypatch.setattr(training, "COMPILE_NOTICE_S", 0.0)
+    with training._CompileWatch() as watch:
+        watch._noticed.wait(5)
+
+        @njit
+        def thrice(x):
+            return 3 * x
+
+        assert thrice(2.0) == 6.0 and thrice(1) == 3  # a float and an int: two compilations
+    assert watch.count == 2 and len(bars) == 1 and bars[0].n == 2 and bars[0].closed
 
 
 _COMPILE_CHECK = """

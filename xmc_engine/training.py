@@ -122,7 +122,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         else:  # rank 0 probes (one process: it is rank 0 and the broadcast is the identity)
             if comm.is_root:
                 probe = choose_loss(cfg, X, Y, devices[0])
-                probe_compile_s = probe.pop("compile_seconds")
+                probe_compile = (probe.pop("compile_seconds"), probe.pop("compiled"))
             loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
         cfg = dataclasses.replace(cfg, loss=loss)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
@@ -172,8 +172,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
               samples=state["samples"], epoch=state["epoch"])
     if probe is not None:  # what loss="auto" did and saw (before the start)
         if probe["rows"]:
-            log.write("compile", seconds=probe_compile_s, devices=[str(devices[0])],
-                      losses=list(TRAIN_LOSSES), note="before the loss probe")
+            log.write("compile", seconds=probe_compile[0], compiled=probe_compile[1],
+                      devices=[str(devices[0])], losses=list(TRAIN_LOSSES),
+                      note="before the loss probe")
         log.write("loss_probe", **probe)
     compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
@@ -232,8 +233,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
     was calibrated), ``threads_timed`` (False: the run was too short to repay timing the
     budgets and keeps one thread) and ``together`` (the fits ran side by side), plus
-    ``compile_seconds`` (both losses' kernels, compiled or loaded before the probe and outside
-    its ``seconds``; :func:`fit_model` logs them as a ``compile`` record). ``X`` holds
+    ``compile_seconds`` and ``compiled`` (both losses' kernels, compiled or loaded before the
+    probe and outside its ``seconds``, and the number of Numba compilations that took;
+    :func:`fit_model` logs them as a ``compile`` record). ``X`` holds
     normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
@@ -249,10 +251,12 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                     LOSS_PROBE_MIN_ROWS)
         return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "epochs": 0.0,
                 "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
-                "compile_seconds": 0.0}
+                "compile_seconds": 0.0, "compiled": 0}
     # both losses' kernels first, outside the probe's seconds
-    compile_s = sum(compile_kernels(dataclasses.replace(cfg, loss=loss), [device], X, Y)
-                    for loss in TRAIN_LOSSES)
+    compiled = [{} for _ in TRAIN_LOSSES]
+    compile_s = sum(compile_kernels(dataclasses.replace(cfg, loss=loss), [device], X, Y,
+                                    report=rep) for loss, rep in zip(TRAIN_LOSSES, compiled,
+                                                                     strict=True))
     t0 = time.perf_counter()
     order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
     held = np.sort(order[:min(LOSS_PROBE_HELDOUT, n // 10)])
@@ -308,7 +312,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
             "epochs": epochs, "seconds": seconds,
             "threads": None if cfg.threads is not None else threads,
             "threads_timed": calibration["timed"], "together": together,
-            "compile_seconds": compile_s}
+            "compile_seconds": compile_s, "compiled": sum(r["compiled"] for r in compiled)}
 
 
 def _probe_device(device):
@@ -359,6 +363,60 @@ COMPILE_NOTICE_S = 2.0
 COMPILE_WIDTH = 8
 
 
+class _CompileWatch:
+    """What :func:`compile_kernels` tells the user: after :data:`COMPILE_NOTICE_S` seconds a
+    warning that kernels are being compiled, then a progress bar of the compilations. Counts
+    the Numba compilations of the call (its listener hears numba's ``numba:compile`` events,
+    which a function loaded from Numba's cache does not raise: ``count`` 0 means everything came
+    from the cache). Use it as a context manager around the compiling code."""
+
+    def __init__(self):
+        from numba.core import event
+
+        class Listener(event.Listener):
+            def on_start(_, ev):
+                pass
+
+            def on_end(_, ev):
+                self._compiled()
+
+        self._event, self._listener = event, Listener()
+        self.count, self._bar = 0, None
+        self._lock = threading.Lock()
+        self._noticed = threading.Event()
+        self._timer = threading.Timer(COMPILE_NOTICE_S, self._notice)
+        self._timer.daemon = True
+
+    def _notice(self):
+        logger.warning("compiling kernels (first run after install; later runs load Numba's "
+                       "cache) ...")
+        self._noticed.set()
+
+    def _compiled(self):
+        with self._lock:
+            self.count += 1
+            if not self._noticed.is_set():
+                return
+            if self._bar is None:
+                self._bar = progress.bar(desc="compiling kernels", unit=" functions")
+                self._bar.update(self.count)
+            else:
+                self._bar.update(1)
+
+    def __enter__(self):
+        self._event.register("numba:compile", self._listener)
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+        self._event.unregister("numba:compile", self._listener)
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+        return False
+
+
 def make_replica(cfg: TrainConfig, device, X, Y, params, index: int) -> MLPReplica:
     """The replica of ``cfg`` on ``device`` (a DeviceSpec), the ``index``-th of the run, from the
     host arrays ``params``: its backend, optimizer, loss, output layer and negative-sampling
@@ -375,7 +433,8 @@ def make_replica(cfg: TrainConfig, device, X, Y, params, index: int) -> MLPRepli
                       seed=cfg.seed + index)
 
 
-def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
+def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
+                    report: dict | None = None) -> float:
     """Compile the run's Numba kernels, or load them from Numba's on-disk cache, before the
     training clock starts, so that ``train_time`` and the first epoch hold no compilation.
 
@@ -388,20 +447,18 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
     row-sparse). Numba compiles per argument type (dtype, dimensions, layout), not size, so the
     run's own calls find every kernel compiled; the run's model is not touched. When this lasts
     longer than :data:`COMPILE_NOTICE_S` a warning says what is happening (the first run after
-    an install compiles, later runs load the cache).
+    an install compiles, later runs load the cache) and a progress bar counts the compilations.
 
-    Returns the seconds spent, also written to ``log`` as a ``compile`` record.
+    Returns the seconds spent, also written to ``log`` as a ``compile`` record with
+    ``compiled``, the number of Numba compilations (0: every kernel came from the cache);
+    ``report`` (a dict), if given, receives that number as ``compiled``.
     """
     from xmc_engine.algorithms import POLICIES
     from xmc_engine.backends.base import empty_like
     from xmc_engine.scheduler.merge import merge_changed_rows, weighted_merge
 
     t0 = time.perf_counter()
-    notice = threading.Timer(COMPILE_NOTICE_S, logger.warning, (
-        "compiling kernels (first run after install; later runs load Numba's cache) ...",))
-    notice.daemon = True
-    notice.start()
-    try:
+    with _CompileWatch() as watch:
         rows = np.arange(min(4, X.shape[0]), dtype=np.int64)
         hidden = tuple(min(h, COMPILE_WIDTH) for h in cfg.hidden)
         params = init_params_for_data(ModelShape(X.shape[1], Y.shape[1], hidden), X, cfg.seed,
@@ -431,11 +488,12 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None) -> float:
                                per_label=per_label)
         for rep in replicas:
             rep.backend.synchronize()
-    finally:
-        notice.cancel()
     seconds = time.perf_counter() - t0
+    if report is not None:
+        report["compiled"] = watch.count
     if log is not None:
-        log.write("compile", seconds=seconds, devices=[str(d) for d in devices])
+        log.write("compile", seconds=seconds, compiled=watch.count,
+                  devices=[str(d) for d in devices])
     return seconds
 
 
