@@ -244,9 +244,19 @@ def load_file(path, *, cache: bool = True):
     path = Path(path)
     if path.suffix.lower() == ".npz":
         return load_npz(path)
-    if _sniff_xc(path):
+    head = read_head(path)
+    if looks_like_xc(head):
         return load_xc(path, cache=cache)
-    return load_libsvm(path)
+    try:
+        return load_libsvm(path)
+    except DatasetFormatError as exc:
+        first = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+        if " line 1:" in str(exc) and first and all(t.isdigit() for t in first.split()):
+            # a header that is not one: say why the file was not read as XC
+            raise DatasetFormatError(
+                f"{exc} (read as LIBSVM: line 1 {first[:80]!r} is not an XC header, which is "
+                f"three integers 'n_samples n_features n_labels')") from exc
+        raise
 
 
 def _sniff_xc(path: Path) -> bool:

@@ -99,6 +99,24 @@ def test_load_dataset_libsvm_pair_widened(tmp_path):
     assert Xtr.shape == (2, 6) == (Xtr.shape[0], Xte.shape[1]) and Ytr.shape == (2, 3)
 
 
+@pytest.mark.parametrize("first, hinted", [("3 5", True), ("3 5 4 2", True),
+                                           ("0 3:1", False)])
+def test_a_bad_first_line_read_as_libsvm_says_why(tmp_path, first, hinted):
+    """A first line of integers that is not three of them was meant as an XC header: the
+    LIBSVM error on it says that the file was read as LIBSVM, and why."""
+    from xmc_engine.datasets.registry import load_file
+
+    from xmc_engine.errors import DatasetFormatError
+
+    path = tmp_path / "data.txt"
+    path.write_text(first + "\n0,1 0:1\n" + "1 x:1\n")
+    with pytest.raises(DatasetFormatError) as info:
+        load_file(path)
+    msg = str(info.value)
+    assert msg.startswith("data.txt line ")
+    assert ("read as LIBSVM: line 1 " + repr(first) + " is not an XC header" in msg) == hinted
+
+
 # ------------------------------------------------------------------------------------------ fetch
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
