@@ -75,6 +75,19 @@ def test_a_run_that_ends_before_its_epochs_says_why(files, tmp_path):
     assert "stopped" not in out and "train time" in out
 
 
+def test_the_summary_names_compiling_only_where_the_run_compiled():
+    from xmc_engine.cli.train import _compile_line
+
+    cached = [{"event": "compile", "seconds": 0.4, "compiled": 0},
+              {"event": "compile", "seconds": 0.01, "compiled": 0}]
+    assert _compile_line(cached) is None
+    assert _compile_line([{"event": "compile", "seconds": 0.4}]) is None  # logs before the count
+    first = [{"event": "compile", "seconds": 19.25, "compiled": 61},
+             {"event": "start"}, {"event": "compile", "seconds": 0.05, "compiled": 0}]
+    assert _compile_line(first) == ("compile: 19.3 s (61 Numba compilations, outside the train "
+                                    "time; later runs load them from Numba's cache)")
+
+
 def test_resume_continues_the_run(files, tmp_path):
     run = tmp_path / "run"
     run_cli("train", "--data", files, "--hidden", 16, "--epochs", 2, "--batch-size", 32,

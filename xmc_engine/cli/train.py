@@ -346,6 +346,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
         print("  ".join(f"{k} {m[k]:.4f}" for k in ("P@1", "P@3", "P@5", "nDCG@5", "PSP@5")
                         if k in m))
     print(f"train time {final.get('train_time', float('nan')):.1f} s" + _ended_early(model, final))
+    line = _compile_line(model.history_)
+    if line:
+        print(line)
     probe = next((r for r in model.history_ if r.get("event") == "loss_probe"), None)
     if probe is not None:
         seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
@@ -357,6 +360,18 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     if plot:
         print(f"plot:  {plot}")
     return 0
+
+
+def _compile_line(history) -> str | None:
+    """The summary's line on compiling, where the run compiled kernels (a first run after an
+    install, or after an edit of the kernels); ``None`` where every kernel came from Numba's
+    cache."""
+    compiles = [r for r in history if r.get("event") == "compile"]
+    compiled = sum(r.get("compiled", 0) for r in compiles)
+    if not compiled:
+        return None
+    return (f"compile: {sum(r['seconds'] for r in compiles):.1f} s ({compiled} Numba "
+            f"compilations, outside the train time; later runs load them from Numba's cache)")
 
 
 def _load_shard(data, test, comm):
