@@ -33,10 +33,10 @@ not know. The events the engine writes:
     too short, or taken from the loss probe).
 ``compile``
     Before training: ``seconds`` spent compiling the kernels or loading them from Numba's
-    cache (outside ``train_time``), ``compiled`` (the Numba compilations that took: 0 where
-    every kernel came from the cache), ``devices``. With ``loss="auto"`` a first one, before
-    ``loss_probe``, has the kernels of both losses on the first device (``losses``, ``note``):
-    the probe's ``seconds`` are then the probe's own.
+    cache (outside ``train_time``), ``compiled`` (the Numba compilations of CPU code that took:
+    0 where every kernel came from the cache; CUDA kernels are not counted), ``devices``. With
+    ``loss="auto"`` a first one, before ``loss_probe``, has the kernels of both losses on the
+    first device (``losses``, ``note``): the probe's ``seconds`` are then the probe's own.
 ``eval``
     After each evaluation. ``epoch`` (float, epochs of training data consumed), ``samples`` (int,
     training samples consumed), ``train_time`` (training seconds only; evaluation excluded),

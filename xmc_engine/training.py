@@ -368,7 +368,9 @@ class _CompileWatch:
     warning that kernels are being compiled, then a progress bar of the compilations. Counts
     the Numba compilations of the call (its listener hears numba's ``numba:compile`` events,
     which a function loaded from Numba's cache does not raise: ``count`` 0 means everything came
-    from the cache). Use it as a context manager around the compiling code."""
+    from the cache). CUDA kernels are not counted: numba-cuda raises its events on an event
+    module of its own, not listened to (not measured on a GPU). Use it as a context manager
+    around the compiling code."""
 
     def __init__(self):
         from numba.core import event
