@@ -366,11 +366,11 @@ COMPILE_WIDTH = 8
 class _CompileWatch:
     """What :func:`compile_kernels` tells the user: after :data:`COMPILE_NOTICE_S` seconds a
     warning that kernels are being compiled, then a progress bar of the compilations. Counts
-    the Numba compilations of the call (its listener hears numba's ``numba:compile`` events,
-    which a function loaded from Numba's cache does not raise: ``count`` 0 means everything came
-    from the cache). CUDA kernels are not counted: numba-cuda raises its events on an event
-    module of its own, not listened to (not measured on a GPU). Use it as a context manager
-    around the compiling code."""
+    the Numba compilations made while it is entered, in any thread of the process (its listener
+    hears numba's ``numba:compile`` events, which a function loaded from Numba's cache does not
+    raise: ``count`` 0 means everything came from the cache). CUDA kernels are not counted:
+    numba-cuda raises its events on an event module of its own, not listened to (not measured
+    on a GPU). Use it as a context manager around the compiling code."""
 
     def __init__(self):
         from numba.core import event
