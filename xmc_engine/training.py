@@ -122,7 +122,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         else:  # rank 0 probes (one process: it is rank 0 and the broadcast is the identity)
             if comm.is_root:
                 probe = choose_loss(cfg, X, Y, devices[0])
-                probe_compile = (probe.pop("compile_seconds"), probe.pop("compiled"))
+                probe_compile = {"seconds": probe.pop("compile_seconds"),
+                                 "compiled": probe.pop("compiled")}
             loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
         cfg = dataclasses.replace(cfg, loss=loss)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
@@ -172,9 +173,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
               samples=state["samples"], epoch=state["epoch"])
     if probe is not None:  # what loss="auto" did and saw (before the start)
         if probe["rows"]:
-            log.write("compile", seconds=probe_compile[0], compiled=probe_compile[1],
-                      devices=[str(devices[0])], losses=list(TRAIN_LOSSES),
-                      note="before the loss probe")
+            log.write("compile", **probe_compile, devices=[str(devices[0])],
+                      losses=list(TRAIN_LOSSES), note="before the loss probe")
         log.write("loss_probe", **probe)
     compile_kernels(cfg, devices, X, Y, log)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
@@ -253,10 +253,12 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                 "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
                 "compile_seconds": 0.0, "compiled": 0}
     # both losses' kernels first, outside the probe's seconds
-    compiled = [{} for _ in TRAIN_LOSSES]
-    compile_s = sum(compile_kernels(dataclasses.replace(cfg, loss=loss), [device], X, Y,
-                                    report=rep) for loss, rep in zip(TRAIN_LOSSES, compiled,
-                                                                     strict=True))
+    compile_s, compiled = 0.0, 0
+    for loss in TRAIN_LOSSES:
+        report: dict = {}
+        compile_s += compile_kernels(dataclasses.replace(cfg, loss=loss), [device], X, Y,
+                                     report=report)
+        compiled += report["compiled"]
     t0 = time.perf_counter()
     order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
     held = np.sort(order[:min(LOSS_PROBE_HELDOUT, n // 10)])
@@ -312,7 +314,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
             "epochs": epochs, "seconds": seconds,
             "threads": None if cfg.threads is not None else threads,
             "threads_timed": calibration["timed"], "together": together,
-            "compile_seconds": compile_s, "compiled": sum(r["compiled"] for r in compiled)}
+            "compile_seconds": compile_s, "compiled": compiled}
 
 
 def _probe_device(device):
