@@ -196,6 +196,17 @@ def event_seconds(history, event: str) -> float:
     return sum(r.get("seconds", 0.0) for r in history if r.get("event") == event)
 
 
+def probe_seconds(history) -> float:
+    """The seconds of a run's loss probe (``loss="auto"``) outside its ``train_time``: the
+    ``loss_probe`` record's ``seconds`` less the ``train_time`` of the fit the run went on
+    from (``continued``), which the run's ``train_time`` already counts; 0 without a probe."""
+    total = 0.0
+    for r in history:
+        if r.get("event") == "loss_probe":
+            total += r.get("seconds", 0.0) - ((r.get("continued") or {}).get("train_time", 0.0))
+    return total
+
+
 def timings(fn, repeat: int, warmup: int = 1) -> list[float]:
     """Seconds of each of ``repeat`` calls of ``fn()``, after ``warmup`` untimed calls."""
     import time

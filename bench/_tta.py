@@ -62,7 +62,9 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
     ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier).
     ``hidden``, ``optimizer``, ``lr_decay``, ``loss``, a batch size (``m.batch_size`` and
     ``batch_size``) or a learning rate (``m.lr`` and ``lr``) that is ``None`` is left to the
-    engine's default."""
+    engine's default. Every run starts from the initialisation (``continue_probe=False``):
+    the curves start level, each with its first evaluation; a one-device run that went on from
+    the loss probe's fit would start at that fit's samples, with no evaluation before them."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
@@ -71,7 +73,7 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
               "lr": m.lr if m.lr is not None else lr, "lr_decay": lr_decay, "loss": loss}
     clf = XMCClassifier(epochs=epochs, lr_warmup_epochs=warmup_epochs, devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
-                        threads=m.threads, eval_every=eval_every,
+                        threads=m.threads, eval_every=eval_every, continue_probe=False,
                         **{k: v for k, v in chosen.items() if v is not None})
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))

@@ -232,8 +232,9 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
     resolved = {k: start["config"][k] for k in ("optimizer", "batch_size", "hidden")}
     calibrated = [r["threads"] for r in clf.history_ if r["event"] == "threads"]
     resolved.update(output=start["output"], threads=calibrated[0] if calibrated else threads)
-    # loss="auto"'s probe (outside train_time, like compiling): its seconds go with each entry
-    probe_s = _common.event_seconds(clf.history_, "loss_probe")
+    # loss="auto"'s probe, its seconds outside train_time (the fit the run went on from is
+    # inside): they go with each entry
+    probe_s = _common.probe_seconds(clf.history_)
     at = {}
     for r in clf.history_:
         if r["event"] == "eval" and round(r["epoch"]) in epochs:

@@ -30,7 +30,7 @@ def run_one(X, Y, X_test, Y_test, epochs: int, seed: int) -> dict:
     wall = time.perf_counter() - t0
     h = clf.history_
     train = max((r["train_time"] for r in h if "train_time" in r), default=0.0)
-    probe = _common.event_seconds(h, "loss_probe")
+    probe = _common.probe_seconds(h)
     compile_s = _common.event_seconds(h, "compile")
     threads = [r["threads"] for r in h if r.get("event") == "threads"]
     together = [r.get("together") for r in h if r.get("event") == "loss_probe"]

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                "best_P@1_diff": engine_best["P@1"] - best["P@1"],
                "P@1_diff_per_seed": [e - t for e, t in zip(engine["per_seed"],
                                                             best["per_seed"], strict=True)],
-               # the engine's time counts loss="auto"'s probe (outside its train_time)
+               # the engine's time counts loss="auto"'s probe (its part outside train_time)
                "time_ratio": best["train_time"] / (engine["train_time"]
                                                    + engine.get("probe_s", 0.0))}
         payload["rows"].append(row)

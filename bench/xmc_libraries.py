@@ -185,8 +185,9 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
                         params: dict | None = None) -> dict:
     """The engine as a user gets it (``XMCClassifier(epochs=, seed=)``, nothing else set, or
     ``params`` set on top, ``epochs`` included), in the libraries' record format; kernels are
-    compiled (or loaded) outside ``train_time``, and so is ``loss="auto"``'s probe
-    (``loss_probe_s``; ``wall_s`` holds both)."""
+    compiled (or loaded) outside ``train_time``, and so is ``loss="auto"``'s probe but the
+    fit the run went on from (``loss_probe_s``, :func:`_common.probe_seconds`; ``wall_s`` holds
+    all)."""
     from xmc_engine import XMCClassifier
 
     kwargs = {"epochs": epochs, "seed": seed, "eval_every": 0, **(params or {})}
@@ -196,7 +197,7 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     final = next(r for r in clf.history_ if r["event"] == "final")
     compile_s = _common.event_seconds(clf.history_, "compile")
-    probe_s = _common.event_seconds(clf.history_, "loss_probe")
+    probe_s = _common.probe_seconds(clf.history_)
     t0 = time.perf_counter()
     top = clf.predict_topk(X_test, TOP_K)[0]
     predict = time.perf_counter() - t0

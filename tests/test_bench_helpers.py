@@ -416,3 +416,14 @@ def test_rank_prior_candidate_chance():
     np.testing.assert_allclose(bench_rank_prior.candidate_chance(Y, 64, 8), 1.0)
     q = bench_rank_prior.candidate_chance(Y, 2, 1)  # one other row, one draw of four labels
     np.testing.assert_allclose(q, [1.0, 1 - (2 / 3) * 0.75, 1 - (2 / 3) * 0.75, 0.25])
+
+
+def test_probe_seconds_leave_out_the_fit_the_run_went_on_from():
+    history = [{"event": "compile", "seconds": 2.0},
+               {"event": "loss_probe", "seconds": 1.5,
+                "continued": {"samples": 20_000, "train_time": 0.5}},
+               {"event": "final", "train_time": 3.0}]
+    assert _common.probe_seconds(history) == pytest.approx(1.0)  # 0.5 s are in train_time
+    history[1]["continued"] = None  # started over: the whole probe is outside train_time
+    assert _common.probe_seconds(history) == pytest.approx(1.5)
+    assert _common.probe_seconds([{"event": "final", "train_time": 3.0}]) == 0.0

@@ -36,6 +36,22 @@ def test_lr_decay_takes_a_number_or_a_rule_name():
     assert bad.returncode == 2 and "'slow' is not a number, 'plateau' or 'auto'" in bad.stderr
 
 
+def test_continue_probe_is_on_unless_switched_off():
+    assert json.loads(run_cli("train", "--print-config").stdout)["continue_probe"] is True
+    cfg = json.loads(run_cli("train", "--print-config", "--no-continue-probe").stdout)
+    assert cfg["continue_probe"] is False
+
+
+def test_a_probed_run_says_it_went_on_from_the_winning_fit(tmp_path):
+    data = write_tiny_xc(tmp_path / "data", n=2600, n_train=2400)
+    out = run_cli("train", "--data", data, "--hidden", 8, "--epochs", 10, "--threads", 1,
+                  "--eval-every", 0, "--out", tmp_path / "run").stdout
+    line = next(x for x in out.splitlines() if x.startswith("loss:"))
+    assert "held-out P@1: softmax " in line and "; training went on from the " in line, line
+    start = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start" and start["samples"] > 0
+
+
 def test_train_evaluate_predict_plot(files, tmp_path):
     run = tmp_path / "run"
     out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 4, "--batch-size", 32,

@@ -224,7 +224,7 @@ def test_the_probe_picks_bce_on_debian_debtags(data_dir):
 def _choose(loss):
     def choose(cfg, X, Y, device):
         return {"loss": loss, "p1": {"softmax": 0.1, "bce": 0.2}, "rows": 1, "heldout": 1,
-                "seconds": 0.0, "compile_seconds": 0.0, "compiled": 0}
+                "seconds": 0.0, "compile_seconds": 0.0, "compiled": 0, "fit": None}
     return choose
 
 
@@ -327,3 +327,69 @@ def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed(monke
     clf = XMCClassifier(loss="softmax", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
     (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
     assert rec["note"].startswith("calibrated") and seen == [2400]  # 1 epoch of 2,400 rows
+
+
+def _synthetic(n=2400):
+    from xmc_engine.datasets import make_synthetic
+
+    X, Y, _, _ = make_synthetic(n_train=n, n_test=0, n_features=300, n_labels=40, seed=3)
+    return X, Y
+
+
+def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
+    """``continue_probe`` (the default): the run starts from the winning probe fit's model and
+    Adagrad state, counts its samples and training time as its own, and trains the rest of
+    its epochs: ``epochs x rows`` samples in all, not the probe's on top."""
+    X, Y = _synthetic()
+    fits = []
+    real_choose, real_restore = training.choose_loss, training.restore_trainer
+
+    def choose(*a, **k):
+        rec = real_choose(*a, **k)
+        fits.append(rec["fit"])
+        return rec
+
+    restored = []
+
+    def restore(trainer, extra):
+        real_restore(trainer, extra)
+        restored.append([a.copy() for a in trainer.replicas[0].optimizer_state()])
+
+    monkeypatch.setattr(training, "choose_loss", choose)
+    monkeypatch.setattr(training, "restore_trainer", restore)
+    kw = dict(hidden=8, threads=1, seed=0, eval_every=0)
+    clf = XMCClassifier(epochs=12, **kw).fit(X, Y)
+    (fit,) = fits
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    start = next(r for r in clf.history_ if r["event"] == "start")
+    final = clf.history_[-1]
+    n = X.shape[0]
+    assert fit["loss"] == clf.loss_ and 19_000 <= fit["samples"] <= 21_000  # 20,000 probed
+    assert probe["continued"] == {"samples": fit["samples"], "train_time": fit["train_time"]}
+    assert (start["samples"], start["epoch"]) == (fit["samples"], fit["samples"] // n)
+    assert final["event"] == "final" and final["samples"] == 12 * n  # the rest, no more
+    assert final["train_time"] > fit["train_time"]  # the fit's seconds are the run's too
+    (state,) = restored  # the Adagrad accumulators the fit ended with
+    for got, want in zip(state, fit["optimizer_state"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    # a run with no time left trains nothing more: its model is the fit's
+    fits.clear()
+    clf = XMCClassifier(epochs=12, max_train_seconds=1e-9, **kw).fit(X, Y)
+    for got, want in zip(clf.params_, fits[0]["params"], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kw", [dict(continue_probe=False), dict(epochs=5),
+                                dict(devices="cpu,cpu", algorithm="adaptive")],
+                         ids=["off", "shorter-than-the-probe", "two-devices"])
+def test_runs_that_start_from_the_initialisation(kw):
+    """No continuation when it is switched off, when the probe trained more samples than the
+    run asks (5 epochs of 2,400 rows against 20,000) or on several devices."""
+    X, Y = _synthetic()
+    clf = XMCClassifier(**{"epochs": 12, "hidden": 8, "threads": 1, "seed": 0,
+                           "eval_every": 0, **kw}).fit(X, Y)
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    start = next(r for r in clf.history_ if r["event"] == "start")
+    assert probe["rows"] > 0 and probe["continued"] is None
+    assert start["samples"] == 0
+    assert clf.history_[-1]["samples"] == kw.get("epochs", 12) * X.shape[0]

@@ -199,8 +199,11 @@ def test_every_field_a_training_run_writes_is_documented(tmp_path, monkeypatch):
 
     X, Y, Xt, Yt = make_synthetic(n_train=2400, n_test=100, n_features=200, n_labels=30, seed=1)
     monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)  # the rule stops early
+    # (from the initialisation: continuing the probe's 20,000 samples would leave the rule
+    # too few epochs to stop)
     runs = [XMCClassifier(epochs=12, threads=1, hidden=8, lr_decay="plateau", eval_every=4,
-                          log_dir=tmp_path / "a", checkpoint_every=2400).fit(X, Y, (Xt, Yt))]
+                          continue_probe=False, log_dir=tmp_path / "a",
+                          checkpoint_every=2400).fit(X, Y, (Xt, Yt))]
     runs += [XMCClassifier(epochs=1, threads=1, hidden=8, algorithm=algorithm,
                            devices="cpu,cpu", loss="softmax", max_train_seconds=1e-4,
                            algorithm_params={"delta_stats": True} if algorithm == "adaptive"

@@ -695,6 +695,13 @@ class TrainConfig(ConfigMixin):
         held-out P@1 (:func:`xmc_engine.training.choose_loss`, :data:`LOSS_PROBE_ROWS`; the run
         log's ``loss_probe`` record says what it saw, ``start`` which loss trained); chosen by
         ``bench/bench_defaults.py --loss-auto-study`` (README, "Defaults").
+    continue_probe : bool
+        With ``loss="auto"``, ``algorithm="single"`` and one process: the run continues the
+        probe's winning fit (its model, Adagrad state, samples and training time) instead of
+        training the chosen loss again from the start, where that fit trained no more samples
+        than the run asks (:func:`xmc_engine.training.choose_loss`; the ``loss_probe``
+        record's ``continued``). ``False``: every run starts from the initialisation (to
+        compare runs from the same start). Measured: README, "Defaults".
     output : {'exact', 'sampled', 'auto'}
         The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.
         ``"sampled"``: the softmax over the batch's positive labels plus ``negatives`` labels
@@ -740,6 +747,7 @@ class TrainConfig(ConfigMixin):
     label_chunk: int | None = None
     optimizer: str = "adagrad"
     loss: str = "auto"
+    continue_probe: bool = True
     output: str = "auto"
     negatives: int = 1024
     negative_sampling: str = "uniform"

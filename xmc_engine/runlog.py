@@ -25,8 +25,11 @@ not know. The events the engine writes:
     ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``), ``threads`` (the CPU thread
     budget calibrated once for the probe's fits and the run; ``null`` where none was),
     ``threads_timed`` (``false`` where the run was too short to repay timing the budgets and
-    kept one thread) and ``together`` (the fits ran side by side, each on its share of the
-    device's threads).
+    kept one thread), ``together`` (the fits ran side by side, each on its share of the
+    device's threads) and ``continued``: ``null``, or, where the run continues the winning
+    fit (``continue_probe``), its ``samples`` and ``train_time``: the run starts there, so
+    those samples and seconds are in its ``eval`` records' ``samples`` and ``train_time`` (and
+    in ``start``'s ``samples``) as well as in the probe's ``seconds``.
 ``threads``
     Before training, per CPU device with several threads and no ``threads`` given: ``device``,
     ``threads`` (the budget it trains with) and ``note`` (timed, not timed because the run is

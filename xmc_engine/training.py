@@ -115,7 +115,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         X, Y, held = hold_out(X, Y, cfg.seed) if comm.is_root else (X, Y, None)
         n_samples = X.shape[0]
         watch = _PlateauWatch(Plateau(), held, comm)
-    probe = None
+    probe = probe_fit = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
             loss = found[1]["loss"]
@@ -124,6 +124,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                 probe = choose_loss(cfg, X, Y, devices[0])
                 probe_compile = {"seconds": probe.pop("compile_seconds"),
                                  "compiled": probe.pop("compiled")}
+                probe_fit = probe.pop("fit")
             loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
         cfg = dataclasses.replace(cfg, loss=loss)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
@@ -143,6 +144,15 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(Y.shape[1], cfg.loss))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
+    if probe is not None:
+        probe["continued"] = None
+        if (probe_fit is not None and found is None and cfg.continue_probe
+                and cfg.algorithm == "single" and comm.size == 1
+                and probe_fit["samples"] <= cfg.epochs * n_samples):
+            params, state, extra = _continue_fit(probe_fit, n_samples)
+            probe["continued"] = {"samples": state["samples"], "train_time": state["train_time"]}
+            logger.info("loss='auto': the run continues the probe's %s fit (%d samples)",
+                        cfg.loss, state["samples"])
     if found is not None:
         arrays, meta = found
         if meta["path"] != str(ckpts.paths()[0]):
@@ -186,6 +196,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     try:
         if extra:
             restore_trainer(trainer, extra)
+        params = extra = probe_fit = None  # the replicas hold their own copies
         if watch is not None:
             watch.apply(trainer)
         driver = _Driver(cfg, trainer, n_samples, state, log, evaluator, ckpts,
@@ -195,7 +206,26 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         trainer.close()
         log.close()
     return {"params": host_params(trainer), "history": list(log.records), "metrics": metrics,
-            "label_counts": label_counts, "n_train": n_samples, "loss": cfg.loss}
+            "label_counts": label_counts, "n_train": n_samples, "loss": cfg.loss,
+            "optimizer_state": trainer.replicas[0].optimizer_state()
+            if cfg.algorithm == "single" else None,
+            "samples": int(state["samples"]), "train_time": float(state["train_time"])}
+
+
+def _continue_fit(fit: dict, n_samples: int) -> tuple[list, dict, dict]:
+    """``(params, state, extra)`` that start a run of ``n_samples`` training rows where the
+    probe's winning ``fit`` (:func:`fit_model`'s result on a part of those rows) stopped: its
+    model and Adagrad state, its samples and training time, as a resumed checkpoint would
+    give them. The run's epoch ``e = samples // n_samples`` continues at row ``samples - e
+    n_samples`` of the run's own order of that epoch, with the rate of epoch ``e``."""
+    samples = int(fit["samples"])
+    epoch, cursor = divmod(samples, n_samples)
+    state = {"epoch": epoch, "samples": samples, "train_time": float(fit["train_time"])}
+    extra = {f"opt.0.{i}": a for i, a in enumerate(fit["optimizer_state"] or [])}
+    if cursor:
+        extra[_STATE_KEY] = _json_bytes({"queue": {"epoch": epoch, "cursor": cursor,
+                                                   "period": -1}})
+    return fit["params"], state, extra
 
 
 def _checkpoint_to_resume(ckpts, run_dir):
@@ -223,7 +253,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     :data:`~xmc_engine.config.LOSS_PROBE_ROWS` of the others, on ``device`` alone with every
     other setting of ``cfg``, for :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` samples (one
     epoch at least); the loss with the higher held-out P@1 wins (a tie: the softmax).
-    The probe's models are thrown away. The device's CPU threads (``cfg.threads=None``) are
+    The losing fit is thrown away; the winner's (:func:`fit_model`'s result) is returned as
+    ``fit``, which :func:`fit_model` continues where ``cfg.continue_probe`` allows (the
+    ``continued`` of the record). The device's CPU threads (``cfg.threads=None``) are
     calibrated once (:func:`calibrate_device`) for both fits and the run (:func:`build_trainer`'s
     ``calibrated``): on a small set each calibration costs more than the training, and the loss
     does not change which budget is faster. Where the device has a core per loss and the memory
@@ -235,8 +267,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     budgets and keeps one thread) and ``together`` (the fits ran side by side), plus
     ``compile_seconds`` and ``compiled`` (both losses' kernels, compiled or loaded before the
     probe and outside its ``seconds``, and the number of Numba compilations that took;
-    :func:`fit_model` logs them as a ``compile`` record). ``X`` holds
-    normalised rows."""
+    :func:`fit_model` logs them as a ``compile`` record) and ``fit`` (the winning fit, None
+    without a probe; neither is logged). ``X`` holds normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_MIN_ROWS,
@@ -251,7 +283,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                     LOSS_PROBE_MIN_ROWS)
         return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "epochs": 0.0,
                 "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
-                "compile_seconds": 0.0, "compiled": 0}
+                "compile_seconds": 0.0, "compiled": 0, "fit": None}
     # both losses' kernels first, outside the probe's seconds
     compile_s, compiled = 0.0, 0
     for loss in TRAIN_LOSSES:
@@ -310,8 +342,10 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     seconds = time.perf_counter() - t0
     logger.info("loss='auto': held-out P@1 %s (%.1f s): training with %s",
                 ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
+    winner = results[TRAIN_LOSSES.index(best)]
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
+            "fit": winner,
             "threads": None if cfg.threads is not None else threads,
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}

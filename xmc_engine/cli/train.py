@@ -40,6 +40,9 @@ _CONFIG_OPTIONS = {
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "
              "the training rows picks one), softmax or bce (one-vs-all logistic)"),
+    "continue_probe": ("--continue-probe", bool, "with --loss auto on one device: training "
+                       "goes on from the probe's winning fit (default), or starts over "
+                       "(--no-continue-probe)"),
     "output": ("--output", str, "training output layer: auto (default: sampled for large "
                "label spaces, else exact), exact or sampled"),
     "negatives": ("--negatives", int, "negatives per batch of --output sampled"),
@@ -86,7 +89,11 @@ def add_config_arguments(p, fields, algo_param_example: str) -> None:
     (what :func:`config_from_args` reads)."""
     for field in fields:
         flag, typ, helptext = _CONFIG_OPTIONS[field]
-        p.add_argument(flag, dest=field, type=typ, default=None, help=helptext)
+        if typ is bool:  # --flag / --no-flag
+            p.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction,
+                           default=None, help=helptext)
+        else:
+            p.add_argument(flag, dest=field, type=typ, default=None, help=helptext)
     p.add_argument("--algo-param", action="append", type=_algo_param, default=[],
                    metavar="KEY=VALUE",
                    help=f"algorithm option, repeatable (e.g. {algo_param_example})")
@@ -352,8 +359,11 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     probe = next((r for r in model.history_ if r.get("event") == "loss_probe"), None)
     if probe is not None:
         seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
+        went_on = probe.get("continued")
         print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1: {seen} after "
               f"{probe['seconds']:.1f} s of probing" if seen else "too few rows to probe")
+              + (f"; training went on from the {model.loss_} fit's {went_on['samples']:,} "
+                 f"samples" if went_on else "")
               + "; --loss softmax|bce skips the probe)")
     print(f"log:   {run_dir / LOG_NAME}")
     print(f"model: {model_dir}")
