@@ -68,6 +68,22 @@ def test_the_stand_in_backend_is_a_whole_backend(ledger):
     assert be.threads is None and be.tracks_rows is False and be.device_id == 1
 
 
+def test_prediction_rows_have_the_training_batches_row_pointer_type(ledger):
+    """SciPy's int32 row pointers come up as int64, the training batches' type (as on the
+    CPU), so that prediction reuses the forward kernel compiled for training."""
+    from xmc_engine.batches import RowGather
+
+    X = sps.random(6, 10, density=0.3, format="csr", dtype=F32, random_state=0)
+    assert X.indptr.dtype == np.int32
+    batch = RowGather(X)(np.arange(3))
+    got = [cuda().csr_parts(m) for m in (X, batch)]
+    want = get_backend("cpu").csr_parts(X)
+    assert [p[0].dtype for p in got] == [np.dtype(np.int64)] * 2
+    for a, b in zip(got[0], want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.get() if hasattr(a, "get") else a), b)
+        assert a.dtype == b.dtype
+
+
 @pytest.mark.parametrize("loss", ["softmax", "bce"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 @pytest.mark.parametrize("hidden,label_chunk", [((16,), None), ((16, 8), 7)])

@@ -335,12 +335,15 @@ class CUDABackend:
                     for a, off in zip(arrays, offsets, strict=True)]
 
     def csr_parts(self, X):
-        """SciPy CSR (or a ``batches.CSRBatch``, or a CuPy CSR) -> ``(indptr, indices,
-        data float32)`` CuPy arrays (async uploads on this stream)."""
+        """SciPy CSR (or a ``batches.CSRBatch``, or a CuPy CSR) -> ``(indptr int64, indices,
+        data float32)`` CuPy arrays (async uploads on this stream). The row pointers are int64,
+        the type of the training batches' (as on the CPU backend), so that prediction launches
+        the forward kernel compiled for training rather than a second compilation for SciPy's
+        int32 pointers (not timed on a GPU)."""
         with self.activate():
             if hasattr(X, "get") and not hasattr(X, "toarray"):
                 X = X.get()
-            return (self.asarray(X.indptr), self.asarray(X.indices),
+            return (self.asarray(X.indptr, dtype=np.int64), self.asarray(X.indices),
                     self.asarray(X.data, dtype=_F32))
 
     # ------------------------------------------------------------------ sparse input layer
