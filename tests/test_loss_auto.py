@@ -338,8 +338,9 @@ def _synthetic(n=2400):
 
 def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
     """``continue_probe`` (the default): the run starts from the winning probe fit's model and
-    Adagrad state, counts its samples and training time as its own, and trains the rest of
-    its epochs: ``epochs x rows`` samples in all, not the probe's on top."""
+    Adagrad state, counts its samples and training time as its own, trains the rows the probe
+    held out first and then the rest of its epochs: ``epochs x rows`` samples in all, not the
+    probe's on top."""
     X, Y = _synthetic()
     fits = []
     real_choose, real_restore = training.choose_loss, training.restore_trainer
@@ -353,7 +354,8 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
 
     def restore(trainer, extra):
         real_restore(trainer, extra)
-        restored.append([a.copy() for a in trainer.replicas[0].optimizer_state()])
+        restored.append(([a.copy() for a in trainer.replicas[0].optimizer_state()],
+                         trainer.queue.position()))
 
     monkeypatch.setattr(training, "choose_loss", choose)
     monkeypatch.setattr(training, "restore_trainer", restore)
@@ -369,9 +371,21 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
     assert (start["samples"], start["epoch"]) == (fit["samples"], fit["samples"] // n)
     assert final["event"] == "final" and final["samples"] == 12 * n  # the rest, no more
     assert final["train_time"] > fit["train_time"]  # the fit's seconds are the run's too
-    (state,) = restored  # the Adagrad accumulators the fit ended with
+    ((state, position),) = restored  # the Adagrad accumulators the fit ended with
     for got, want in zip(state, fit["optimizer_state"], strict=True):
         np.testing.assert_array_equal(got, want)
+    # the rows the probe held out come first, once per pass the fit made over its own rows
+    # (9: 20,000 samples over 2,160 rows), as many as the open epoch has left
+    held, passes = np.sort(fit["heldout_rows"]), round(fit["passes"])
+    cursor = fit["samples"] - start["epoch"] * n
+    assert len(held) == 240 and passes == 9
+    assert position["cursor"] == position["first"]["at"] == cursor
+    first = np.array(position["first"]["rows"])
+    assert len(first) == min(passes * len(held), n - cursor) > len(held)
+    for k in range(0, len(first), len(held)):  # each pass a permutation of the held-out rows
+        each = first[k:k + len(held)]
+        assert len(np.unique(each)) == len(each) and np.isin(each, held).all()
+    np.testing.assert_array_equal(np.sort(first[:len(held)]), held)
     # a run with no time left trains nothing more: its model is the fit's
     fits.clear()
     clf = XMCClassifier(epochs=12, max_train_seconds=1e-9, **kw).fit(X, Y)
@@ -393,3 +407,24 @@ def test_runs_that_start_from_the_initialisation(kw):
     assert probe["rows"] > 0 and probe["continued"] is None
     assert start["samples"] == 0
     assert clf.history_[-1]["samples"] == kw.get("epochs", 12) * X.shape[0]
+
+
+def test_a_run_stopped_among_the_held_out_rows_resumes_as_if_uninterrupted(tmp_path):
+    """A continued run checkpointed while it trains the probe's held-out rows (the queue's
+    ``first`` rows) and resumed ends with the model of the run that never stopped."""
+    X, Y = _synthetic()
+    kw = dict(hidden=8, threads=1, seed=0, eval_every=0)
+    full = XMCClassifier(epochs=12, **kw).fit(X, Y)
+    probe = next(r for r in full.history_ if r["event"] == "loss_probe")
+    start = probe["continued"]["samples"]
+    n = X.shape[0]
+    end_first = start + n - start % n  # the first rows fill the rest of the open epoch
+    run = tmp_path / "run"
+    part = XMCClassifier(epochs=(start + 500) / n, log_dir=str(run), checkpoint_every=100,
+                         **kw).fit(X, Y)
+    ckpt = [r["samples"] for r in part.history_ if r["event"] == "checkpoint"]
+    assert ckpt and start < ckpt[-1] < end_first  # stopped among them (at a period's end)
+    resumed = XMCClassifier(epochs=12, log_dir=str(run), checkpoint_every=100, **kw)
+    resumed.fit(X, Y, resume=True)
+    for a, b in zip(full.params_, resumed.params_, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -119,3 +119,44 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         q.start_period([1])
     assert BatchQueue(10, 1, 10).take(0) is None  # no period open
+
+
+def _drain_epoch(q, b=7):
+    rows = []
+    while not q.epoch_done:
+        q.start_period([b])
+        rows.extend(drain_period(q, [0]))
+    return np.concatenate(rows)
+
+
+def test_rows_put_first_come_next_and_the_epoch_keeps_its_length():
+    n = 50
+    q = BatchQueue(n, 1, 10, seed=7)
+    q.start_epoch(2)
+    q.start_period([4])
+    before = np.concatenate(drain_period(q, [0]))  # one period: 8 rows (two batches of 4)
+    at = len(before)
+    first = [3, 3, 40, 1]  # repeats allowed
+    q.put_first(first)
+    after = _drain_epoch(q)
+    order = epoch_permutation(n, 7, 2)
+    np.testing.assert_array_equal(before, order[:at])
+    np.testing.assert_array_equal(after[:4], first)
+    np.testing.assert_array_equal(after[4:], order[at:n - 4])  # the order's last 4 left out
+    # a resumed queue serves the same rows from a position taken after them
+    q2 = BatchQueue(n, 1, 10, seed=7)
+    q2.start_epoch(2)
+    q2.start_period([4])
+    drain_period(q2, [0])
+    q2.put_first(first)
+    q2.start_period([3])
+    more = len(np.concatenate(drain_period(q2, [0])))  # the 4 first rows among them
+    pos = q2.position()
+    assert pos["first"] == {"at": at, "rows": first} and pos["cursor"] == at + more > at + 4
+    q3 = BatchQueue(n, 1, 10, seed=7)
+    q3.seek(pos)
+    np.testing.assert_array_equal(_drain_epoch(q3), after[more:])
+    q3.start_epoch(3)  # the next epoch is the plain order again
+    assert q3.position().get("first") is None
+    with pytest.raises(ValueError, match=r"rows must be in \[0, 50\)"):
+        q3.put_first([50])

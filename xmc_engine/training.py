@@ -149,7 +149,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         if (probe_fit is not None and found is None and cfg.continue_probe
                 and cfg.algorithm == "single" and comm.size == 1
                 and probe_fit["samples"] <= cfg.epochs * n_samples):
-            params, state, extra = _continue_fit(probe_fit, n_samples)
+            params, state, extra = _continue_fit(probe_fit, n_samples, cfg.seed)
             probe["continued"] = {"samples": state["samples"], "train_time": state["train_time"]}
             logger.info("loss='auto': the run continues the probe's %s fit (%d samples)",
                         cfg.loss, state["samples"])
@@ -212,19 +212,26 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             "samples": int(state["samples"]), "train_time": float(state["train_time"])}
 
 
-def _continue_fit(fit: dict, n_samples: int) -> tuple[list, dict, dict]:
+def _continue_fit(fit: dict, n_samples: int, seed: int) -> tuple[list, dict, dict]:
     """``(params, state, extra)`` that start a run of ``n_samples`` training rows where the
-    probe's winning ``fit`` (:func:`fit_model`'s result on a part of those rows) stopped: its
+    probe's winning ``fit`` (:func:`choose_loss`'s, on a part of those rows) stopped: its
     model and Adagrad state, its samples and training time, as a resumed checkpoint would
     give them. The run's epoch ``e = samples // n_samples`` continues at row ``samples - e
-    n_samples`` of the run's own order of that epoch, with the rate of epoch ``e``."""
+    n_samples`` of the run's own order of that epoch, with the rate of epoch ``e``. The rows
+    the probe held out come first, as many times (each time shuffled, drawn with ``seed``)
+    as the probe's fit passed over its own rows, rounded, so that they are not trained less
+    than the others (:meth:`~xmc_engine.scheduler.queue.BatchQueue.put_first`; they count as
+    the run's samples)."""
     samples = int(fit["samples"])
     epoch, cursor = divmod(samples, n_samples)
     state = {"epoch": epoch, "samples": samples, "train_time": float(fit["train_time"])}
     extra = {f"opt.0.{i}": a for i, a in enumerate(fit["optimizer_state"] or [])}
-    if cursor:
-        extra[_STATE_KEY] = _json_bytes({"queue": {"epoch": epoch, "cursor": cursor,
-                                                   "period": -1}})
+    rng = np.random.default_rng([seed, 0xF125])
+    held = np.asarray(fit["heldout_rows"], dtype=np.int64)
+    first = [rng.permutation(held) for _ in range(max(1, round(fit["passes"])))]
+    extra[_STATE_KEY] = _json_bytes({"queue": {
+        "epoch": epoch, "cursor": cursor, "period": -1,
+        "first": {"at": cursor, "rows": np.concatenate(first).tolist()}}})
     return fit["params"], state, extra
 
 
@@ -345,7 +352,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     winner = results[TRAIN_LOSSES.index(best)]
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
-            "fit": winner,
+            "fit": {**winner, "heldout_rows": held, "passes": epochs},
             "threads": None if cfg.threads is not None else threads,
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}

@@ -108,6 +108,7 @@ class BatchQueue:
         self.account: PeriodAccount | None = None
         self.history: list[PeriodAccount] = []
         self._returned: list[np.ndarray] = []  # rows given back by failed devices
+        self._first: dict | None = None  # put_first's rows in the open epoch, for position()
         self.active = [True] * self.n_devices
         #: Fixed number of merge periods per epoch (None: the ``S`` rule of the module docstring).
         #: Period ``k < P - 1`` ends at cursor ``(k + 1) n_samples // P``; the last takes the rest.
@@ -120,20 +121,43 @@ class BatchQueue:
         self._perm = epoch_permutation(self.n_samples, self.seed, epoch)
         self._cursor = 0
         self._returned = []
+        self._first = None
         self.epoch = int(epoch)
         self.period = -1
         self.history = []
+
+    def put_first(self, rows) -> None:
+        """Serve ``rows`` (row indices, repeats allowed) next in the open epoch, in place of
+        the rows its order would serve next; the epoch keeps its length, so as many rows of the
+        end of its order go untrained in this epoch (a run continued from the loss probe's fit
+        trains the probe's held-out rows first: :func:`xmc_engine.training.fit_model`). Between
+        periods only; :meth:`position` keeps them, so a resumed run serves the same rows."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.n_samples):
+            raise ValueError(f"put_first: rows must be in [0, {self.n_samples})")
+        rest = self._perm[self._cursor:]
+        k = min(rows.size, rest.size)
+        self._perm = np.concatenate([self._perm[:self._cursor], rows[:k], rest[:rest.size - k]])
+        self._first = {"at": self._cursor, "rows": rows[:k].tolist()}
 
     def position(self) -> dict | None:
         """Where the epoch stands between two periods, for a checkpoint (JSON-able); ``None``
         while rows given back by a failed device are still waiting (not resumable)."""
         if self._returned:
             return None
-        return {"epoch": self.epoch, "cursor": self._cursor, "period": self.period}
+        out = {"epoch": self.epoch, "cursor": self._cursor, "period": self.period}
+        if self._first is not None:
+            out["first"] = self._first
+        return out
 
     def seek(self, position: dict) -> None:
-        """Continue the epoch of :meth:`position` from where it stood (resuming a run)."""
+        """Continue the epoch of :meth:`position` from where it stood (resuming a run), with
+        the rows :meth:`put_first` put in it (``first``, where it has them)."""
         self.start_epoch(int(position["epoch"]))
+        first = position.get("first")
+        if first is not None:
+            self._cursor = int(first["at"])
+            self.put_first(first["rows"])
         self._cursor = int(position["cursor"])
         self.period = int(position["period"])
 
