@@ -376,7 +376,7 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
         np.testing.assert_array_equal(got, want)
     # the rows the probe held out come first, once per pass the fit made over its own rows
     # (9: 20,000 samples over 2,160 rows), as many as the open epoch has left
-    held, passes = np.sort(fit["heldout_rows"]), round(fit["passes"])
+    held, passes = np.sort(fit["untrained_rows"]), round(fit["passes"])
     cursor = fit["samples"] - start["epoch"] * n
     assert len(held) == 240 and passes == 9
     assert position["cursor"] == position["first"]["at"] == cursor
@@ -428,3 +428,30 @@ def test_a_run_stopped_among_the_held_out_rows_resumes_as_if_uninterrupted(tmp_p
     resumed.fit(X, Y, resume=True)
     for a, b in zip(full.params_, resumed.params_, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(monkeypatch):
+    """Where the probe trains on a part of the rows (``LOSS_PROBE_ROWS``, here 900 of 2,400,
+    one pass), the run's first epoch goes on with every row that part left out, each once:
+    the probe's and the run's rows together make one epoch."""
+    monkeypatch.setattr(config, "LOSS_PROBE_ROWS", 900)
+    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 900)
+    X, Y = _synthetic()
+    n = X.shape[0]
+    seen = {}
+    real_restore = training.restore_trainer
+
+    def restore(trainer, extra):
+        real_restore(trainer, extra)
+        seen["position"] = trainer.queue.position()
+
+    monkeypatch.setattr(training, "restore_trainer", restore)
+    clf = XMCClassifier(epochs=3, hidden=8, threads=1, seed=0, eval_every=0).fit(X, Y)
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    assert (probe["rows"], probe["heldout"]) == (900, 240)
+    assert probe["continued"]["samples"] == 900
+    pos = seen["position"]
+    assert (pos["epoch"], pos["cursor"], pos["first"]["at"]) == (0, 900, 900)
+    first = np.array(pos["first"]["rows"])
+    assert len(first) == n - 900 == len(np.unique(first))  # the rest of epoch 0, each once
+    assert clf.history_[-1]["samples"] == 3 * n

@@ -699,9 +699,11 @@ class TrainConfig(ConfigMixin):
         With ``loss="auto"``, ``algorithm="single"`` and one process: the run continues the
         probe's winning fit (its model, Adagrad state, samples and training time) instead of
         training the chosen loss again from the start, where that fit trained no more samples
-        than the run asks; the rows the probe held out are trained first, as often as the
-        fit passed over the others (:func:`xmc_engine.training.choose_loss`; the
-        ``loss_probe`` record's ``continued``). ``False``: every run starts from the
+        than the run asks; the rows the fit did not train on (the probe's held-out rows,
+        and on a large set those beyond its part) are trained first, as often as the fit
+        passed over its own (:func:`xmc_engine.training.choose_loss`; the
+        ``loss_probe`` record's ``continued``; the fit's seconds count against
+        ``max_train_seconds``). ``False``: every run starts from the
         initialisation (to compare runs from the same start). Measured: README, "Defaults".
     output : {'exact', 'sampled', 'auto'}
         The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.

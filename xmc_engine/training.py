@@ -218,17 +218,19 @@ def _continue_fit(fit: dict, n_samples: int, seed: int) -> tuple[list, dict, dic
     model and Adagrad state, its samples and training time, as a resumed checkpoint would
     give them. The run's epoch ``e = samples // n_samples`` continues at row ``samples - e
     n_samples`` of the run's own order of that epoch, with the rate of epoch ``e``. The rows
-    the probe held out come first, as many times (each time shuffled, drawn with ``seed``)
-    as the probe's fit passed over its own rows, rounded, so that they are not trained less
-    than the others (:meth:`~xmc_engine.scheduler.queue.BatchQueue.put_first`; they count as
-    the run's samples)."""
+    the fit did not train on (those the probe held out, and on a large set the rows beyond
+    its :data:`~xmc_engine.config.LOSS_PROBE_ROWS`) come first, as many times (each time
+    shuffled, drawn with ``seed``) as the fit passed over its own rows, rounded, so that they
+    are not trained less than the others (on a large set: the rest of the first epoch;
+    :meth:`~xmc_engine.scheduler.queue.BatchQueue.put_first`, as many as the open epoch has
+    left; they count as the run's samples)."""
     samples = int(fit["samples"])
     epoch, cursor = divmod(samples, n_samples)
     state = {"epoch": epoch, "samples": samples, "train_time": float(fit["train_time"])}
     extra = {f"opt.0.{i}": a for i, a in enumerate(fit["optimizer_state"] or [])}
     rng = np.random.default_rng([seed, 0xF125])
-    held = np.asarray(fit["heldout_rows"], dtype=np.int64)
-    first = [rng.permutation(held) for _ in range(max(1, round(fit["passes"])))]
+    untrained = np.asarray(fit["untrained_rows"], dtype=np.int64)
+    first = [rng.permutation(untrained) for _ in range(max(1, round(fit["passes"])))]
     extra[_STATE_KEY] = _json_bytes({"queue": {
         "epoch": epoch, "cursor": cursor, "period": -1,
         "first": {"at": cursor, "rows": np.concatenate(first).tolist()}}})
@@ -352,7 +354,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     winner = results[TRAIN_LOSSES.index(best)]
     return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
-            "fit": {**winner, "heldout_rows": held, "passes": epochs},
+            "fit": {**winner, "untrained_rows": np.setdiff1d(np.arange(n), rows),
+                    "passes": epochs},
             "threads": None if cfg.threads is not None else threads,
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}
