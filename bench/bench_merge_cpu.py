@@ -74,9 +74,8 @@ def in_runs(names, devices: str, epochs: float, rounds: int, loss: str) -> list[
           f"{'train s':>8}")
     for name in names:
         X, Y = _common.load_dataset(name)[:2]
-        warm = min(3000, X.shape[0])  # Numba's cache and the loader warm, outside the runs
-        XMCClassifier(epochs=1, seed=0, eval_every=0, devices=devices, algorithm="adaptive",
-                      loss="softmax" if loss == "auto" else loss).fit(X[:warm], Y[:warm])
+        _common.warm_engine(X, Y, devices=devices, algorithm="adaptive",
+                            loss="softmax" if loss == "auto" else loss)
         for seed in range(rounds):
             clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, devices=devices,
                                 algorithm="adaptive", loss=loss).fit(X, Y)

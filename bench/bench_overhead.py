@@ -54,16 +54,13 @@ def main(argv=None) -> int:
 
     from xmc_engine.datasets.registry import load_dataset
 
-    from xmc_engine import XMCClassifier
-
     meta = _common.result_metadata()
     rows = []
     print(f"{'data':<18} {'seed':>4} {'loss':<8} {'wall s':>7} {'probe':>6} {'compile':>7} "
           f"{'train':>6} {'other':>6} {'P@1':>6} threads")
     for name in args.datasets:
         X, Y, X_test, Y_test = load_dataset(name)
-        warm = min(3000, X.shape[0])
-        XMCClassifier(epochs=1, seed=0, eval_every=0, loss="softmax").fit(X[:warm], Y[:warm])
+        _common.warm_engine(X, Y)
         for seed in args.seeds:
             r = {"dataset": name, **run_one(X, Y, X_test, Y_test, args.epochs, seed)}
             rows.append(r)
