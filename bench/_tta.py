@@ -63,8 +63,9 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
     ``hidden``, ``optimizer``, ``lr_decay``, ``loss``, a batch size (``m.batch_size`` and
     ``batch_size``) or a learning rate (``m.lr`` and ``lr``) that is ``None`` is left to the
     engine's default. Every run starts from the initialisation (``continue_probe=False``):
-    the curves start level, each with its first evaluation; a one-device run that went on from
-    the loss probe's fit would start at that fit's samples, with no evaluation before them."""
+    the curves start level, each with its first evaluation; a run that went on from the loss
+    probe's fit (on one device) would start at that fit's samples, with no evaluation before
+    them."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data

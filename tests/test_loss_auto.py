@@ -393,12 +393,11 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("kw", [dict(continue_probe=False), dict(epochs=5),
-                                dict(devices="cpu,cpu", algorithm="adaptive")],
-                         ids=["off", "shorter-than-the-probe", "two-devices"])
+@pytest.mark.parametrize("kw", [dict(continue_probe=False), dict(epochs=5)],
+                         ids=["off", "shorter-than-the-probe"])
 def test_runs_that_start_from_the_initialisation(kw):
-    """No continuation when it is switched off, when the probe trained more samples than the
-    run asks (5 epochs of 2,400 rows against 20,000) or on several devices."""
+    """No continuation when it is switched off or when the probe trained more samples than
+    the run asks (5 epochs of 2,400 rows against 20,000)."""
     X, Y = _synthetic()
     clf = XMCClassifier(**{"epochs": 12, "hidden": 8, "threads": 1, "seed": 0,
                            "eval_every": 0, **kw}).fit(X, Y)
@@ -455,3 +454,37 @@ def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(m
     first = np.array(pos["first"]["rows"])
     assert len(first) == n - 900 == len(np.unique(first))  # the rest of epoch 0, each once
     assert clf.history_[-1]["samples"] == 3 * n
+
+
+@pytest.mark.parametrize("algorithm", ["adaptive", "sync"])
+def test_every_device_goes_on_from_the_winning_fit(monkeypatch, algorithm):
+    """On several devices every replica starts with the fit's model and Adagrad state."""
+    X, Y = _synthetic()
+    fits, restored = [], []
+    real_choose, real_restore = training.choose_loss, training.restore_trainer
+
+    def choose(*a, **k):
+        rec = real_choose(*a, **k)
+        fits.append(rec["fit"])
+        return rec
+
+    def restore(trainer, extra):
+        real_restore(trainer, extra)
+        restored.append([([np.array(p) for p in rep.params()],
+                          [np.array(a) for a in rep.optimizer_state()])
+                         for rep in trainer.replicas])  # copies: training goes on in place
+
+    monkeypatch.setattr(training, "choose_loss", choose)
+    monkeypatch.setattr(training, "restore_trainer", restore)
+    clf = XMCClassifier(epochs=12, hidden=8, threads=1, seed=0, eval_every=0,
+                        devices="cpu,cpu", algorithm=algorithm).fit(X, Y)
+    (fit,), (replicas,) = fits, restored
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    assert probe["continued"]["samples"] == fit["samples"]
+    assert len(replicas) == 2
+    for params, opt in replicas:
+        for got, want in zip(params, fit["params"], strict=True):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(opt, fit["optimizer_state"], strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert clf.history_[-1]["samples"] == 12 * X.shape[0]

@@ -696,15 +696,16 @@ class TrainConfig(ConfigMixin):
         log's ``loss_probe`` record says what it saw, ``start`` which loss trained); chosen by
         ``bench/bench_defaults.py --loss-auto-study`` (README, "Defaults").
     continue_probe : bool
-        With ``loss="auto"``, ``algorithm="single"`` and one process: the run continues the
-        probe's winning fit (its model, Adagrad state, samples and training time) instead of
-        training the chosen loss again from the start, where that fit trained no more samples
-        than the run asks; the rows the fit did not train on (the probe's held-out rows,
-        and on a large set those beyond its part) are trained first, as often as the fit
-        passed over its own (:func:`xmc_engine.training.choose_loss`; the
-        ``loss_probe`` record's ``continued``; the fit's seconds count against
-        ``max_train_seconds``). ``False``: every run starts from the
-        initialisation (to compare runs from the same start). Measured: README, "Defaults".
+        With ``loss="auto"`` in one process: the run continues the probe's winning fit
+        instead of training the chosen loss again from the start, where that fit trained no
+        more samples than the run asks. Every device's replica starts with the fit's model
+        and Adagrad state, and the run counts its samples and training time as its own (the
+        fit's seconds count against ``max_train_seconds``); the rows the fit did not train on
+        (the probe's held-out rows, and on a large set those beyond its part) are trained
+        first, as often as the fit passed over its own (:func:`xmc_engine.training.
+        choose_loss`; the ``loss_probe`` record's ``continued``). ``False``: every run starts
+        from the initialisation (to compare runs from the same start). Measured: README,
+        "Defaults".
     output : {'exact', 'sampled', 'auto'}
         The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.
         ``"sampled"``: the softmax over the batch's positive labels plus ``negatives`` labels

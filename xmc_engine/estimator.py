@@ -125,9 +125,9 @@ class XMCClassifier:
         picks the one with the higher held-out P@1 (:func:`xmc_engine.training.choose_loss`;
         the fitted choice is ``loss_``) (:attr:`xmc_engine.config.TrainConfig.loss`).
     continue_probe : bool, default True
-        With ``loss="auto"`` on one device: training goes on from the probe's winning fit
-        (its model, Adagrad state, samples and training time) rather than starting over;
-        ``False`` starts every run from the initialisation.
+        With ``loss="auto"`` (in one process): training goes on from the probe's winning
+        fit (its model and Adagrad state on every device, its samples and training time)
+        rather than starting over; ``False`` starts every run from the initialisation.
     output : {"exact", "sampled", "auto"}
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks

@@ -147,9 +147,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if probe is not None:
         probe["continued"] = None
         if (probe_fit is not None and found is None and cfg.continue_probe
-                and cfg.algorithm == "single" and comm.size == 1
-                and probe_fit["samples"] <= cfg.epochs * n_samples):
-            params, state, extra = _continue_fit(probe_fit, n_samples, cfg.seed)
+                and comm.size == 1 and probe_fit["samples"] <= cfg.epochs * n_samples):
+            params, state, extra = _continue_fit(probe_fit, n_samples, cfg.seed, len(devices))
             probe["continued"] = {"samples": state["samples"], "train_time": state["train_time"]}
             logger.info("loss='auto': the run continues the probe's %s fit (%d samples)",
                         cfg.loss, state["samples"])
@@ -212,14 +211,16 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             "samples": int(state["samples"]), "train_time": float(state["train_time"])}
 
 
-def _continue_fit(fit: dict, n_samples: int, seed: int) -> tuple[list, dict, dict]:
+def _continue_fit(fit: dict, n_samples: int, seed: int,
+                  n_replicas: int = 1) -> tuple[list, dict, dict]:
     """``(params, state, extra)`` that start a run of ``n_samples`` training rows where the
-    probe's winning ``fit`` (:func:`choose_loss`'s, on a part of those rows) stopped: its
-    model and Adagrad state, its samples and training time, as a resumed checkpoint would
-    give them. The run's epoch ``e = samples // n_samples`` continues at row ``samples - e
-    n_samples`` of the run's own order of that epoch, with the rate of epoch ``e``. The rows
-    the fit did not train on (those the probe held out, and on a large set the rows beyond
-    its :data:`~xmc_engine.config.LOSS_PROBE_ROWS`) come first, as many times (each time
+    probe's winning ``fit`` (:func:`choose_loss`'s, on a part of those rows) stopped, as a
+    resumed checkpoint would: its model and Adagrad state (each of ``n_replicas`` replicas
+    starts with both), its samples and its training time. The run's epoch ``e = samples //
+    n_samples`` continues at row ``samples - e n_samples`` of the run's own order of that
+    epoch, with the rate of epoch ``e``. The rows the fit did not train on (those the probe
+    held out, and on a large set the rows beyond its
+    :data:`~xmc_engine.config.LOSS_PROBE_ROWS`) come first, as many times (each time
     shuffled, drawn with ``seed``) as the fit passed over its own rows, rounded, so that they
     are not trained less than the others (on a large set: the rest of the first epoch;
     :meth:`~xmc_engine.scheduler.queue.BatchQueue.put_first`, as many as the open epoch has
@@ -227,7 +228,8 @@ def _continue_fit(fit: dict, n_samples: int, seed: int) -> tuple[list, dict, dic
     samples = int(fit["samples"])
     epoch, cursor = divmod(samples, n_samples)
     state = {"epoch": epoch, "samples": samples, "train_time": float(fit["train_time"])}
-    extra = {f"opt.0.{i}": a for i, a in enumerate(fit["optimizer_state"] or [])}
+    extra = {f"opt.{r}.{i}": a for r in range(n_replicas)
+             for i, a in enumerate(fit["optimizer_state"] or [])}
     rng = np.random.default_rng([seed, 0xF125])
     untrained = np.asarray(fit["untrained_rows"], dtype=np.int64)
     first = [rng.permutation(untrained) for _ in range(max(1, round(fit["passes"])))]

@@ -40,8 +40,8 @@ _CONFIG_OPTIONS = {
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "
              "the training rows picks one), softmax or bce (one-vs-all logistic)"),
-    "continue_probe": ("--continue-probe", bool, "with --loss auto on one device: training "
-                       "goes on from the probe's winning fit (default), or starts over "
+    "continue_probe": ("--continue-probe", bool, "with --loss auto: training goes on from "
+                       "the probe's winning fit (default), or starts over "
                        "(--no-continue-probe)"),
     "output": ("--output", str, "training output layer: auto (default: sampled for large "
                "label spaces, else exact), exact or sampled"),
