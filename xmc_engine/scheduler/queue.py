@@ -130,8 +130,8 @@ class BatchQueue:
         """Serve ``rows`` (row indices, repeats allowed) next in the open epoch, in place of
         the rows its order would serve next; the epoch keeps its length, so as many rows of the
         end of its order go untrained in this epoch (a run continued from the loss probe's fit
-        trains the probe's held-out rows first: :func:`xmc_engine.training.fit_model`). Between
-        periods only; :meth:`position` keeps them, so a resumed run serves the same rows."""
+        trains the rows that fit left first: :func:`xmc_engine.training._continue_fit`).
+        Between periods only; :meth:`position` keeps them, so a resumed run serves the same rows."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.n_samples):
             raise ValueError(f"put_first: rows must be in [0, {self.n_samples})")
