@@ -108,7 +108,7 @@ def main(argv=None) -> int:
           f"{'train':>6} {'P@1':>7} {'P@3':>7} {'P@5':>7}")
     for name in args.datasets:
         X, Y, X_test, Y_test = load_dataset(name)
-        _common.warm_engine(X, Y)
+        _common.warm_engine(X, Y, **params)
         for seed in args.seeds:
             for on in ((True, False) if seed % 2 == 0 else (False, True)):
                 r = {"dataset": name, **params,
