@@ -7,7 +7,10 @@ time-to-accuracy sweep over seeds: ``adaptive`` and ``sync`` on a heterogeneous 
 minutes. Each run is its own child process, so that its peak RSS is its own; beside it the memory
 planner's estimate of the same run (:func:`xmc_engine.memory.plan_memory`, what ``xmc-engine
 plan`` prints). Evaluation (exact top-k, on the first ``--test-rows`` test rows) happens every
-``--eval-every`` epochs and at the end, outside the training clock.
+``--eval-every`` epochs and at the end, outside the training clock. Every run starts from the
+initialisation (``continue_probe=False``, as the committed runs did before that option
+existed), so that the algorithms start from the same model; a configuration's ``params`` may
+set it.
 
     python bench/bench_budget.py --data synthetic-amazon670k --devices cpu,cpu@0.5 \\
         --algorithms adaptive sync single --seconds 900 --output sampled --test-rows 5000 \\
@@ -70,8 +73,9 @@ def run_one(spec: dict) -> dict:
     load_s = time.perf_counter() - t_load
     if spec["test_rows"]:
         Xte, Yte = Xte[:spec["test_rows"]], Yte[:spec["test_rows"]]
-    options = {k: spec[k] for k in ("output", "negatives", "label_chunk", "threads")
-               if spec.get(k) is not None}
+    options = {"continue_probe": False,
+               **{k: spec[k] for k in ("output", "negatives", "label_chunk", "threads")
+                  if spec.get(k) is not None}}
     options.update(spec.get("params") or {})
     clf = XMCClassifier(epochs=spec["max_epochs"], max_train_seconds=spec["seconds"],
                         devices=spec["devices"], algorithm=spec["algorithm"], seed=spec["seed"],
