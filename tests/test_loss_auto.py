@@ -59,6 +59,7 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
 
     def fake_fit(cfg, X, Y, eval_set, **kw):
         assert kw["one_node"]  # never across MPI ranks
+        assert kw["keep_optimizer_state"]  # the winner's, for the run to continue
         seen[cfg.loss] = (cfg, X.data.astype(int) - 1, eval_set[0].data.astype(int) - 1)
         return {"metrics": {"P@1": p1[cfg.loss]}}
 
@@ -336,32 +337,41 @@ def _synthetic(n=2400):
     return X, Y
 
 
-def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
+@pytest.fixture
+def spy(monkeypatch):
+    """What a run continued from the probe started with: ``fits`` (each probe's winning fit,
+    :func:`training.choose_loss`'s ``fit``) and ``starts`` (per run, once the trainer got its
+    state: every replica's model and Adagrad state, copied, and the queue's position)."""
+    seen = {"fits": [], "starts": []}
+    real_choose, real_restore = training.choose_loss, training.restore_trainer
+
+    def choose(*a, **k):
+        rec = real_choose(*a, **k)
+        seen["fits"].append(rec["fit"])
+        return rec
+
+    def restore(trainer, extra):
+        real_restore(trainer, extra)
+        seen["starts"].append({  # copies: training goes on in place
+            "replicas": [([np.array(p) for p in rep.params()],
+                          [np.array(a) for a in rep.optimizer_state()])
+                         for rep in trainer.replicas],
+            "position": trainer.queue.position()})
+
+    monkeypatch.setattr(training, "choose_loss", choose)
+    monkeypatch.setattr(training, "restore_trainer", restore)
+    return seen
+
+
+def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(spy):
     """``continue_probe`` (the default): the run starts from the winning probe fit's model and
     Adagrad state, counts its samples and training time as its own, trains the rows the probe
     held out first and then the rest of its epochs: ``epochs x rows`` samples in all, not the
     probe's on top."""
     X, Y = _synthetic()
-    fits = []
-    real_choose, real_restore = training.choose_loss, training.restore_trainer
-
-    def choose(*a, **k):
-        rec = real_choose(*a, **k)
-        fits.append(rec["fit"])
-        return rec
-
-    restored = []
-
-    def restore(trainer, extra):
-        real_restore(trainer, extra)
-        restored.append(([a.copy() for a in trainer.replicas[0].optimizer_state()],
-                         trainer.queue.position()))
-
-    monkeypatch.setattr(training, "choose_loss", choose)
-    monkeypatch.setattr(training, "restore_trainer", restore)
     kw = dict(hidden=8, threads=1, seed=0, eval_every=0)
     clf = XMCClassifier(epochs=12, **kw).fit(X, Y)
-    (fit,) = fits
+    (fit,) = spy["fits"]
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     start = next(r for r in clf.history_ if r["event"] == "start")
     final = clf.history_[-1]
@@ -371,8 +381,9 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
     assert (start["samples"], start["epoch"]) == (fit["samples"], fit["samples"] // n)
     assert final["event"] == "final" and final["samples"] == 12 * n  # the rest, no more
     assert final["train_time"] > fit["train_time"]  # the fit's seconds are the run's too
-    ((state, position),) = restored  # the Adagrad accumulators the fit ended with
-    for got, want in zip(state, fit["optimizer_state"], strict=True):
+    (begun,) = spy["starts"]
+    (_, state), position = begun["replicas"][0], begun["position"]
+    for got, want in zip(state, fit["optimizer_state"], strict=True):  # where the fit ended
         np.testing.assert_array_equal(got, want)
     # the rows the probe held out come first, once per pass the fit made over its own rows
     # (9: 20,000 samples over 2,160 rows), as many as the open epoch has left
@@ -387,9 +398,8 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(monkeypatch):
         assert len(np.unique(each)) == len(each) and np.isin(each, held).all()
     np.testing.assert_array_equal(np.sort(first[:len(held)]), held)
     # a run with no time left trains nothing more: its model is the fit's
-    fits.clear()
     clf = XMCClassifier(epochs=12, max_train_seconds=1e-9, **kw).fit(X, Y)
-    for got, want in zip(clf.params_, fits[0]["params"], strict=True):
+    for got, want in zip(clf.params_, spy["fits"][1]["params"], strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -429,7 +439,8 @@ def test_a_run_stopped_among_the_held_out_rows_resumes_as_if_uninterrupted(tmp_p
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(monkeypatch):
+def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(monkeypatch,
+                                                                               spy):
     """Where the probe trains on a part of the rows (``LOSS_PROBE_ROWS``, here 900 of 2,400,
     one pass), the run's first epoch goes on with every row that part left out, each once:
     the probe's and the run's rows together make one epoch."""
@@ -437,19 +448,12 @@ def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(m
     monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 900)
     X, Y = _synthetic()
     n = X.shape[0]
-    seen = {}
-    real_restore = training.restore_trainer
-
-    def restore(trainer, extra):
-        real_restore(trainer, extra)
-        seen["position"] = trainer.queue.position()
-
-    monkeypatch.setattr(training, "restore_trainer", restore)
     clf = XMCClassifier(epochs=3, hidden=8, threads=1, seed=0, eval_every=0).fit(X, Y)
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     assert (probe["rows"], probe["heldout"]) == (900, 240)
     assert probe["continued"]["samples"] == 900
-    pos = seen["position"]
+    (begun,) = spy["starts"]
+    pos = begun["position"]
     assert (pos["epoch"], pos["cursor"], pos["first"]["at"]) == (0, 900, 900)
     first = np.array(pos["first"]["rows"])
     assert len(first) == n - 900 == len(np.unique(first))  # the rest of epoch 0, each once
@@ -457,28 +461,13 @@ def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(m
 
 
 @pytest.mark.parametrize("algorithm", ["adaptive", "sync"])
-def test_every_device_goes_on_from_the_winning_fit(monkeypatch, algorithm):
+def test_every_device_goes_on_from_the_winning_fit(spy, algorithm):
     """On several devices every replica starts with the fit's model and Adagrad state."""
     X, Y = _synthetic()
-    fits, restored = [], []
-    real_choose, real_restore = training.choose_loss, training.restore_trainer
-
-    def choose(*a, **k):
-        rec = real_choose(*a, **k)
-        fits.append(rec["fit"])
-        return rec
-
-    def restore(trainer, extra):
-        real_restore(trainer, extra)
-        restored.append([([np.array(p) for p in rep.params()],
-                          [np.array(a) for a in rep.optimizer_state()])
-                         for rep in trainer.replicas])  # copies: training goes on in place
-
-    monkeypatch.setattr(training, "choose_loss", choose)
-    monkeypatch.setattr(training, "restore_trainer", restore)
     clf = XMCClassifier(epochs=12, hidden=8, threads=1, seed=0, eval_every=0,
                         devices="cpu,cpu", algorithm=algorithm).fit(X, Y)
-    (fit,), (replicas,) = fits, restored
+    (fit,), (begun,) = spy["fits"], spy["starts"]
+    replicas = begun["replicas"]
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     assert probe["continued"]["samples"] == fit["samples"]
     assert len(replicas) == 2

@@ -62,7 +62,7 @@ def _short(metrics: dict) -> str:
 
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
               resume: bool = False, simulate=None, progress_desc: str = "train",
-              one_node: bool = False) -> dict:
+              one_node: bool = False, keep_optimizer_state: bool = False) -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
     (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation). The
     feature rows of ``X`` and of ``eval_set`` are normalised first (``cfg.normalize``).
@@ -75,7 +75,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     schedule on any backends (a GPU run can then be checked against a CPU run).
 
     ``one_node``: train in this process alone even where the CLI set up MPI (the probe of
-    ``loss="auto"``, :func:`choose_loss`); ``progress_desc`` names the progress bar."""
+    ``loss="auto"``, :func:`choose_loss`); ``progress_desc`` names the progress bar.
+    ``keep_optimizer_state``: the result's ``optimizer_state`` holds host copies of the first
+    replica's Adagrad state (the probe's fits, which a run may continue); else ``None``, so
+    that a run does not copy its optimizer state off the device for nothing. The result's
+    ``samples`` and ``train_time`` are where training ended."""
     from xmc_engine.checkpoint import CheckpointManager
     from xmc_engine.devices import parse_devices
     from xmc_engine.runlog import RunLog
@@ -207,12 +211,12 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     return {"params": host_params(trainer), "history": list(log.records), "metrics": metrics,
             "label_counts": label_counts, "n_train": n_samples, "loss": cfg.loss,
             "optimizer_state": trainer.replicas[0].optimizer_state()
-            if cfg.algorithm == "single" else None,
+            if keep_optimizer_state else None,
             "samples": int(state["samples"]), "train_time": float(state["train_time"])}
 
 
 def _continue_fit(fit: dict, n_samples: int, seed: int,
-                  n_replicas: int = 1) -> tuple[list, dict, dict]:
+                  n_replicas: int) -> tuple[list, dict, dict]:
     """``(params, state, extra)`` that start a run of ``n_samples`` training rows where the
     probe's winning ``fit`` (:func:`choose_loss`'s, on a part of those rows) stopped, as a
     resumed checkpoint would: its model and Adagrad state (each of ``n_replicas`` replicas
@@ -332,7 +336,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
 
     def fit(loss):
         return fit_model(dataclasses.replace(base, loss=loss, threads=fit_threads), probe_X,
-                         probe_Y, heldout, progress_desc=f"probe {loss}", one_node=True)
+                         probe_Y, heldout, progress_desc=f"probe {loss}", one_node=True,
+                         keep_optimizer_state=True)
 
     if together:
         from concurrent.futures import ThreadPoolExecutor
