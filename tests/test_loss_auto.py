@@ -49,10 +49,26 @@ def _indexed_rows(n):
     return X, Y
 
 
-@pytest.mark.parametrize("p1, chosen", [({"softmax": 0.4, "bce": 0.5}, "bce"),
-                                        ({"softmax": 0.5, "bce": 0.4}, "softmax"),
-                                        ({"softmax": 0.5, "bce": 0.5}, "softmax")])
-def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, chosen):
+def _fit_result(eval_set, hit):
+    """What a probe fit returns to :func:`training.choose_loss`: the held-out rows' top labels
+    (those of ``_indexed_rows``, one label each), right on the rows of ``hit`` (a slice), and
+    their P@1."""
+    label = eval_set[1].tocsr().indices
+    right = np.zeros(len(label), dtype=bool)
+    right[hit] = True
+    return {"metrics": {"P@1": float(right.mean())},
+            "eval_top1": np.where(right, label, (label + 1) % 4)}
+
+
+# on 500 held-out rows: (the rows each loss gets right, the choice, the softmax's margin z)
+@pytest.mark.parametrize("hits, chosen, z", [
+    ({"softmax": slice(0, 200), "bce": slice(0, 250)}, "bce", -7.45),  # bce ahead
+    ({"softmax": slice(0, 250), "bce": slice(0, 200)}, "softmax", 7.45),  # clearly ahead
+    # softmax 0.02 ahead with the rows split: within chance, the logistic loss
+    ({"softmax": slice(0, 260), "bce": slice(240, 490)}, "bce", 0.46),
+    ({"softmax": slice(0, 250), "bce": slice(0, 250)}, "bce", 0.0)])  # a tie
+def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
+        monkeypatch, hits, chosen, z):
     monkeypatch.setattr(config, "LOSS_PROBE_ROWS", 900)
     monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 2700)  # 3 epochs of the 900 rows
     seen = {}
@@ -61,7 +77,7 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
         assert kw["one_node"]  # never across MPI ranks
         assert kw["keep_optimizer_state"]  # the winner's, for the run to continue
         seen[cfg.loss] = (cfg, X.data.astype(int) - 1, eval_set[0].data.astype(int) - 1)
-        return {"metrics": {"P@1": p1[cfg.loss]}}
+        return _fit_result(eval_set, hits[cfg.loss])
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
     monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 2)
@@ -70,7 +86,8 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
     cfg = TrainConfig(loss="auto", devices="cpu,cpu@0.5", algorithm="adaptive", epochs=7,
                       max_train_seconds=30.0)
     rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
-    assert rec["loss"] == chosen and rec["p1"] == p1
+    p1 = {loss: (h.stop - h.start) / 500 for loss, h in hits.items()}
+    assert rec["loss"] == chosen and rec["p1"] == p1 and rec["z"] == pytest.approx(z, abs=0.01)
     assert rec["threads"] == 2 and rec["together"] is False  # calibrated once, passed on
     assert (rec["rows"], rec["heldout"], rec["epochs"]) == (900, 500, 3.0)  # a tenth held out
     assert set(seen) == set(config.TRAIN_LOSSES)
@@ -83,6 +100,26 @@ def test_the_probe_keeps_the_loss_with_the_higher_heldout_p1(monkeypatch, p1, ch
                                                                            "cpu", None)
         assert c.hidden == cfg.hidden and c.seed == cfg.seed
     assert (c1.threads, c2.threads) == (2, 2)  # one calibration for both fits
+
+
+def test_row_hits_counts_a_row_without_labels_as_a_miss():
+    Y = sp.csr_matrix(np.array([[1, 0, 1], [0, 0, 0], [0, 1, 0], [1, 1, 0]], dtype=np.float32))
+    np.testing.assert_array_equal(training.row_hits([2, 0, 0, 1], Y),
+                                  [True, False, False, True])
+
+
+def test_pick_loss_needs_the_softmax_ahead_by_more_than_the_margin(monkeypatch):
+    ones, zeros = np.ones(100, bool), np.zeros(100, bool)
+    # the softmax right on every row, the logistic loss on none: no spread, the floor 1/rows
+    assert training.pick_loss({"softmax": ones, "bce": zeros}) == ("softmax", 100.0)
+    assert training.pick_loss({"softmax": zeros, "bce": ones}) == ("bce", -100.0)
+    assert training.pick_loss({"softmax": ones, "bce": ones}) == ("bce", 0.0)
+    # 12 rows only the softmax gets right, 4 only the logistic loss: z = 0.08 / 0.0394 = 2.03
+    sm, bce = zeros.copy(), zeros.copy()
+    sm[:12], bce[12:16] = True, True
+    assert training.pick_loss({"softmax": sm, "bce": bce}) == ("softmax", 2.03)
+    monkeypatch.setattr(config, "LOSS_PROBE_SOFTMAX_Z", 2.5)  # the margin is the config's
+    assert training.pick_loss({"softmax": sm, "bce": bce}) == ("bce", 2.03)
 
 
 def test_a_device_with_a_share_of_the_cores_calibrates_itself(monkeypatch):
@@ -133,7 +170,7 @@ def test_the_probe_fits_run_side_by_side_and_leave_blas_as_it_was(
         if together:
             started.wait()  # both fits are running at once (in turn, this would time out)
         seen[cfg.loss] = (cfg.threads, threading.current_thread().name, _blas_threads())
-        return {"metrics": {"P@1": {"softmax": 0.5, "bce": 0.4}[cfg.loss]}}
+        return _fit_result(eval_set, {"softmax": slice(0, 250), "bce": slice(0, 200)}[cfg.loss])
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
     X, Y = _indexed_rows(5000)
@@ -152,7 +189,7 @@ def test_the_probe_fits_run_side_by_side_and_leave_blas_as_it_was(
 
     def fit_in_turn(cfg, X, Y, eval_set, **kw):
         names.add(threading.current_thread().name)
-        return {"metrics": {"P@1": 0.5}}
+        return _fit_result(eval_set, slice(0, 250))
 
     monkeypatch.setattr(training, "fit_model", fit_in_turn)
     rec = training.choose_loss(TrainConfig(loss="auto", threads=1), X, Y,
@@ -289,7 +326,7 @@ def test_a_failing_side_fit_fails_the_probe_and_restores_blas(monkeypatch):
         if cfg.loss == "bce":
             raise RuntimeError("bce fit failed")
         done.append(cfg.loss)
-        return {"metrics": {"P@1": 0.5}}
+        return _fit_result(eval_set, slice(0, 250))
 
     monkeypatch.setattr(training, "fit_model", fake_fit)
     X, Y = _indexed_rows(5000)

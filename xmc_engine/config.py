@@ -44,6 +44,7 @@ __all__ = [
     "LOSS_PROBE_MIN_ROWS",
     "LOSS_PROBE_ROWS",
     "LOSS_PROBE_SAMPLES",
+    "LOSS_PROBE_SOFTMAX_Z",
     "OPTIMIZERS",
     "OUTPUTS",
     "PLATEAU_FACTOR",
@@ -83,6 +84,16 @@ LOSS_PROBE_ROWS = 20_000
 LOSS_PROBE_SAMPLES = 20_000
 LOSS_PROBE_HELDOUT = 2_000
 LOSS_PROBE_MIN_ROWS = 2_000
+#: The probe keeps the logistic loss unless the softmax is ahead of it on the held-out rows by
+#: more than ``LOSS_PROBE_SOFTMAX_Z`` standard errors of the paired difference in P@1 (per row:
+#: 1 where only the softmax's top label is right, -1 where only the logistic loss's is,
+#: :func:`xmc_engine.training.pick_loss`). Held-out P@1 alone tells the losses apart by chance
+#: on a small set (500 held-out rows: a standard error of about 0.02), and there the logistic
+#: loss is the better bet: continued from the probe it was ahead on all nine shared sets, and
+#: the softmax far ahead on the synthetic shapes, 7 to 11 standard errors (``python
+#: bench/bench_loss_rule.py``, ``bench/RESULTS.md``, "Defaults", "Which loss when the probe
+#: cannot tell").
+LOSS_PROBE_SOFTMAX_Z = 2.0
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
 OUTPUTS = ("exact", "sampled", "auto")

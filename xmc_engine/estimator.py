@@ -122,8 +122,9 @@ class XMCClassifier:
     loss : {"softmax", "bce", "auto"}
         Training loss: the softmax cross-entropy against ``y/|y|``, the one-vs-all logistic
         loss, or ``"auto"`` (the default): a short probe of each on part of the training rows
-        picks the one with the higher held-out P@1 (:func:`xmc_engine.training.choose_loss`;
-        the fitted choice is ``loss_``) (:attr:`xmc_engine.config.TrainConfig.loss`).
+        picks one by held-out P@1, the logistic loss unless the softmax is clearly ahead
+        (:func:`xmc_engine.training.choose_loss`; the fitted choice is ``loss_``)
+        (:attr:`xmc_engine.config.TrainConfig.loss`).
     continue_probe : bool, default True
         With ``loss="auto"`` (in one process): training goes on from the probe's winning
         fit (its model and Adagrad state on every device, its samples and training time)

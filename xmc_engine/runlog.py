@@ -21,7 +21,10 @@ not know. The events the engine writes:
 ``loss_probe``
     Right after ``start`` when ``config`` says ``loss="auto"``
     (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),
-    ``p1`` (held-out P@1 per loss; empty where the rows were too few to probe), ``rows``,
+    ``p1`` (held-out P@1 per loss; empty where the rows were too few to probe), ``z`` (the
+    softmax's margin over the logistic loss in standard errors, which it must exceed
+    ``LOSS_PROBE_SOFTMAX_Z`` to win, :func:`xmc_engine.training.pick_loss`; ``null`` without
+    a probe), ``rows``,
     ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``), ``threads`` (the CPU thread
     budget calibrated once for the probe's fits and the run; ``null`` where none was),
     ``threads_timed`` (``false`` where the run was too short to repay timing the budgets and

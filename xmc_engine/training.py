@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 class Evaluator:
-    """Top-k metrics of the current parameters on a held-out set (DESIGN.md §5)."""
+    """Top-k metrics of the current parameters on a held-out set (DESIGN.md §5). ``top1``
+    holds each row's top label at the last call (host int64), which the loss probe compares
+    row by row (:func:`pick_loss`)."""
 
     def __init__(self, cfg: TrainConfig, eval_set, label_counts, n_train: int, label_chunk):
         from xmc_engine.metrics import propensity_or_none
@@ -46,12 +48,14 @@ class Evaluator:
         self.label_chunk = label_chunk
         self.propensity = propensity_or_none(label_counts, n_train, A=cfg.propensity_a,
                                              B=cfg.propensity_b)
+        self.top1: np.ndarray | None = None
 
     def __call__(self, be, params) -> dict[str, float]:
         from xmc_engine.metrics import TopKMetrics
 
         m = TopKMetrics(ks=(1, 3, 5), propensity=self.propensity)
         labels, _ = predict_topk(be, params, self.X, self.k, label_chunk=self.label_chunk)
+        self.top1 = labels[:, 0].copy()
         m.update(labels, self.Y)
         return {k: float(v) for k, v in m.result().items()}
 
@@ -79,7 +83,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``keep_optimizer_state``: the result's ``optimizer_state`` holds host copies of the first
     replica's Adagrad state (the probe's fits, which a run may continue); else ``None``, so
     that a run does not copy its optimizer state off the device for nothing. The result's
-    ``samples`` and ``train_time`` are where training ended."""
+    ``samples`` and ``train_time`` are where training ended; its ``eval_top1`` is each
+    ``eval_set`` row's top label at the last evaluation (``None`` without one)."""
     from xmc_engine.checkpoint import CheckpointManager
     from xmc_engine.devices import parse_devices
     from xmc_engine.runlog import RunLog
@@ -212,7 +217,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             "label_counts": label_counts, "n_train": n_samples, "loss": cfg.loss,
             "optimizer_state": trainer.replicas[0].optimizer_state()
             if keep_optimizer_state else None,
-            "samples": int(state["samples"]), "train_time": float(state["train_time"])}
+            "samples": int(state["samples"]), "train_time": float(state["train_time"]),
+            "eval_top1": evaluator.top1 if evaluator is not None else None}
 
 
 def _continue_fit(fit: dict, n_samples: int, seed: int,
@@ -267,7 +273,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     loss of :data:`~xmc_engine.config.TRAIN_LOSSES` trains over up to
     :data:`~xmc_engine.config.LOSS_PROBE_ROWS` of the others, on ``device`` alone with every
     other setting of ``cfg``, for :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` samples (one
-    epoch at least); the loss with the higher held-out P@1 wins (a tie: the softmax).
+    epoch at least); the logistic loss wins unless the softmax's held-out P@1 is ahead by more
+    than :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` standard errors (:func:`pick_loss`).
     The losing fit is thrown away; the winner's (:func:`fit_model`'s result) is returned as
     ``fit``, which :func:`fit_model` continues where ``cfg.continue_probe`` allows (the
     ``continued`` of the record). The device's CPU threads (``cfg.threads=None``) are
@@ -276,7 +283,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     does not change which budget is faster. Where the device has a core per loss and the memory
     planner says the host holds a fit per loss, the fits run side by side, each on one thread
     where one thread won the calibration, else on its share of the device's threads. Returns
-    the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``rows``, ``heldout``,
+    the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``z`` (:func:`pick_loss`'s
+    margin of the softmax), ``rows``, ``heldout``,
     ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
     was calibrated), ``threads_timed`` (False: the run was too short to repay timing the
     budgets and keeps one thread) and ``together`` (the fits ran side by side), plus
@@ -296,7 +304,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     if n < LOSS_PROBE_MIN_ROWS:
         logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
                     LOSS_PROBE_MIN_ROWS)
-        return {"loss": "softmax", "p1": {}, "rows": 0, "heldout": 0, "epochs": 0.0,
+        return {"loss": "softmax", "p1": {}, "z": None, "rows": 0, "heldout": 0, "epochs": 0.0,
                 "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
                 "compile_seconds": 0.0, "compiled": 0, "fit": None}
     # both losses' kernels first, outside the probe's seconds
@@ -354,18 +362,48 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         results = [fit(loss) for loss in TRAIN_LOSSES]
     p1 = {loss: float(res["metrics"]["P@1"]) for loss, res in zip(TRAIN_LOSSES, results,
                                                                   strict=True)}
-    best = max(TRAIN_LOSSES, key=lambda k: p1[k])  # the first (softmax) on a tie
+    hits = {loss: row_hits(res["eval_top1"], heldout[1])
+            for loss, res in zip(TRAIN_LOSSES, results, strict=True)}
+    best, z = pick_loss(hits)
     seconds = time.perf_counter() - t0
-    logger.info("loss='auto': held-out P@1 %s (%.1f s): training with %s",
-                ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), seconds, best)
+    logger.info("loss='auto': held-out P@1 %s, the softmax %+.1f standard errors (%.1f s): "
+                "training with %s", ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), z,
+                seconds, best)
     winner = results[TRAIN_LOSSES.index(best)]
-    return {"loss": best, "p1": p1, "rows": int(len(rows)), "heldout": int(len(held)),
+    return {"loss": best, "p1": p1, "z": z, "rows": int(len(rows)), "heldout": int(len(held)),
             "epochs": epochs, "seconds": seconds,
             "fit": {**winner, "untrained_rows": np.setdiff1d(np.arange(n), rows),
                     "passes": epochs},
             "threads": None if cfg.threads is not None else threads,
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}
+
+
+def row_hits(top1, Y) -> np.ndarray:
+    """Per row of host CSR ``Y``: is the predicted ``top1[i]`` one of row ``i``'s labels
+    (bool; a row without labels: False, as P@1 counts it)."""
+    Y = Y.tocsr()
+    top1 = np.asarray(top1, dtype=np.int64)
+    rows = np.repeat(np.arange(Y.shape[0]), np.diff(Y.indptr))
+    hits = np.zeros(Y.shape[0], dtype=bool)
+    hits[rows[Y.indices == top1[rows]]] = True
+    return hits
+
+
+def pick_loss(hits: dict) -> tuple[str, float]:
+    """The loss probe's rule: ``(loss, z)`` from ``hits``, each loss's :func:`row_hits` on the
+    same held-out rows. ``z`` is the softmax's paired margin: the mean of ``hit_softmax -
+    hit_bce`` over the rows divided by its standard error (at least ``1 / rows``, so that
+    identical rows give a finite figure). The softmax wins where ``z`` is above
+    :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z`, the logistic loss otherwise (a tie
+    included): the softmax has to win by more than chance would on the held-out rows."""
+    from xmc_engine.config import LOSS_PROBE_SOFTMAX_Z
+
+    d = hits["softmax"].astype(np.float64) - hits["bce"].astype(np.float64)
+    m = len(d)
+    se = max(float(d.std(ddof=1)) / np.sqrt(m) if m > 1 else 0.0, 1.0 / m)
+    z = float(d.mean()) / se
+    return ("softmax" if z > LOSS_PROBE_SOFTMAX_Z else "bce"), round(z, 2)
 
 
 def _probe_device(device):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from xmc_engine.cli.argtypes import finite_float, int_list, lr_decay, positive_int, user_path
-from xmc_engine.config import ALGORITHMS, TrainConfig
+from xmc_engine.config import ALGORITHMS, LOSS_PROBE_SOFTMAX_Z, TrainConfig
 from xmc_engine.errors import ConfigError, DataMismatchError, SaveError, XMCError
 from xmc_engine.runlog import LOG_NAME
 
@@ -360,7 +360,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     if probe is not None:
         seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
         went_on = probe.get("continued")
-        print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1: {seen} after "
+        margin = (f", the softmax {probe['z']:+.1f} standard errors (it needs "
+                  f"+{LOSS_PROBE_SOFTMAX_Z:g})" if probe.get("z") is not None else "")
+        print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1: {seen}{margin} after "
               f"{probe['seconds']:.1f} s of probing" if seen else "too few rows to probe")
               + (f"; training went on from the {model.loss_} fit's {went_on['samples']:,} "
                  f"samples" if went_on else "")
