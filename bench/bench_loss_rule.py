@@ -2,7 +2,8 @@
 gives: per dataset and seed, the run with the defaults is trained twice, once with the probe's
 softmax fit as the winner and once with its logistic (``bce``) fit, each continued as the
 engine continues a winner (``continue_probe``); the held-out rows' hits of both probe fits are
-recorded. Every rule is then scored by the test metrics of the runs it would have picked.
+recorded (a string of 0 / 1 per loss, a held-out row each). Every rule is then scored by the
+test metrics of the runs it would have picked.
 
     python bench/bench_loss_rule.py --datasets bibtex corel5k stackex_cooking stackex_cs \\
         delicious rcv1sub1 debian_debtags debian_builddeps imdb synth1k synth10k \\
@@ -47,7 +48,7 @@ def run_pair(data, seed: int, epochs: float) -> dict:
 
     for forced in LOSSES:
         def forcing(hits, forced=forced):
-            row["hits"] = {k: np.asarray(v, dtype=np.int8).tolist() for k, v in hits.items()}
+            row["hits"] = {k: "".join("1" if h else "0" for h in v) for k, v in hits.items()}
             row["z"] = real_rule(hits)[1]
             return forced, row["z"]
 
@@ -64,8 +65,8 @@ def run_pair(data, seed: int, epochs: float) -> dict:
 
 
 def _rules() -> dict:
-    def higher_p1(h):
-        return "softmax" if np.mean(h["softmax"]) >= np.mean(h["bce"]) else "bce"
+    def higher_p1(h):  # h: each loss's held-out hits as a string of 0 / 1, a row each
+        return "softmax" if h["softmax"].count("1") >= h["bce"].count("1") else "bce"
 
     rules = {"P@1, ties softmax": lambda h, z: higher_p1(h)}
     for t in THRESHOLDS:

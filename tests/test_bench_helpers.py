@@ -427,3 +427,26 @@ def test_probe_seconds_leave_out_the_fit_the_run_went_on_from():
     history[1]["continued"] = None  # started over: the whole probe is outside train_time
     assert _common.probe_seconds(history) == pytest.approx(1.5)
     assert _common.probe_seconds([{"event": "final", "train_time": 3.0}]) == 0.0
+
+
+def test_loss_rule_scores_each_rule_by_the_runs_it_picks():
+    """bench_loss_rule.py: a rule is scored by the continued run of the loss it picks, seed by
+    seed; the softmax needs z above a threshold, the P@1 rule takes it on a tie."""
+    from bench_loss_rule import summarise as loss_rule_summary
+
+    def row(z, soft_hits, bce_hits, p1_soft, p1_bce):
+        return {"z": z, "hits": {"softmax": soft_hits, "bce": bce_hits},
+                "softmax": {"P@1": p1_soft, "P@3": 0.0, "P@5": 0.0},
+                "bce": {"P@1": p1_bce, "P@3": 0.0, "P@5": 0.0}}
+    rows = [row(1.5, "1101", "1001", 0.4, 0.6),   # softmax ahead, not by 2 s.e.
+            row(2.5, "1111", "0001", 0.9, 0.1),   # softmax clearly ahead
+            row(0.0, "1100", "0110", 0.2, 0.8)]   # a tie
+    out = loss_rule_summary([{"dataset": "d", "rows": rows}])
+    rules = out["d"]["rules"]
+    assert rules["z > 2"]["metrics"]["P@1"] == pytest.approx((0.6 + 0.9 + 0.8) / 3)
+    assert rules["z > 2"]["bce_picked"] == 2
+    assert rules["z > 1"]["metrics"]["P@1"] == pytest.approx((0.4 + 0.9 + 0.8) / 3)
+    assert rules["P@1, ties softmax"]["metrics"]["P@1"] == pytest.approx((0.4 + 0.9 + 0.2) / 3)
+    assert rules["always bce"]["bce_picked"] == 3 and rules["always softmax"]["bce_picked"] == 0
+    assert out["d"]["z"] == [1.5, 2.5, 0.0]
+    assert out["mean"]["z > 2"]["P@1"] == pytest.approx(rules["z > 2"]["metrics"]["P@1"])
