@@ -378,7 +378,8 @@ def _synthetic(n=2400):
 def spy(monkeypatch):
     """What a run continued from the probe started with: ``fits`` (each probe's winning fit,
     :func:`training.choose_loss`'s ``fit``) and ``starts`` (per run, once the trainer got its
-    state: every replica's model and Adagrad state, copied, and the queue's position)."""
+    state: every replica's model and Adagrad state, copied, the central model and the queue's
+    position)."""
     seen = {"fits": [], "starts": []}
     real_choose, real_restore = training.choose_loss, training.restore_trainer
 
@@ -393,6 +394,7 @@ def spy(monkeypatch):
             "replicas": [([np.array(p) for p in rep.params()],
                           [np.array(a) for a in rep.optimizer_state()])
                          for rep in trainer.replicas],
+            "central": [np.array(p) for p in training.host_params(trainer)],
             "position": trainer.queue.position()})
 
     monkeypatch.setattr(training, "choose_loss", choose)
@@ -497,9 +499,10 @@ def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(m
     assert clf.history_[-1]["samples"] == 3 * n
 
 
-@pytest.mark.parametrize("algorithm", ["adaptive", "sync"])
+@pytest.mark.parametrize("algorithm", ["adaptive", "sync", "average", "easgd", "crossbow"])
 def test_every_device_goes_on_from_the_winning_fit(spy, algorithm):
-    """On several devices every replica starts with the fit's model and Adagrad state."""
+    """On several devices every replica starts with the fit's model and Adagrad state, and so
+    does the central model the averaging methods pull the replicas toward."""
     X, Y = _synthetic()
     clf = XMCClassifier(epochs=12, hidden=8, threads=1, seed=0, eval_every=0,
                         devices="cpu,cpu", algorithm=algorithm).fit(X, Y)
@@ -508,6 +511,8 @@ def test_every_device_goes_on_from_the_winning_fit(spy, algorithm):
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     assert probe["continued"]["samples"] == fit["samples"]
     assert len(replicas) == 2
+    for got, want in zip(begun["central"], fit["params"], strict=True):
+        np.testing.assert_array_equal(got, want)
     for params, opt in replicas:
         for got, want in zip(params, fit["params"], strict=True):
             np.testing.assert_array_equal(got, want)
