@@ -90,7 +90,7 @@ LOSS_PROBE_MIN_ROWS = 2_000
 #: :func:`xmc_engine.training.pick_loss`). Held-out P@1 alone tells the losses apart by chance
 #: on a small set (500 held-out rows: a standard error of about 0.02), and there the logistic
 #: loss is the better bet: continued from the probe it was ahead on all nine shared sets, and
-#: the softmax far ahead on the synthetic shapes, 7 to 11 standard errors (``python
+#: the softmax far ahead on the synthetic shapes, by 7 to 24 standard errors (``python
 #: bench/bench_loss_rule.py``, ``bench/RESULTS.md``, "Defaults", "Which loss when the probe
 #: cannot tell").
 LOSS_PROBE_SOFTMAX_Z = 2.0
