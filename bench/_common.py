@@ -138,6 +138,16 @@ def _mem_total_gib() -> float | None:
     return None
 
 
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """The mean of ``xs`` and its standard error (``nan`` for one value): a paired
+    benchmark's mean difference over seeds."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var / len(xs))
+
+
 def peak_rss_mib(children: bool = False) -> float:
     """Peak resident set size of this process (or of its waited-for children) in MiB.
 

@@ -23,7 +23,6 @@ Names are those ``xmc-engine train --data`` takes (a shared dataset, ``synthetic
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
@@ -50,14 +49,6 @@ def run_one(X, Y, X_test, Y_test, epochs: float, seed: int, on: bool,
             "continued": probe.get("continued"), **{k: float(scores[k]) for k in METRICS}}
 
 
-def _mean_se(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, float("nan")
-    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-    return m, math.sqrt(var / len(xs))
-
-
 def _value(row: dict, key: str) -> float:
     """A run's figure: a metric, or ``fit_s``, the wall time of ``fit`` less its compiling
     (a dataset's first run with a loss or an algorithm the warm-up epoch did not compile)."""
@@ -79,7 +70,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             on = [_value(p[True], key) for p in pairs]
             off = [_value(p[False], key) for p in pairs]
             line[key] = {"on": sum(on) / len(on), "off": sum(off) / len(off),
-                         "diff": _mean_se([a - b for a, b in zip(on, off, strict=True)])}
+                         "diff": _common.mean_se([a - b for a, b in zip(on, off, strict=True)])}
         out.append(line)
     return out
 

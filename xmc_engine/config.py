@@ -41,6 +41,7 @@ __all__ = [
     "HELDOUT_LOGITS",
     "LOSSES",
     "LOSS_PROBE_HELDOUT",
+    "LOSS_PROBE_HELDOUT_SHARE",
     "LOSS_PROBE_MIN_ROWS",
     "LOSS_PROBE_ROWS",
     "LOSS_PROBE_SAMPLES",
@@ -74,7 +75,8 @@ LOSSES = (*TRAIN_LOSSES, "auto")
 #: ``loss="auto"``'s probe (:func:`xmc_engine.training.choose_loss`): each loss trains on up
 #: to ``LOSS_PROBE_ROWS`` training rows for ``LOSS_PROBE_SAMPLES`` samples (at least one
 #: epoch of them: several on a small set) and is scored by P@1 on up to
-#: ``LOSS_PROBE_HELDOUT`` others (a tenth of the rows at most); below ``LOSS_PROBE_MIN_ROWS``
+#: ``LOSS_PROBE_HELDOUT`` others (``LOSS_PROBE_HELDOUT_SHARE`` of the rows at most); below
+#: ``LOSS_PROBE_MIN_ROWS``
 #: rows there is no probe and the softmax trains. Chosen on the shared sets (``bench/RESULTS.md``,
 #: "Defaults", the training loss): with one epoch over 10,000 rows the probe picked the softmax
 #: on stackex_cs (2 seeds of 2), rcv1sub1 and stackex_cooking (1 of 2), where the logistic loss
@@ -84,6 +86,9 @@ LOSS_PROBE_ROWS = 20_000
 LOSS_PROBE_SAMPLES = 20_000
 LOSS_PROBE_HELDOUT = 2_000
 LOSS_PROBE_MIN_ROWS = 2_000
+#: The largest share of the training rows the probe holds out. Those rows are trained last
+#: where the run continues the probe's fit (``continue_probe``).
+LOSS_PROBE_HELDOUT_SHARE = 0.1
 #: The probe keeps the logistic loss unless the softmax is ahead of it on the held-out rows by
 #: more than ``LOSS_PROBE_SOFTMAX_Z`` standard errors of the paired difference in P@1 (per row:
 #: 1 where only the softmax's top label is right, -1 where only the logistic loss's is,

@@ -269,7 +269,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     """``loss="auto"``: which loss this data wants, by a short probe. Below
     :data:`~xmc_engine.config.LOSS_PROBE_MIN_ROWS` training rows the softmax (the held-out
     rows would be too few to tell the losses apart). Otherwise up to
-    :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT` rows (a tenth at most) are held out, and each
+    :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT` rows (at most
+    :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT_SHARE` of them) are held out, and each
     loss of :data:`~xmc_engine.config.TRAIN_LOSSES` trains over up to
     :data:`~xmc_engine.config.LOSS_PROBE_ROWS` of the others, on ``device`` alone with every
     other setting of ``cfg``, for :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` samples (one
@@ -294,6 +295,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     without a probe; neither is logged). ``X`` holds normalised rows."""
     from xmc_engine.config import (
         LOSS_PROBE_HELDOUT,
+        LOSS_PROBE_HELDOUT_SHARE,
         LOSS_PROBE_MIN_ROWS,
         LOSS_PROBE_ROWS,
         LOSS_PROBE_SAMPLES,
@@ -316,7 +318,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         compiled += report["compiled"]
     t0 = time.perf_counter()
     order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
-    held = np.sort(order[:min(LOSS_PROBE_HELDOUT, n // 10)])
+    held = np.sort(order[:min(LOSS_PROBE_HELDOUT, int(n * LOSS_PROBE_HELDOUT_SHARE))])
     rows = np.sort(order[len(held):len(held) + LOSS_PROBE_ROWS])
     per_row = float(Y.nnz) / n  # the output layer the run itself will train
     epochs = max(1.0, LOSS_PROBE_SAMPLES / len(rows))  # a small set: several epochs
