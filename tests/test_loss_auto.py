@@ -69,6 +69,7 @@ def _fit_result(eval_set, hit):
     ({"softmax": slice(0, 250), "bce": slice(0, 250)}, "bce", 0.0)])  # a tie
 def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
         monkeypatch, hits, chosen, z):
+    monkeypatch.setattr(config, "LOSS_PROBE_HELDOUT_SHARE", 0.1)  # 500 of the 5,000 rows
     monkeypatch.setattr(config, "LOSS_PROBE_ROWS", 900)
     monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 2700)  # 3 epochs of the 900 rows
     seen = {}
@@ -89,7 +90,7 @@ def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
     p1 = {loss: (h.stop - h.start) / 500 for loss, h in hits.items()}
     assert rec["loss"] == chosen and rec["p1"] == p1 and rec["z"] == pytest.approx(z, abs=0.01)
     assert rec["threads"] == 2 and rec["together"] is False  # calibrated once, passed on
-    assert (rec["rows"], rec["heldout"], rec["epochs"]) == (900, 500, 3.0)  # a tenth held out
+    assert (rec["rows"], rec["heldout"], rec["epochs"]) == (900, 500, 3.0)  # the share held out
     assert set(seen) == set(config.TRAIN_LOSSES)
     (c1, rows1, held1), (c2, rows2, held2) = seen["softmax"], seen["bce"]
     np.testing.assert_array_equal(rows1, rows2)  # both losses see the same rows
@@ -489,7 +490,7 @@ def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(m
     n = X.shape[0]
     clf = XMCClassifier(epochs=3, hidden=8, threads=1, seed=0, eval_every=0).fit(X, Y)
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
-    assert (probe["rows"], probe["heldout"]) == (900, 240)
+    assert (probe["rows"], probe["heldout"]) == (900, int(n * config.LOSS_PROBE_HELDOUT_SHARE))
     assert probe["continued"]["samples"] == 900
     (begun,) = spy["starts"]
     pos = begun["position"]
