@@ -164,6 +164,31 @@ def _canonical_csr(Y) -> sp.csr_matrix:
     return Y
 
 
+def _hits(top: np.ndarray, Y: sp.csr_matrix) -> np.ndarray:
+    """Boolean ``(n, k)``: is ``top[i, j]`` one of row ``i``'s labels in canonical CSR ``Y``
+    (negative ids, padding, never are), by a search in the sorted global keys."""
+    n, n_labels = Y.shape
+    n_pos = np.diff(Y.indptr).astype(np.int64)
+    rows = np.repeat(np.arange(n, dtype=np.int64), n_pos)
+    y_keys = rows * n_labels + Y.indices.astype(np.int64)  # sorted: canonical CSR
+    if not y_keys.size:
+        return np.zeros(top.shape, dtype=bool)
+    q_keys = np.arange(n, dtype=np.int64)[:, None] * n_labels + top
+    pos = np.minimum(np.searchsorted(y_keys, q_keys), y_keys.size - 1)
+    return (y_keys[pos] == q_keys) & (top >= 0)
+
+
+def label_hits(top_labels, Y) -> np.ndarray:
+    """Boolean ``(n, k)``: is each predicted label id of ``top_labels`` (host or CuPy, as
+    :meth:`TopKMetrics.update` takes them) one of its row's labels in ``Y``; the hits
+    :class:`TopKMetrics` counts, row by row (the loss probe compares two models with them)."""
+    top = _as_host_int_array(top_labels)
+    Y = _canonical_csr(Y)
+    if top.shape[0] != Y.shape[0]:
+        raise ValueError(f"top_labels has {top.shape[0]} rows but Y has {Y.shape[0]}")
+    return _hits(top, Y)
+
+
 class TopKMetrics:
     """Streaming accumulator of P@k, nDCG@k, R@k (and PSP@k, PSnDCG@k) over test batches.
 
@@ -253,17 +278,9 @@ class TopKMetrics:
                 row = int(np.flatnonzero(dup)[0])
                 raise ValueError(f"top_labels row {row} repeats a label id: {top[row].tolist()}")
 
-        # hits: membership of (row, label) in Y via a search in the sorted global keys
+        hit = _hits(top, Y)
         n_pos = np.diff(Y.indptr).astype(np.int64)
         rows = np.repeat(np.arange(n, dtype=np.int64), n_pos)
-        y_keys = rows * n_labels + Y.indices.astype(np.int64)  # sorted: canonical CSR
-        q_keys = np.arange(n, dtype=np.int64)[:, None] * n_labels + top
-        valid = top >= 0
-        if y_keys.size:
-            pos = np.minimum(np.searchsorted(y_keys, q_keys), y_keys.size - 1)
-            hit = (y_keys[pos] == q_keys) & valid
-        else:
-            hit = np.zeros(top.shape, dtype=bool)
         hit_pad = np.zeros((n, self.kmax))
         hit_pad[:, :k_avail] = hit
 

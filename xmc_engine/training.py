@@ -383,13 +383,11 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
 
 def row_hits(top1, Y) -> np.ndarray:
     """Per row of host CSR ``Y``: is the predicted ``top1[i]`` one of row ``i``'s labels
-    (bool; a row without labels: False, as P@1 counts it)."""
-    Y = Y.tocsr()
-    top1 = np.asarray(top1, dtype=np.int64)
-    rows = np.repeat(np.arange(Y.shape[0]), np.diff(Y.indptr))
-    hits = np.zeros(Y.shape[0], dtype=bool)
-    hits[rows[Y.indices == top1[rows]]] = True
-    return hits
+    (bool; a row without labels: False, as P@1 counts it), by
+    :func:`~xmc_engine.metrics.label_hits`."""
+    from xmc_engine.metrics import label_hits
+
+    return label_hits(np.asarray(top1, dtype=np.int64)[:, None], Y)[:, 0]
 
 
 def pick_loss(hits: dict) -> tuple[str, float]:
