@@ -1,4 +1,6 @@
-"""Does a run lose anything by going on from the loss probe's winning fit
+"""A default switched on against off, paired by seed: ``continue_probe`` or ``keep_best``.
+
+Does a run lose anything by going on from the loss probe's winning fit
 (``continue_probe=True``, the default) rather than training the chosen loss again from the
 start (``continue_probe=False``)? And what does it save?
 
@@ -6,8 +8,15 @@ start (``continue_probe=False``)? And what does it save?
         stackex_cs rcv1sub1 debian_debtags debian_builddeps --seeds 0 1 2 3 4 5 6 7 8 9 \\
         --out bench/results/continue_probe.json
 
-Each run is ``XMCClassifier(epochs=E, seed=s, continue_probe=c).fit(X, Y)``, nothing else
-set: the engine as a user gets it, with and without the continuation (``--devices`` and
+Does ending a plateau-schedule run with the model of its best held-out epoch
+(``keep_best=True``, the default) beat ending it with the last one? (``--option keep_best``;
+only data of at least ``PLATEAU_MIN_ROWS`` training rows has the plateau rule's held-out rows.)
+
+    python bench/bench_continue_probe.py --option keep_best --datasets imdb synth100k \\
+        --epochs 5 10 --out bench/results/keep_best.json
+
+Each run is ``XMCClassifier(epochs=E, seed=s, <option>=on).fit(X, Y)``, nothing else
+set: the engine as a user gets it, with and without the option (``--devices`` and
 ``--algorithm`` set those two for every run; several devices: ``adaptive`` unless given).
 Per dataset and seed both runs train one after the other (which goes first alternates with
 the seed, so that a warmer machine favours neither), after one throwaway epoch on a few
@@ -17,7 +26,8 @@ and the test set's P@1 / P@3 / P@5 (computed after the timings); per dataset the
 the mean paired difference (on - off) with its standard error over the seeds, of the metrics
 and of ``fit_s``, the wall time of ``fit`` less its compiling.
 
-Names are those ``xmc-engine train --data`` takes (a shared dataset, ``synthetic``, a file).
+Names are those ``xmc-engine train --data`` takes (a shared dataset, ``synthetic``, a file),
+or a synthetic shape of ``bench_defaults.py`` (``synth1k``, ``synth10k``, ``synth100k``).
 """
 
 from __future__ import annotations
@@ -31,19 +41,24 @@ import _common
 METRICS = ("P@1", "P@3", "P@5")
 
 
+OPTIONS = ("continue_probe", "keep_best")
+
+
 def run_one(X, Y, X_test, Y_test, epochs: float, seed: int, on: bool,
-            **params) -> dict:
+            option: str = "continue_probe", **params) -> dict:
     from xmc_engine import XMCClassifier
 
     t0 = time.perf_counter()
-    clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, continue_probe=on,
+    clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **{option: on},
                         **params).fit(X, Y)
     wall = time.perf_counter() - t0
     h = clf.history_
     final = next(r for r in h if r["event"] == "final")
     probe = next((r for r in h if r["event"] == "loss_probe"), {})
     scores = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))  # outside the timings
-    return {"seed": seed, "continue_probe": on, "loss": clf.loss_, "wall_s": wall,
+    kept = next((r for r in h if r["event"] == "keep_best"), {})
+    return {"seed": seed, "epochs": epochs, option: on, "loss": clf.loss_, "wall_s": wall,
+            "kept_epoch": kept.get("best_epoch") if kept.get("restored") else None,
             "compile_s": _common.event_seconds(h, "compile"),
             "probe_s": _common.probe_seconds(h), "train_time": final["train_time"],
             "continued": probe.get("continued"), **{k: float(scores[k]) for k in METRICS}}
@@ -55,17 +70,17 @@ def _value(row: dict, key: str) -> float:
     return row["wall_s"] - row["compile_s"] if key == "fit_s" else row[key]
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per dataset: the mean of each figure with the continuation on and off, and the mean
-    paired difference (on - off) over the seeds with its standard error."""
+def summarise(rows: list[dict], option: str = "continue_probe") -> list[dict]:
+    """Per dataset (and number of epochs): the mean of each figure with ``option`` on and off,
+    and the mean paired difference (on - off) over the seeds with its standard error."""
     out = []
-    for name in dict.fromkeys(r["dataset"] for r in rows):
+    for name, epochs in dict.fromkeys((r["dataset"], r.get("epochs")) for r in rows):
         pairs = {}
         for r in rows:
-            if r["dataset"] == name:
-                pairs.setdefault(r["seed"], {})[r["continue_probe"]] = r
+            if r["dataset"] == name and r.get("epochs") == epochs:
+                pairs.setdefault(r["seed"], {})[r[option]] = r
         pairs = [p for p in pairs.values() if len(p) == 2]
-        line = {"dataset": name, "seeds": len(pairs)}
+        line = {"dataset": name, "epochs": epochs, "seeds": len(pairs)}
         for key in (*METRICS, "fit_s"):
             on = [_value(p[True], key) for p in pairs]
             off = [_value(p[False], key) for p in pairs]
@@ -78,52 +93,66 @@ def summarise(rows: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--datasets", nargs="+", default=["bibtex", "corel5k", "delicious"])
-    p.add_argument("--epochs", type=float, default=5)
+    p.add_argument("--option", choices=OPTIONS, default="continue_probe",
+                   help="the default compared on and off (default: continue_probe)")
+    p.add_argument("--epochs", type=float, nargs="+", default=[5])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--devices", default=None,
                    help="device spec of every run (default: the engine's, one CPU device)")
     p.add_argument("--algorithm", default=None,
                    help="algorithm of every run (default: the engine's for --devices)")
-    p.add_argument("--out", default=str(_common.RESULTS_DIR / "continue_probe.json"))
+    p.add_argument("--out", default=None,
+                   help="results file (default: bench/results/<option>.json)")
     args = p.parse_args(argv)
+    opt = args.option
+    out = args.out or str(_common.RESULTS_DIR / f"{opt}.json")
     params = {k: v for k, v in (("devices", args.devices), ("algorithm", args.algorithm))
               if v is not None}
     if args.devices and "," in args.devices and "algorithm" not in params:
         params["algorithm"] = "adaptive"
 
+    import bench_defaults
     from xmc_engine.datasets.registry import load_dataset
 
     meta = _common.result_metadata()
     rows = []
-    print(f"{'data':<18} {'seed':>4} {'cont':<5} {'loss':<8} {'wall s':>7} {'probe':>6} "
-          f"{'train':>6} {'P@1':>7} {'P@3':>7} {'P@5':>7}")
+    print(f"{'data':<18} {'ep':>4} {'seed':>4} {opt[:5]:<5} {'loss':<8} {'wall s':>7} "
+          f"{'probe':>6} {'train':>6} {'P@1':>7} {'P@3':>7} {'P@5':>7}")
     for name in args.datasets:
-        X, Y, X_test, Y_test = load_dataset(name)
+        if name in bench_defaults.SYNTHETIC:
+            X, Y, X_test, Y_test, _ = bench_defaults.load(name, max_train=10**9)
+        else:
+            X, Y, X_test, Y_test = load_dataset(name)
         _common.warm_engine(X, Y, **params)
-        for seed in args.seeds:
-            for on in ((True, False) if seed % 2 == 0 else (False, True)):
-                r = {"dataset": name, **params,
-                     **run_one(X, Y, X_test, Y_test, args.epochs, seed, on, **params)}
-                rows.append(r)
-                print(f"{name:<18} {seed:>4} {'on' if on else 'off':<5} {r['loss']:<8} "
-                      f"{r['wall_s']:>7.2f} {r['probe_s']:>6.2f} {r['train_time']:>6.2f} "
-                      + " ".join(f"{r[k]:>7.4f}" for k in METRICS), flush=True)
-    summary = summarise(rows)
-    print("\nmeans over seeds, continue_probe on / off, and the mean paired difference "
+        for epochs in args.epochs:
+            for seed in args.seeds:
+                for on in ((True, False) if seed % 2 == 0 else (False, True)):
+                    r = {"dataset": name, **params,
+                         **run_one(X, Y, X_test, Y_test, epochs, seed, on, opt, **params)}
+                    rows.append(r)
+                    print(f"{name:<18} {epochs:>4g} {seed:>4} {'on' if on else 'off':<5} "
+                          f"{r['loss']:<8} {r['wall_s']:>7.2f} {r['probe_s']:>6.2f} "
+                          f"{r['train_time']:>6.2f} "
+                          + " ".join(f"{r[k]:>7.4f}" for k in METRICS)
+                          + (f"  (epoch {r['kept_epoch']}'s model)" if r["kept_epoch"] else ""),
+                          flush=True)
+    summary = summarise(rows, opt)
+    print(f"\nmeans over seeds, {opt} on / off, and the mean paired difference "
           "(on - off) +- its standard error")
-    print(f"{'data':<18} {'seeds':>5} " + " ".join(f"{k:>30}" for k in (*METRICS, "fit_s")))
+    print(f"{'data':<18} {'ep':>4} {'seeds':>5} "
+          + " ".join(f"{k:>30}" for k in (*METRICS, "fit_s")))
     for line in summary:
         cells = []
         for key in (*METRICS, "fit_s"):
             c = line[key]
             m, se = c["diff"]
             cells.append(f"{c['on']:.4f} / {c['off']:.4f} {m:+.4f}+-{se:.4f}")
-        print(f"{line['dataset']:<18} {line['seeds']:>5} " + " ".join(f"{x:>30}" for x in cells))
-    _common.write_result(args.out, {**meta, "benchmark": "continue_probe",
-                                    "epochs": args.epochs, "seeds": args.seeds,
-                                    "params": params, "rows": rows,
-                                    "summary": summary})
-    print(f"wrote {args.out}")
+        print(f"{line['dataset']:<18} {line['epochs']:>4g} {line['seeds']:>5} "
+              + " ".join(f"{x:>30}" for x in cells))
+    _common.write_result(out, {**meta, "benchmark": opt, "epochs": args.epochs,
+                               "seeds": args.seeds, "params": params, "rows": rows,
+                               "summary": summary})
+    print(f"wrote {out}")
     return 0
 
 

@@ -80,9 +80,10 @@ def test_a_plateau_run_holds_rows_out_and_halves_the_rate(small, monkeypatch, al
                                                            devices):
     """The held-out P@1 is scripted: 0.30, 0.35 (better), 0.35 (not): the rate of epoch 3 is
     half that of epochs 0-2, epoch 4 a quarter after 0.34; no decay by the epoch. The same on
-    several devices (the central model is read at the epoch's last merge)."""
+    several devices (the central model is read at the epoch's last merge). ``keep_best`` reads
+    the last model once more (0.36: it stays)."""
     X, Y, _, _ = small
-    seen = iter([0.30, 0.35, 0.35, 0.34])
+    seen = iter([0.30, 0.35, 0.35, 0.34, 0.36])
     calls = []
 
     def scripted(be, params, Xh, Yh, **kw):
@@ -96,7 +97,7 @@ def test_a_plateau_run_holds_rows_out_and_halves_the_rate(small, monkeypatch, al
     held = min(PLATEAU_HOLDOUT_ROWS, X.shape[0] // 10)
     assert start["lr_decay"] == "plateau" and start["heldout_rows"] == held
     assert m.n_train_ == X.shape[0] - held
-    assert calls == [held] * 4  # after epochs 1-4, not after the last
+    assert calls == [held] * 5  # after epochs 1-4 for the rule, and the last model
     plateau = _records(m, "plateau")
     assert [r["lowered"] for r in plateau] == [False, False, True, True]
     assert [r["lr_scale"] for r in plateau] == [1.0, 1.0, 0.5, 0.25]
@@ -183,6 +184,10 @@ def test_the_memory_plan_counts_the_plateau_rules_copy_and_workspace():
     assert items["held-out P@1 workspace (plateau)"] == 4 * HELDOUT_LOGITS
     copy = items["training rows apart from the plateau's held-out ones (a copy)"]
     assert copy == items["training data (CSR X, Y)"]
+    best = items["the best epoch's model (keep_best, P)"]
+    assert best == items["host parameter copies (2 x P)"] // 2
+    off = plan_memory(TrainConfig(keep_best=False), n_samples=PLATEAU_MIN_ROWS, **shape)
+    assert not any("keep_best" in k for k in off.pools[0].items)
     for cfg, n in ((TrainConfig(lr_decay=0.5), PLATEAU_MIN_ROWS),
                    (TrainConfig(), PLATEAU_MIN_ROWS - 1)):
         assert not any("plateau" in k for k in plan_memory(cfg, n_samples=n,
@@ -209,15 +214,20 @@ def test_a_run_stops_once_the_rule_is_below_its_stop(small, monkeypatch, algorit
     assert final["samples"] == 7 * m.n_train_ and final["epoch"] == 7
     assert _records(m, "eval")[-1]["samples"] == 7 * m.n_train_  # the model it stopped with
     assert max(r["epoch"] for r in _records(m, "merge")) == 6
+    # keep_best: the last reading (after epoch 7) is not read again; level with the best, the
+    # last model stays
+    kept, = _records(m, "keep_best")
+    assert kept["heldout_p1"] == 0.4 and kept["best_epoch"] == 1 and not kept["restored"]
 
 
 def test_a_run_that_keeps_improving_trains_every_epoch(small, monkeypatch):
     X, Y, _, _ = small
-    seen = iter(np.linspace(0.1, 0.5, 9))
+    seen = iter(np.linspace(0.1, 0.5, 10))  # after epochs 1-9, and the last model
     monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: float(next(seen)))
     m = XMCClassifier(epochs=10, threads=1, eval_every=0, lr_decay="plateau",
                       loss="softmax").fit(X, Y)
     assert not _records(m, "plateau_stop")
+    assert not _records(m, "keep_best")[0]["restored"]  # the last model is the best
     final, = _records(m, "final")
     assert final["status"] == "completed" and final["samples"] == 10 * m.n_train_
 
@@ -234,3 +244,76 @@ def test_a_resumed_run_whose_rule_had_stopped_trains_no_further(small, tmp_path,
     final, = _records(again, "final")
     assert final["status"] == "plateau_stop"
     assert final["samples"] == _records(first, "final")[0]["samples"]
+
+
+def _scripted_reads(monkeypatch, values):
+    """``heldout_p1`` replaced by ``values`` in turn; returns the list of the host copies of
+    the model each call saw."""
+    seen, models = iter(values), []
+
+    def scripted(be, params, Xh, Yh, **kw):
+        models.append([np.array(be.to_host(p)) for p in params])
+        return next(seen)
+
+    monkeypatch.setattr(training, "heldout_p1", scripted)
+    return models
+
+
+@pytest.mark.parametrize("algorithm, devices", [("single", "cpu"), ("adaptive", "cpu,cpu@0.5"),
+                                                ("sync", "cpu,cpu")])
+def test_keep_best_ends_with_the_best_epochs_model(small, monkeypatch, algorithm, devices):
+    """Held-out P@1 0.30, 0.40 (the best, after epoch 2), 0.35, then 0.33 for the last model:
+    the run ends with the model the rule read after epoch 2, and evaluates that one."""
+    X, Y, Xt, Yt = small
+    models = _scripted_reads(monkeypatch, [0.30, 0.40, 0.35, 0.33])
+    m = XMCClassifier(epochs=4, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax", algorithm=algorithm, devices=devices)
+    m.fit(X, Y, eval_set=(Xt, Yt))
+    assert len(models) == 4
+    kept, = _records(m, "keep_best")
+    assert kept["restored"] and kept["best_epoch"] == 2
+    assert kept["heldout_p1"] == 0.33 and kept["best_p1"] == pytest.approx(0.40)
+    for got, want in zip(m.params_, models[1], strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert any(not np.array_equal(a, b) for a, b in zip(models[1], models[3], strict=True))
+    # the final evaluation is of the model kept, not of the last one
+    final, = _records(m, "final")
+    assert final["metrics"]["P@1"] == pytest.approx(m.evaluate(Xt, Yt)["P@1"])
+
+
+def test_keep_best_off_or_a_better_last_model_keeps_the_last(small, monkeypatch):
+    X, Y, _, _ = small
+    kw = dict(epochs=3, threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax")
+    models = _scripted_reads(monkeypatch, [0.40, 0.30])
+    off = XMCClassifier(keep_best=False, **kw).fit(X, Y)
+    assert len(models) == 2 and not _records(off, "keep_best")  # no reading of the last model
+    assert any(not np.array_equal(a, b) for a, b in zip(off.params_, models[0], strict=True))
+    models = _scripted_reads(monkeypatch, [0.40, 0.30, 0.41])
+    on = XMCClassifier(**kw).fit(X, Y)
+    kept, = _records(on, "keep_best")
+    assert not kept["restored"] and kept["heldout_p1"] == 0.41 and kept["best_epoch"] == 1
+    for got, last in zip(on.params_, models[2], strict=True):
+        np.testing.assert_array_equal(got, last)
+
+
+def test_a_checkpoint_keeps_the_best_model_and_a_resume_can_return_it(small, tmp_path,
+                                                                       monkeypatch):
+    """The best epoch's model travels in the checkpoints (``best.<name>``): a run resumed after
+    its best epoch still ends with that epoch's model."""
+    X, Y, _, _ = small
+    kw = dict(threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax",
+              log_dir=tmp_path / "run", checkpoint_every=X.shape[0] // 2)
+    models = _scripted_reads(monkeypatch, [0.40, 0.30, 0.30])  # epochs 1, 2; the last model
+    XMCClassifier(epochs=3, **kw).fit(X, Y)
+    arrays, meta = CheckpointManager(tmp_path / "run").latest_valid()
+    assert meta["best_epoch"] == 1
+    names = ModelShape(X.shape[1], Y.shape[1], (128,)).param_names
+    for n, want in zip(names, models[0], strict=True):
+        np.testing.assert_array_equal(arrays["best." + n], want)
+    best = models[0]
+    _scripted_reads(monkeypatch, [0.35, 0.2])  # after epoch 3; the last model
+    m = XMCClassifier(epochs=4, **kw).fit(X, Y, resume=True)
+    kept, = _records(m, "keep_best")
+    assert kept["restored"] and kept["best_epoch"] == 1
+    for got, want in zip(m.params_, best, strict=True):
+        np.testing.assert_array_equal(got, want)

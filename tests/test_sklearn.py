@@ -120,7 +120,7 @@ def test_clone_round_trips_every_parameter():
     # every parameter set to a non-default value survives
     custom = {"normalize": "none", "hidden": [32, 16], "epochs": 3, "max_train_seconds": 60.0,
               "batch_size": 64, "lr": 0.5,
-              "lr_warmup_epochs": 0.5, "lr_decay": 0.1, "label_chunk": 7,
+              "lr_warmup_epochs": 0.5, "lr_decay": 0.1, "keep_best": False, "label_chunk": 7,
               "optimizer": "adagrad", "loss": "bce", "continue_probe": False,
               "output": "sampled", "negatives": 64,
               "negative_sampling": "frequency",

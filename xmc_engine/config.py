@@ -697,6 +697,12 @@ class TrainConfig(ConfigMixin):
         :data:`PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed decay; ``None``: the
         optimizer's fixed :data:`DEFAULT_LR_DECAY` (0.5 for Adagrad, 0 for SGD)
         (:meth:`lr_decay_for`; the ``start`` record gives the value in effect).
+    keep_best : bool
+        With ``lr_decay="plateau"`` (whose held-out rows say how good each epoch's model is):
+        the run ends with the model of the epoch whose held-out P@1 was the highest, where the
+        last epoch's is lower (the run log's ``keep_best`` record; the final evaluation is of
+        that model). Without held-out rows there is nothing to choose by and the run ends with
+        its last model. Measured: ``bench/RESULTS.md``, "Defaults", "The best epoch's model".
     label_chunk : int or None
         Labels per chunk of the output layer (``None``: the whole ``B x n_labels`` logits).
     optimizer : {'sgd', 'adagrad'}
@@ -769,6 +775,7 @@ class TrainConfig(ConfigMixin):
     lr: float | None = None
     lr_warmup_epochs: float | None = None
     lr_decay: float | str | None = "auto"
+    keep_best: bool = True
     label_chunk: int | None = None
     optimizer: str = "adagrad"
     loss: str = "auto"

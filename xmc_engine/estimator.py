@@ -114,6 +114,9 @@ class XMCClassifier:
         :data:`xmc_engine.config.PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed
         decay; ``None``: that fixed decay, :data:`xmc_engine.config.DEFAULT_LR_DECAY` (0.5 for
         Adagrad, 0 for SGD).
+    keep_best : bool, default True
+        With the plateau schedule (held-out rows): the fitted model is that of the epoch with
+        the best held-out P@1 where the last epoch's is lower; ``False`` keeps the last one.
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"adagrad", "sgd"}

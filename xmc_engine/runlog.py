@@ -72,7 +72,8 @@ not know. The events the engine writes:
     ``crossbow``'s ``momentum``.
 ``checkpoint``
     After a checkpoint is written: ``path``, ``epoch``, ``samples``, ``train_time``, ``loss`` (the
-    loss trained), and with the plateau rule ``lr_scale`` and ``plateau_best_p1`` (its state).
+    loss trained), and with the plateau rule ``lr_scale``, ``plateau_best_p1`` (its state) and
+    ``best_epoch`` (whose model the checkpoint holds as ``best.<name>`` arrays: ``keep_best``).
     A resumed run says so in its ``start`` record (``resumed``, ``samples``, ``epoch``).
 ``nonfinite``
     A device's loss went non-finite in a period: it was left out of the merge, reset to the
@@ -92,6 +93,13 @@ not know. The events the engine writes:
     With ``lr_decay="plateau"``, when the rule has lowered the rate below
     ``PLATEAU_STOP_SCALE`` and training ends before ``epochs``: ``epoch``, ``samples``,
     ``train_time``, ``lr_scale``, ``stop_scale``, ``best_p1`` (the best held-out P@1).
+``keep_best``
+    With ``lr_decay="plateau"`` and ``keep_best`` (the default), once after training, before
+    the final evaluation: ``epoch`` (epochs trained), ``heldout_p1`` (the last model's P@1 on
+    the held-out rows; ``null`` on MPI ranks other than 0), ``best_p1`` and ``best_epoch``
+    (the best epoch's), ``restored`` (whether that epoch's model replaced the last one: its
+    held-out P@1 was higher; the final evaluation, the result and the last checkpoint are
+    then of that model), ``seconds`` (counted in ``train_time``).
 ``time_budget``
     When ``max_train_seconds`` ended training before ``epochs``: ``max_train_seconds``,
     ``train_time``, ``samples``, ``epoch``.

@@ -123,7 +123,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if decay == "plateau":
         X, Y, held = hold_out(X, Y, cfg.seed) if comm.is_root else (X, Y, None)
         n_samples = X.shape[0]
-        watch = _PlateauWatch(Plateau(), held, comm)
+        watch = _PlateauWatch(Plateau(), held, comm, keep_best=cfg.keep_best)
     probe = probe_fit = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
@@ -170,8 +170,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         for key in ("epoch", "samples", "train_time"):
             state[key] = meta[key]
         if watch is not None and "lr_scale" in meta:  # where the plateau rule had got to
-            watch.restore(meta)
-        extra = {k: v for k, v in arrays.items() if k not in shape.param_names}
+            watch.restore(meta, arrays, shape.param_names)
+        extra = {k: v for k, v in arrays.items()
+                 if k not in shape.param_names and not k.startswith(_BEST_PREFIX)}
         logger.info("resuming from epoch %s (%s samples)", state["epoch"], state["samples"])
 
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
@@ -698,31 +699,54 @@ def hold_out(X, Y, seed: int):
     return X[keep], Y[keep], (X[held], Y[held])
 
 
+#: Checkpoint arrays of ``keep_best``'s model (``best.W1``, ...), apart from the run's own.
+_BEST_PREFIX = "best."
+
+
 class _PlateauWatch:
     """``lr_decay="plateau"`` in the driver: after each whole epoch the central model's P@1 on
     the held-out rows (rank 0's; ``heldout`` is None on the other nodes), the
     :class:`~xmc_engine.scheduler.controller.Plateau` rule on its top-1 error (``1 - P@1``:
     lower is better), the rule's multiplier sent from rank 0 to every node, and the trainer's
-    schedule rescaled by it; a ``plateau`` record each time."""
+    schedule rescaled by it; a ``plateau`` record each time. With ``keep_best``
+    (``TrainConfig.keep_best``) every node keeps a host copy of the central model of the best
+    epoch so far, and :meth:`finish` puts it back where the last model is worse."""
 
-    def __init__(self, rule: Plateau, heldout, comm):
+    def __init__(self, rule: Plateau, heldout, comm, keep_best: bool = False):
         self.rule, self.heldout, self.comm = rule, heldout, comm
+        self.keep_best = keep_best
+        self.best_params: list[np.ndarray] | None = None  # the best epoch's central model
+        self.best_epoch: int | None = None
+        self.last_p1: float | None = None  # the last held-out P@1 read (rank 0's)
 
     def apply(self, trainer) -> None:
         trainer.schedule = dataclasses.replace(trainer.schedule, scale=self.rule.scale)
 
+    def _root_says(self, value: float) -> float:
+        """Rank 0's ``value`` on every node (itself in one process)."""
+        if self.comm is None or self.comm.size == 1:
+            return value
+        mine = value if self.comm.is_root else 0.0
+        return float(self.comm.allreduce_sum(np.array([mine]))[0])
+
+    def _read_p1(self, trainer, cfg: TrainConfig) -> float | None:
+        if self.heldout is None:
+            return None
+        self.last_p1 = heldout_p1(trainer.replicas[0].backend, trainer.central_params(),
+                                  *self.heldout, label_chunk=cfg.label_chunk)
+        return self.last_p1
+
     def after_epoch(self, trainer, epoch: int, log, cfg: TrainConfig) -> float:
-        """Read the held-out P@1, update the rule and the schedule; returns the seconds."""
+        """Read the held-out P@1, update the rule and the schedule (and with ``keep_best``
+        copy a new best epoch's model); returns the seconds."""
         t0 = time.perf_counter()
-        p1, lowered = None, False
-        if self.heldout is not None:
-            p1 = heldout_p1(trainer.replicas[0].backend, trainer.central_params(),
-                            *self.heldout, label_chunk=cfg.label_chunk)
+        p1, lowered = self._read_p1(trainer, cfg), False
+        if p1 is not None:
             lowered = self.rule.update(1.0 - p1)
-        if self.comm is not None and self.comm.size > 1:  # rank 0 decides for every node
-            mine = self.rule.scale if self.comm.is_root else 0.0
-            self.rule.scale = float(self.comm.allreduce_sum(np.array([mine]))[0])
+        self.rule.scale = self._root_says(self.rule.scale)  # rank 0 decides for every node
         self.apply(trainer)
+        if self.keep_best and self._root_says(float(p1 is not None and not lowered)):
+            self.best_params, self.best_epoch = host_params(trainer), epoch
         seconds = time.perf_counter() - t0
         log.write("plateau", epoch=epoch, heldout_p1=p1, best_p1=self.state()["plateau_best_p1"],
                   lowered=lowered, lr_scale=self.rule.scale, seconds=seconds)
@@ -731,16 +755,52 @@ class _PlateauWatch:
                         p1, 1.0 - self.rule.best, self.rule.scale)
         return seconds
 
+    def finish(self, trainer, epoch: float, log, cfg: TrainConfig,
+               read: bool) -> tuple[float, bool]:
+        """``keep_best`` at the end of the run: the held-out P@1 of the last model (read again
+        unless ``read`` is False: :meth:`after_epoch` has just read it), and where it is below
+        the best epoch's, that epoch's model copied into the central model; a ``keep_best``
+        record. Returns the seconds (training time, as the rule's evaluations are) and whether
+        the model was put back."""
+        t0 = time.perf_counter()
+        p1 = self._read_p1(trainer, cfg) if read else self.last_p1
+        best = self.state()["plateau_best_p1"]
+        back = float(self.best_params is not None and p1 is not None and best is not None
+                     and p1 < best)
+        restored = bool(self._root_says(back)) and self.best_params is not None
+        if restored:
+            be = trainer.replicas[0].backend
+            for dst, src in zip(trainer.central_params(), self.best_params, strict=True):
+                dst[...] = be.asarray(src)
+        seconds = time.perf_counter() - t0
+        log.write("keep_best", epoch=round(epoch, 4), heldout_p1=p1, best_p1=best,
+                  best_epoch=self.best_epoch, restored=restored, seconds=seconds)
+        if restored:
+            logger.info("keep_best: the model of epoch %d (held-out P@1 %.4f) replaces the last "
+                        "one (%.4f)", self.best_epoch, best, p1)
+        return seconds, restored
+
     def state(self) -> dict:
         """What a checkpoint keeps of the rule (the best P@1 None before the first epoch)."""
         best = self.rule.best
         return {"lr_scale": self.rule.scale,
-                "plateau_best_p1": 1.0 - best if np.isfinite(best) else None}
+                "plateau_best_p1": 1.0 - best if np.isfinite(best) else None,
+                "best_epoch": self.best_epoch}
 
-    def restore(self, meta: dict) -> None:
+    def arrays(self, names) -> dict:
+        """The best epoch's model for a checkpoint (``best.<name>``; none without one)."""
+        if self.best_params is None:
+            return {}
+        return {_BEST_PREFIX + n: a for n, a in zip(names, self.best_params, strict=True)}
+
+    def restore(self, meta: dict, arrays: dict | None = None, names=()) -> None:
         self.rule.scale = float(meta["lr_scale"])
         best = meta.get("plateau_best_p1")
         self.rule.best = 1.0 - float(best) if best is not None else float("inf")
+        if arrays is not None and all(_BEST_PREFIX + n in arrays for n in names):
+            self.best_params = [np.asarray(arrays[_BEST_PREFIX + n], dtype=np.float32)
+                                for n in names]
+            self.best_epoch = meta.get("best_epoch")
 
 
 class _Driver:
@@ -852,6 +912,7 @@ class _Driver:
         meta["loss"] = self.cfg.loss  # what loss="auto" chose: a resumed run keeps it
         if self.watch is not None:
             meta.update(self.watch.state())
+            arrays.update(self.watch.arrays(self.shape.param_names))
         self._reset_ckpt_clock()  # a failed write is retried at the next checkpoint, not sooner
         try:
             path = self.ckpts.save(meta, arrays)
@@ -900,6 +961,7 @@ class _Driver:
         total = int(cfg.epochs * self.n)
         bar = progress.bar(total=total, desc=self.desc, unit="sample", initial=st["samples"])
         previous = self._install_signals()
+        watched_at = None  # the samples at the plateau rule's last held-out reading
         try:
             epoch = int(st["epoch"])
             # A signal stops the loop at the next barrier, where a checkpoint can be taken.
@@ -931,6 +993,7 @@ class _Driver:
                     if self.watch is not None and st["samples"] < total:
                         # part of training: its seconds count (and are logged apart)
                         st["train_time"] += self.watch.after_epoch(tr, epoch, self.log, cfg)
+                        watched_at = st["samples"]
                 bar.update(st["samples"] - before)
                 dt = st["train_time"] - t0
                 postfix = {"samples/s": f"{(st['samples'] - before) / dt:.0f}"} if dt else {}
@@ -965,6 +1028,12 @@ class _Driver:
                 logger.info("max_train_seconds=%g reached after %.1f s of training, %.3f "
                             "epochs", cfg.max_train_seconds, st["train_time"],
                             st["samples"] / self.n)
+            if self.watch is not None and self.watch.keep_best:  # the best epoch's model
+                seconds, restored = self.watch.finish(tr, st["samples"] / self.n, self.log, cfg,
+                                                      read=watched_at != st["samples"])
+                st["train_time"] += seconds
+                if restored:  # the last evaluation was of the model it replaced
+                    self.last_eval_samples = -1
             if self.evaluator is not None and self.last_eval_samples != st["samples"]:
                 self.evaluate(st["samples"] / self.n)
             if (self.ckpts is not None and self.every is not None

@@ -36,6 +36,9 @@ _CONFIG_OPTIONS = {
                  "does not improve, stop below 1/32 of it; auto (default): plateau with "
                  "adagrad from 40,000 training rows, else the optimizer's fixed decay (0.5 "
                  "for adagrad, 0 for sgd)"),
+    "keep_best": ("--keep-best", bool, "with the plateau schedule: end with the model of the "
+                  "epoch with the best held-out P@1 (default), or the last one "
+                  "(--no-keep-best)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "
@@ -367,6 +370,10 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
               + (f"; training went on from the {model.loss_} fit's {went_on['samples']:,} "
                  f"samples" if went_on else "")
               + "; --loss softmax|bce skips the probe)")
+    kept = next((r for r in model.history_ if r.get("event") == "keep_best"), None)
+    if kept is not None and kept["restored"]:
+        print(f"model: epoch {kept['best_epoch']}'s (held-out P@1 {kept['best_p1']:.4f}; the "
+              f"last epoch's {kept['heldout_p1']:.4f}; --no-keep-best keeps the last)")
     print(f"log:   {run_dir / LOG_NAME}")
     print(f"model: {model_dir}")
     if plot:
