@@ -41,3 +41,28 @@ def write_tiny_xc(d, n: int, n_train: int):
     save_xc(d / "train.txt", X[:n_train], Y[:n_train])
     save_xc(d / "test.txt", X[n_train:], Y[n_train:])
     return d
+
+
+def script_heldout(monkeypatch, values):
+    """Replace what the plateau rule reads (``training.heldout_hits``) by scripted P@1s:
+    ``values`` is one P@1 for every call or an iterable of them in turn; a call for P@1 ``p``
+    on ``n`` held-out rows returns hits on the first ``round(p n)`` rows, so that two scripted
+    models differ on the rows between their counts. Returns ``(calls, models)``: the rows of
+    each call and the host copies of the model it saw."""
+    import numpy as np
+
+    from xmc_engine import training
+
+    seen = None if isinstance(values, (int, float)) else iter(values)
+    calls, models = [], []
+
+    def scripted(be, params, Xh, Yh, **kw):
+        calls.append(Xh.shape[0])
+        models.append([np.array(be.to_host(p)) for p in params])
+        p = values if seen is None else float(next(seen))
+        hits = np.zeros(Xh.shape[0], dtype=bool)
+        hits[:round(p * Xh.shape[0])] = True
+        return hits
+
+    monkeypatch.setattr(training, "heldout_hits", scripted)
+    return calls, models

@@ -253,7 +253,9 @@ def test_two_ranks_follow_rank_0s_plateau_rule(tmp_path):
     assert [lrs[e] for e in range(3)] == pytest.approx([0.5 * s for s in scales])
     # keep_best: rank 0 reads the last model too and every rank follows its decision (the
     # run ends: the ranks' collectives matched)
+    from xmc_engine.config import KEEP_BEST_Z
+
     kept, = [r for r in recs if r["event"] == "keep_best"]
     best = max(r["heldout_p1"] for r in plateau)
     assert kept["best_p1"] == pytest.approx(best)
-    assert kept["restored"] == (kept["heldout_p1"] < best)
+    assert kept["z"] is not None and kept["restored"] == (kept["z"] > KEEP_BEST_Z)

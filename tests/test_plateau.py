@@ -1,5 +1,6 @@
 """``lr_decay="plateau"``: the rule (:class:`~xmc_engine.scheduler.controller.Plateau`), the
-held-out P@1 it reads (:func:`xmc_engine.model.heldout_p1`), and what a run does with both:
+held-out P@1 it reads (:func:`xmc_engine.model.heldout_p1`, :func:`~xmc_engine.model.heldout_hits`),
+and what a run does with both:
 rows held out of training, the rate halved after an epoch that did not improve, the rule's
 state in checkpoints."""
 
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 from xmc_engine.datasets import make_synthetic
 
+from tests._helpers import script_heldout
 from xmc_engine import XMCClassifier, training
 from xmc_engine.backends.cpu import CPUBackend
 from xmc_engine.checkpoint import CheckpointManager
 from xmc_engine.cli.argtypes import lr_decay as lr_decay_arg
-from xmc_engine.config import PLATEAU_HOLDOUT_ROWS, PLATEAU_STOP_SCALE
+from xmc_engine.config import KEEP_BEST_Z, PLATEAU_HOLDOUT_ROWS, PLATEAU_STOP_SCALE
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import ModelShape, heldout_p1, init_params
 from xmc_engine.scheduler.controller import Plateau, Schedule
@@ -83,14 +85,7 @@ def test_a_plateau_run_holds_rows_out_and_halves_the_rate(small, monkeypatch, al
     several devices (the central model is read at the epoch's last merge). ``keep_best`` reads
     the last model once more (0.36: it stays)."""
     X, Y, _, _ = small
-    seen = iter([0.30, 0.35, 0.35, 0.34, 0.36])
-    calls = []
-
-    def scripted(be, params, Xh, Yh, **kw):
-        calls.append(Xh.shape[0])
-        return next(seen)
-
-    monkeypatch.setattr(training, "heldout_p1", scripted)
+    calls, _ = script_heldout(monkeypatch, [0.30, 0.35, 0.35, 0.34, 0.36])
     m = XMCClassifier(epochs=5, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
                       loss="softmax", algorithm=algorithm, devices=devices).fit(X, Y)
     start = _records(m, "start")[0]
@@ -149,7 +144,7 @@ def test_too_few_rows_for_the_plateau_rule_is_named(small):
 def test_a_checkpoint_keeps_the_rules_state_and_a_resume_restores_it(small, tmp_path,
                                                                        monkeypatch):
     X, Y, _, _ = small
-    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)  # never improves
+    script_heldout(monkeypatch, 0.4)  # never improves
     kw = dict(threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax",
               log_dir=tmp_path / "run", checkpoint_every=X.shape[0] // 2)
     XMCClassifier(epochs=3, **kw).fit(X, Y)
@@ -200,7 +195,7 @@ def test_a_run_stops_once_the_rule_is_below_its_stop(small, monkeypatch, algorit
     below the default stop (x1/32) after epoch 7 (x1/64): training ends there, evaluated, with a
     ``plateau_stop`` record and ``final``'s status saying why."""
     X, Y, Xt, Yt = small
-    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)
+    script_heldout(monkeypatch, 0.4)
     m = XMCClassifier(epochs=12, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
                       loss="softmax", algorithm=algorithm, devices=devices)
     m.fit(X, Y, eval_set=(Xt, Yt))
@@ -222,8 +217,7 @@ def test_a_run_stops_once_the_rule_is_below_its_stop(small, monkeypatch, algorit
 
 def test_a_run_that_keeps_improving_trains_every_epoch(small, monkeypatch):
     X, Y, _, _ = small
-    seen = iter(np.linspace(0.1, 0.5, 10))  # after epochs 1-9, and the last model
-    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: float(next(seen)))
+    script_heldout(monkeypatch, np.linspace(0.1, 0.5, 10))  # after epochs 1-9, the last model
     m = XMCClassifier(epochs=10, threads=1, eval_every=0, lr_decay="plateau",
                       loss="softmax").fit(X, Y)
     assert not _records(m, "plateau_stop")
@@ -234,7 +228,7 @@ def test_a_run_that_keeps_improving_trains_every_epoch(small, monkeypatch):
 
 def test_a_resumed_run_whose_rule_had_stopped_trains_no_further(small, tmp_path, monkeypatch):
     X, Y, _, _ = small
-    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)
+    script_heldout(monkeypatch, 0.4)
     kw = dict(threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax",
               log_dir=tmp_path / "run", checkpoint_every=X.shape[0] // 2)
     first = XMCClassifier(epochs=12, **kw).fit(X, Y)
@@ -246,33 +240,21 @@ def test_a_resumed_run_whose_rule_had_stopped_trains_no_further(small, tmp_path,
     assert final["samples"] == _records(first, "final")[0]["samples"]
 
 
-def _scripted_reads(monkeypatch, values):
-    """``heldout_p1`` replaced by ``values`` in turn; returns the list of the host copies of
-    the model each call saw."""
-    seen, models = iter(values), []
-
-    def scripted(be, params, Xh, Yh, **kw):
-        models.append([np.array(be.to_host(p)) for p in params])
-        return next(seen)
-
-    monkeypatch.setattr(training, "heldout_p1", scripted)
-    return models
-
-
 @pytest.mark.parametrize("algorithm, devices", [("single", "cpu"), ("adaptive", "cpu,cpu@0.5"),
                                                 ("sync", "cpu,cpu")])
 def test_keep_best_ends_with_the_best_epochs_model(small, monkeypatch, algorithm, devices):
-    """Held-out P@1 0.30, 0.40 (the best, after epoch 2), 0.35, then 0.33 for the last model:
-    the run ends with the model the rule read after epoch 2, and evaluates that one."""
+    """Held-out P@1 (60 rows) 0.30, 0.50 (the best, after epoch 2), 0.40, then 0.25 for the last
+    model, 4.4 standard errors behind: the run ends with the model the rule read after epoch 2,
+    and evaluates that one."""
     X, Y, Xt, Yt = small
-    models = _scripted_reads(monkeypatch, [0.30, 0.40, 0.35, 0.33])
+    _, models = script_heldout(monkeypatch, [0.30, 0.50, 0.40, 0.25])
     m = XMCClassifier(epochs=4, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
                       loss="softmax", algorithm=algorithm, devices=devices)
     m.fit(X, Y, eval_set=(Xt, Yt))
     assert len(models) == 4
     kept, = _records(m, "keep_best")
-    assert kept["restored"] and kept["best_epoch"] == 2
-    assert kept["heldout_p1"] == 0.33 and kept["best_p1"] == pytest.approx(0.40)
+    assert kept["restored"] and kept["best_epoch"] == 2 and kept["z"] > KEEP_BEST_Z
+    assert kept["heldout_p1"] == pytest.approx(0.25) and kept["best_p1"] == pytest.approx(0.5)
     for got, want in zip(m.params_, models[1], strict=True):
         np.testing.assert_array_equal(got, want)
     assert any(not np.array_equal(a, b) for a, b in zip(models[1], models[3], strict=True))
@@ -281,37 +263,54 @@ def test_keep_best_ends_with_the_best_epochs_model(small, monkeypatch, algorithm
     assert final["metrics"]["P@1"] == pytest.approx(m.evaluate(Xt, Yt)["P@1"])
 
 
-def test_keep_best_off_or_a_better_last_model_keeps_the_last(small, monkeypatch):
+def test_the_margin_is_the_paired_difference_in_standard_errors():
+    a = np.array([1, 1, 0, 0, 1, 0, 1, 1], dtype=bool)
+    b = np.array([1, 0, 0, 0, 1, 0, 0, 1], dtype=bool)
+    d = a.astype(float) - b
+    assert training.paired_z(a, b) == pytest.approx(d.mean() / (d.std(ddof=1) / np.sqrt(8)))
+    assert training.paired_z(b, a) == pytest.approx(-training.paired_z(a, b))
+    assert training.paired_z(a, a) == 0.0  # the 1/rows floor: no division by zero
+
+
+@pytest.mark.parametrize("kw, values, why", [
+    (dict(keep_best=False), [0.50, 0.30], "off: no reading of the last model"),
+    ({}, [0.50, 0.30, 0.55], "the last model is the best"),
+    ({}, [0.45, 0.40, 0.4333], "the best is 1 of 60 rows ahead: within chance"),
+])
+def test_the_last_model_stays(small, monkeypatch, kw, values, why):
     X, Y, _, _ = small
-    kw = dict(epochs=3, threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax")
-    models = _scripted_reads(monkeypatch, [0.40, 0.30])
-    off = XMCClassifier(keep_best=False, **kw).fit(X, Y)
-    assert len(models) == 2 and not _records(off, "keep_best")  # no reading of the last model
-    assert any(not np.array_equal(a, b) for a, b in zip(off.params_, models[0], strict=True))
-    models = _scripted_reads(monkeypatch, [0.40, 0.30, 0.41])
-    on = XMCClassifier(**kw).fit(X, Y)
-    kept, = _records(on, "keep_best")
-    assert not kept["restored"] and kept["heldout_p1"] == 0.41 and kept["best_epoch"] == 1
-    for got, last in zip(on.params_, models[2], strict=True):
+    calls, models = script_heldout(monkeypatch, values)
+    m = XMCClassifier(epochs=3, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax", **kw).fit(X, Y)
+    assert len(calls) == len(values), why
+    kept = _records(m, "keep_best")
+    if kw.get("keep_best") is False:
+        assert not kept, why
+        assert any(not np.array_equal(a, b) for a, b in zip(m.params_, models[0], strict=True))
+        return
+    assert not kept[0]["restored"] and kept[0]["best_epoch"] == 1, why
+    assert kept[0]["z"] <= KEEP_BEST_Z, why
+    for got, last in zip(m.params_, models[-1], strict=True):
         np.testing.assert_array_equal(got, last)
 
 
 def test_a_checkpoint_keeps_the_best_model_and_a_resume_can_return_it(small, tmp_path,
                                                                        monkeypatch):
-    """The best epoch's model travels in the checkpoints (``best.<name>``): a run resumed after
-    its best epoch still ends with that epoch's model."""
+    """The best epoch's model and its held-out hits travel in the checkpoints (``best.<name>``,
+    ``best.heldout_hits``): a run resumed after its best epoch still ends with that model."""
     X, Y, _, _ = small
     kw = dict(threads=1, eval_every=0, lr_decay="plateau", lr=0.05, loss="softmax",
               log_dir=tmp_path / "run", checkpoint_every=X.shape[0] // 2)
-    models = _scripted_reads(monkeypatch, [0.40, 0.30, 0.30])  # epochs 1, 2; the last model
+    _, models = script_heldout(monkeypatch, [0.50, 0.30, 0.30])  # epochs 1, 2; the last model
     XMCClassifier(epochs=3, **kw).fit(X, Y)
     arrays, meta = CheckpointManager(tmp_path / "run").latest_valid()
     assert meta["best_epoch"] == 1
     names = ModelShape(X.shape[1], Y.shape[1], (128,)).param_names
     for n, want in zip(names, models[0], strict=True):
         np.testing.assert_array_equal(arrays["best." + n], want)
+    assert arrays["best.heldout_hits"].sum() == 30
     best = models[0]
-    _scripted_reads(monkeypatch, [0.35, 0.2])  # after epoch 3; the last model
+    script_heldout(monkeypatch, [0.35, 0.2])  # after epoch 3; the last model
     m = XMCClassifier(epochs=4, **kw).fit(X, Y, resume=True)
     kept, = _records(m, "keep_best")
     assert kept["restored"] and kept["best_epoch"] == 1

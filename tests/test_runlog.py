@@ -195,10 +195,11 @@ def test_every_field_a_training_run_writes_is_documented(tmp_path, monkeypatch):
     docstring: a field the engine writes and the docstring does not name fails here."""
     from xmc_engine.datasets import make_synthetic
 
-    from xmc_engine import XMCClassifier, training
+    from tests._helpers import script_heldout
+    from xmc_engine import XMCClassifier
 
     X, Y, Xt, Yt = make_synthetic(n_train=2400, n_test=100, n_features=200, n_labels=30, seed=1)
-    monkeypatch.setattr(training, "heldout_p1", lambda *a, **k: 0.4)  # the rule stops early
+    script_heldout(monkeypatch, 0.4)  # the rule stops early
     # (from the initialisation: continuing the probe's 20,000 samples would leave the rule
     # too few epochs to stop)
     runs = [XMCClassifier(epochs=12, threads=1, hidden=8, lr_decay="plateau", eval_every=4,

@@ -756,16 +756,23 @@ def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,
     return labels, scores
 
 
-def heldout_p1(be, params, X, Y, *, label_chunk: int | None = None,
-               row_chunk: int = 512) -> float:
-    """P@1 of ``params`` on host CSR ``X``, ``Y`` (a row without labels counts 0), by
-    :func:`predict_topk` in blocks of ``row_chunk`` rows and ``label_chunk`` labels (``None``: as
-    many as keep a block within :data:`~xmc_engine.config.HELDOUT_LOGITS`). What the plateau
-    schedule reads (``TrainConfig.lr_decay="plateau"``)."""
-    from xmc_engine.metrics import evaluate
+def heldout_hits(be, params, X, Y, *, label_chunk: int | None = None,
+                 row_chunk: int = 512) -> np.ndarray:
+    """Per row of host CSR ``X``, ``Y``: is ``params``' top label one of the row's labels (bool;
+    a row without labels: False), by :func:`predict_topk` in blocks of ``row_chunk`` rows and
+    ``label_chunk`` labels (``None``: as many as keep a block within
+    :data:`~xmc_engine.config.HELDOUT_LOGITS`). What the plateau schedule reads
+    (``TrainConfig.lr_decay="plateau"``): its mean is the P@1, and two models' hits on the same
+    rows tell them apart (``keep_best``)."""
+    from xmc_engine.metrics import label_hits
 
     if X.shape[0] == 0:
-        raise ValueError("heldout_p1 needs at least one row")
+        raise ValueError("heldout_hits needs at least one row")
     label_chunk = label_chunk or max(1, HELDOUT_LOGITS // row_chunk)
     top, _ = predict_topk(be, params, X, 1, row_chunk=row_chunk, label_chunk=label_chunk)
-    return float(evaluate(top, Y, ks=(1,))["P@1"])
+    return label_hits(top, Y)[:, 0]
+
+
+def heldout_p1(be, params, X, Y, **kw) -> float:
+    """P@1 of ``params`` on host CSR ``X``, ``Y``: the mean of :func:`heldout_hits`."""
+    return float(np.mean(heldout_hits(be, params, X, Y, **kw)))

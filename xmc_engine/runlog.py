@@ -97,9 +97,11 @@ not know. The events the engine writes:
     With ``lr_decay="plateau"`` and ``keep_best`` (the default), once after training, before
     the final evaluation: ``epoch`` (epochs trained), ``heldout_p1`` (the last model's P@1 on
     the held-out rows; ``null`` on MPI ranks other than 0), ``best_p1`` and ``best_epoch``
-    (the best epoch's), ``restored`` (whether that epoch's model replaced the last one: its
-    held-out P@1 was higher; the final evaluation, the result and the last checkpoint are
-    then of that model), ``seconds`` (counted in ``train_time``).
+    (the best epoch's), ``z`` (how far the best epoch's held-out hits are ahead of the last
+    model's, in standard errors of the paired difference; ``null`` on other ranks),
+    ``restored`` (whether that epoch's model replaced the last one: ``z`` above
+    ``KEEP_BEST_Z``; the final evaluation, the result and the last checkpoint are then of
+    that model), ``seconds`` (counted in ``train_time``).
 ``time_budget``
     When ``max_train_seconds`` ended training before ``epochs``: ``max_train_seconds``,
     ``train_time``, ``samples``, ``epoch``.

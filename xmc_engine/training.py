@@ -25,7 +25,7 @@ from xmc_engine.errors import ConfigError, DivergenceError, TrainingInterrupted
 from xmc_engine.model import (
     MLPReplica,
     ModelShape,
-    heldout_p1,
+    heldout_hits,
     init_params_for_data,
     predict_topk,
 )
@@ -400,11 +400,18 @@ def pick_loss(hits: dict) -> tuple[str, float]:
     included): the softmax has to win by more than chance would on the held-out rows."""
     from xmc_engine.config import LOSS_PROBE_SOFTMAX_Z
 
-    d = hits["softmax"].astype(np.float64) - hits["bce"].astype(np.float64)
+    z = paired_z(hits["softmax"], hits["bce"])
+    return ("softmax" if z > LOSS_PROBE_SOFTMAX_Z else "bce"), round(z, 2)
+
+
+def paired_z(a, b) -> float:
+    """How far model ``a``'s per-row hits are ahead of model ``b``'s on the same rows, in
+    standard errors: the mean of ``a - b`` over the rows divided by its standard error (at least
+    ``1 / rows``, so that identical hits give a finite 0)."""
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     m = len(d)
     se = max(float(d.std(ddof=1)) / np.sqrt(m) if m > 1 else 0.0, 1.0 / m)
-    z = float(d.mean()) / se
-    return ("softmax" if z > LOSS_PROBE_SOFTMAX_Z else "bce"), round(z, 2)
+    return float(d.mean()) / se
 
 
 def _probe_device(device):
@@ -717,7 +724,8 @@ class _PlateauWatch:
         self.keep_best = keep_best
         self.best_params: list[np.ndarray] | None = None  # the best epoch's central model
         self.best_epoch: int | None = None
-        self.last_p1: float | None = None  # the last held-out P@1 read (rank 0's)
+        self.best_hits: np.ndarray | None = None  # its held-out hits (rank 0's)
+        self.last_hits: np.ndarray | None = None  # the last held-out hits read (rank 0's)
 
     def apply(self, trainer) -> None:
         trainer.schedule = dataclasses.replace(trainer.schedule, scale=self.rule.scale)
@@ -730,11 +738,13 @@ class _PlateauWatch:
         return float(self.comm.allreduce_sum(np.array([mine]))[0])
 
     def _read_p1(self, trainer, cfg: TrainConfig) -> float | None:
+        """The central model's held-out P@1 (rank 0; None elsewhere), its hits kept."""
         if self.heldout is None:
             return None
-        self.last_p1 = heldout_p1(trainer.replicas[0].backend, trainer.central_params(),
-                                  *self.heldout, label_chunk=cfg.label_chunk)
-        return self.last_p1
+        self.last_hits = np.asarray(
+            heldout_hits(trainer.replicas[0].backend, trainer.central_params(), *self.heldout,
+                         label_chunk=cfg.label_chunk), dtype=bool)
+        return float(self.last_hits.mean())
 
     def after_epoch(self, trainer, epoch: int, log, cfg: TrainConfig) -> float:
         """Read the held-out P@1, update the rule and the schedule (and with ``keep_best``
@@ -747,6 +757,7 @@ class _PlateauWatch:
         self.apply(trainer)
         if self.keep_best and self._root_says(float(p1 is not None and not lowered)):
             self.best_params, self.best_epoch = host_params(trainer), epoch
+            self.best_hits = self.last_hits
         seconds = time.perf_counter() - t0
         log.write("plateau", epoch=epoch, heldout_p1=p1, best_p1=self.state()["plateau_best_p1"],
                   lowered=lowered, lr_scale=self.rule.scale, seconds=seconds)
@@ -757,24 +768,31 @@ class _PlateauWatch:
 
     def finish(self, trainer, epoch: float, log, cfg: TrainConfig,
                read: bool) -> tuple[float, bool]:
-        """``keep_best`` at the end of the run: the held-out P@1 of the last model (read again
-        unless ``read`` is False: :meth:`after_epoch` has just read it), and where it is below
-        the best epoch's, that epoch's model copied into the central model; a ``keep_best``
-        record. Returns the seconds (training time, as the rule's evaluations are) and whether
-        the model was put back."""
+        """``keep_best`` at the end of the run: the held-out hits of the last model (read again
+        unless ``read`` is False: :meth:`after_epoch` has just read them), and where the best
+        epoch's are ahead of them by more than :data:`~xmc_engine.config.KEEP_BEST_Z` standard
+        errors (:func:`paired_z`), that epoch's model copied into the central model; a
+        ``keep_best`` record. Returns the seconds (training time, as the rule's evaluations
+        are) and whether the model was put back."""
+        from xmc_engine.config import KEEP_BEST_Z
+
         t0 = time.perf_counter()
-        p1 = self._read_p1(trainer, cfg) if read else self.last_p1
+        if read:
+            self._read_p1(trainer, cfg)
+        hits = self.last_hits
+        p1 = float(hits.mean()) if hits is not None else None
         best = self.state()["plateau_best_p1"]
-        back = float(self.best_params is not None and p1 is not None and best is not None
-                     and p1 < best)
-        restored = bool(self._root_says(back)) and self.best_params is not None
+        z = (round(paired_z(self.best_hits, hits), 2)
+             if self.best_hits is not None and hits is not None else None)
+        restored = (bool(self._root_says(float(z is not None and z > KEEP_BEST_Z)))
+                    and self.best_params is not None)
         if restored:
             be = trainer.replicas[0].backend
             for dst, src in zip(trainer.central_params(), self.best_params, strict=True):
                 dst[...] = be.asarray(src)
         seconds = time.perf_counter() - t0
         log.write("keep_best", epoch=round(epoch, 4), heldout_p1=p1, best_p1=best,
-                  best_epoch=self.best_epoch, restored=restored, seconds=seconds)
+                  best_epoch=self.best_epoch, z=z, restored=restored, seconds=seconds)
         if restored:
             logger.info("keep_best: the model of epoch %d (held-out P@1 %.4f) replaces the last "
                         "one (%.4f)", self.best_epoch, best, p1)
@@ -791,7 +809,10 @@ class _PlateauWatch:
         """The best epoch's model for a checkpoint (``best.<name>``; none without one)."""
         if self.best_params is None:
             return {}
-        return {_BEST_PREFIX + n: a for n, a in zip(names, self.best_params, strict=True)}
+        out = {_BEST_PREFIX + n: a for n, a in zip(names, self.best_params, strict=True)}
+        if self.best_hits is not None:  # rank 0's
+            out[_BEST_PREFIX + "heldout_hits"] = self.best_hits.astype(np.uint8)
+        return out
 
     def restore(self, meta: dict, arrays: dict | None = None, names=()) -> None:
         self.rule.scale = float(meta["lr_scale"])
@@ -801,6 +822,8 @@ class _PlateauWatch:
             self.best_params = [np.asarray(arrays[_BEST_PREFIX + n], dtype=np.float32)
                                 for n in names]
             self.best_epoch = meta.get("best_epoch")
+            hits = arrays.get(_BEST_PREFIX + "heldout_hits")
+            self.best_hits = None if hits is None else np.asarray(hits, dtype=bool)
 
 
 class _Driver:
