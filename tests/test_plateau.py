@@ -316,3 +316,10 @@ def test_a_checkpoint_keeps_the_best_model_and_a_resume_can_return_it(small, tmp
     assert kept["restored"] and kept["best_epoch"] == 1
     for got, want in zip(m.params_, best, strict=True):
         np.testing.assert_array_equal(got, want)
+    # resumed again, a better epoch replaces the loaded best (copied into its arrays)
+    _, models = script_heldout(monkeypatch, [0.6, 0.2])  # after epoch 5; the last model
+    m = XMCClassifier(epochs=6, **kw).fit(X, Y, resume=True)
+    kept, = _records(m, "keep_best")
+    assert kept["restored"] and kept["best_epoch"] == 5
+    for got, want in zip(m.params_, models[0], strict=True):
+        np.testing.assert_array_equal(got, want)

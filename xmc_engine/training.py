@@ -756,8 +756,8 @@ class _PlateauWatch:
         self.rule.scale = self._root_says(self.rule.scale)  # rank 0 decides for every node
         self.apply(trainer)
         if self.keep_best and self._root_says(float(p1 is not None and not lowered)):
-            self.best_params, self.best_epoch = host_params(trainer), epoch
-            self.best_hits = self.last_hits
+            self._copy_best(trainer)
+            self.best_epoch, self.best_hits = epoch, self.last_hits
         seconds = time.perf_counter() - t0
         log.write("plateau", epoch=epoch, heldout_p1=p1, best_p1=self.state()["plateau_best_p1"],
                   lowered=lowered, lr_scale=self.rule.scale, seconds=seconds)
@@ -765,6 +765,16 @@ class _PlateauWatch:
             logger.info("epoch %d: held-out P@1 %.4f not above %.4f: learning rate x%g", epoch,
                         p1, 1.0 - self.rule.best, self.rule.scale)
         return seconds
+
+    def _copy_best(self, trainer) -> None:
+        """The central model into ``best_params``, into the arrays of the last copy where
+        there is one (a fresh copy of a large model each epoch costs its page faults too)."""
+        if self.best_params is None:
+            self.best_params = host_params(trainer)
+            return
+        be = trainer.replicas[0].backend
+        for dst, src in zip(self.best_params, trainer.central_params(), strict=True):
+            np.copyto(dst, be.to_host(src))
 
     def finish(self, trainer, epoch: float, log, cfg: TrainConfig,
                read: bool) -> tuple[float, bool]:
@@ -819,8 +829,8 @@ class _PlateauWatch:
         best = meta.get("plateau_best_p1")
         self.rule.best = 1.0 - float(best) if best is not None else float("inf")
         if arrays is not None and all(_BEST_PREFIX + n in arrays for n in names):
-            self.best_params = [np.asarray(arrays[_BEST_PREFIX + n], dtype=np.float32)
-                                for n in names]
+            self.best_params = [np.array(arrays[_BEST_PREFIX + n], dtype=np.float32)
+                                for n in names]  # writable: later bests are copied into it
             self.best_epoch = meta.get("best_epoch")
             hits = arrays.get(_BEST_PREFIX + "heldout_hits")
             self.best_hits = None if hits is None else np.asarray(hits, dtype=bool)
