@@ -450,3 +450,26 @@ def test_loss_rule_scores_each_rule_by_the_runs_it_picks():
     assert rules["always bce"]["bce_picked"] == 3 and rules["always softmax"]["bce_picked"] == 0
     assert out["d"]["z"] == [1.5, 2.5, 0.0]
     assert out["mean"]["z > 2"]["P@1"] == pytest.approx(rules["z > 2"]["metrics"]["P@1"])
+
+
+def test_keep_best_rule_scores_each_margin_by_the_model_it_ends_with():
+    """bench_keep_best.py: per dataset and epochs, a rule takes the best epoch's test metrics
+    where the run's margin is above its threshold, the last model's otherwise."""
+    from bench_keep_best import summarise as keep_best_summary
+
+    def row(z, last, best, epochs=5):
+        return {"dataset": "d", "epochs": epochs, "z": z,
+                "last": {"P@1": last, "P@3": 0.0, "P@5": 0.0},
+                "best": {"P@1": best, "P@3": 0.0, "P@5": 0.0}}
+    rows = [row(0.5, 0.40, 0.30), row(1.5, 0.40, 0.50), row(2.5, 0.40, 0.60),
+            row(None, 0.40, 0.40), row(3.0, 0.1, 0.2, epochs=10)]
+    out = keep_best_summary(rows)
+    assert [(x["dataset"], x["epochs"], x["seeds"]) for x in out] == [("d", 5, 4), ("d", 10, 1)]
+    rules = out[0]["rules"]
+    assert rules["last"]["P@1"] == pytest.approx(0.40) and rules["last"]["swapped"] == 0
+    assert rules["z > 0"]["P@1"] == pytest.approx((0.30 + 0.50 + 0.60 + 0.40) / 4)
+    assert rules["z > 2"]["P@1"] == pytest.approx((0.40 + 0.40 + 0.60 + 0.40) / 4)
+    assert rules["z > 2"]["swapped"] == 1 and rules["z > 1"]["swapped"] == 2
+    assert rules["best"]["swapped"] == 4  # a run without a margin too (its best is its last)
+    assert out[1]["rules"]["z > 3"]["P@1"] == pytest.approx(0.1)  # not above 3
+    assert out[0]["z"] == [0.5, 1.5, 2.5, None]

@@ -1,0 +1,149 @@
+"""When should a plateau-schedule run end with its best held-out epoch's model rather than its
+last one (``keep_best``, :data:`xmc_engine.config.KEEP_BEST_Z`)? Measured on what each rule
+gives: per dataset, epochs and seed the engine trains once with its defaults and a margin of
+minus infinity, so that the best epoch's model always replaces the last; the run evaluates the
+test set twice, the last model just before the swap and the kept one after it, and its
+``keep_best`` record says how far the best epoch's held-out hits were ahead (``z``, in standard
+errors of the paired difference). Every rule is then scored by the test metrics of the model it
+would have ended with:
+
+- ``last``: no swap (``keep_best=False``);
+- ``z > t``: the best epoch's model where its margin is above ``t`` (``t = 0``: the higher
+  held-out P@1; ``t = 2``: the engine's ``KEEP_BEST_Z``);
+- ``best``: always the best epoch's.
+
+    python bench/bench_keep_best.py --datasets imdb synth100k synthetic:60000:5000:1000 \\
+        synthetic:50000:20000:10000 --epochs 5 10 --seeds 0 1 2 3 4 \\
+        --out bench/results/keep_best_rule.json
+    python bench/bench_keep_best.py --from-results bench/results/keep_best_rule.json
+
+Only data of at least :data:`~xmc_engine.config.PLATEAU_MIN_ROWS` training rows has the plateau
+rule (and its held-out rows) by default. Names: a shared dataset, a shape of
+``bench_defaults.py`` (``synth100k``) or ``synthetic:N_TRAIN:N_FEATURES:N_LABELS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import _common
+import _tta
+import bench_defaults
+
+METRICS = ("P@1", "P@3", "P@5")
+THRESHOLDS = (0.0, 1.0, 2.0, 3.0)
+
+
+def load(name: str):
+    if name in bench_defaults.SYNTHETIC:
+        return bench_defaults.load(name, max_train=10**9)[:4]
+    return _tta.load_data(name)
+
+
+def run_one(data, epochs: float, seed: int) -> dict:
+    """One default run whose best epoch's model always replaces its last: the test metrics of
+    both and the ``keep_best`` record's margin."""
+    import xmc_engine.config as config
+    from xmc_engine import XMCClassifier
+
+    X, Y, X_test, Y_test = data
+    real = config.KEEP_BEST_Z
+    config.KEEP_BEST_Z = -math.inf  # read by the driver when the run ends
+    try:
+        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=epochs)
+        clf.fit(X, Y, eval_set=(X_test, Y_test))
+    finally:
+        config.KEEP_BEST_Z = real
+    h = clf.history_
+    evals = [r for r in h if r["event"] == "eval"]
+    kept = next((r for r in h if r["event"] == "keep_best"), None)
+    if kept is None:
+        raise SystemExit(f"seed {seed}: no keep_best record: the run had no plateau rule "
+                         f"(fewer training rows than PLATEAU_MIN_ROWS?)")
+    last = {k: evals[0]["metrics"][k] for k in METRICS}
+    best = {k: evals[-1]["metrics"][k] for k in METRICS} if kept["restored"] else last
+    return {"seed": seed, "epochs": epochs, "loss": clf.loss_, "z": kept["z"],
+            "best_epoch": kept["best_epoch"], "heldout_last": kept["heldout_p1"],
+            "heldout_best": kept["best_p1"], "last": last, "best": best}
+
+
+def rules() -> list[tuple[str, object]]:
+    """``(name, picks)`` per rule: ``picks(z)`` says whether the best epoch's model is kept."""
+    out = [("last", lambda z: False)]
+    out += [(f"z > {t:g}", lambda z, t=t: z is not None and z > t) for t in THRESHOLDS]
+    out.append(("best", lambda z: True))
+    return out
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per dataset and epochs, per rule: the mean test metrics of the models it ends with and
+    how many runs it swapped."""
+    out = []
+    for name, epochs in dict.fromkeys((r["dataset"], r["epochs"]) for r in rows):
+        runs = [r for r in rows if r["dataset"] == name and r["epochs"] == epochs]
+        line = {"dataset": name, "epochs": epochs, "seeds": len(runs),
+                "z": [r["z"] for r in runs], "rules": {}}
+        for rule, picks in rules():
+            chosen = [r["best"] if picks(r["z"]) else r["last"] for r in runs]
+            line["rules"][rule] = {
+                "swapped": sum(bool(picks(r["z"])) for r in runs),
+                **{k: sum(c[k] for c in chosen) / len(chosen) for k in METRICS}}
+        out.append(line)
+    return out
+
+
+def print_summary(summary: list[dict]) -> None:
+    names = [n for n, _ in rules()]
+    print("\nmean test P@1 / P@3 / P@5 of the model each rule ends with (runs swapped)")
+    print(f"{'data':<30} {'ep':>3} " + " ".join(f"{n:>27}" for n in names))
+    for line in summary:
+        cells = []
+        for n in names:
+            c = line["rules"][n]
+            cells.append(f"{c['P@1']:.4f}/{c['P@3']:.4f}/{c['P@5']:.4f} ({c['swapped']})")
+        print(f"{line['dataset']:<30} {line['epochs']:>3g} " + " ".join(f"{x:>27}" for x in cells))
+        print(f"{'':<30} {'':>3} z: " + ", ".join(f"{z:+.2f}" if z is not None else "-"
+                                                    for z in line["z"]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--datasets", nargs="+", default=["imdb"])
+    p.add_argument("--epochs", type=float, nargs="+", default=[5, 10])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--from-results", help="print the summary of a results file and stop")
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / "keep_best_rule.json"))
+    args = p.parse_args(argv)
+    if args.from_results:
+        with open(args.from_results) as f:
+            print_summary(summarise(json.load(f)["rows"]))
+        return 0
+    meta = _common.result_metadata()
+    rows = []
+    print(f"{'data':<30} {'ep':>3} {'seed':>4} {'loss':<8} {'z':>6} {'best ep':>7} "
+          f"{'last P@1':>8} {'best P@1':>8}")
+    for name in args.datasets:
+        data = load(name)
+        _common.warm_engine(data[0], data[1])
+        for epochs in args.epochs:
+            for seed in args.seeds:
+                r = {"dataset": name, **run_one(data, epochs, seed)}
+                rows.append(r)
+                z = f"{r['z']:+.2f}" if r["z"] is not None else "-"
+                print(f"{name:<30} {epochs:>3g} {seed:>4} {r['loss']:<8} {z:>6} "
+                      f"{r['best_epoch']!s:>7} {r['last']['P@1']:>8.4f} {r['best']['P@1']:>8.4f}",
+                      flush=True)
+    summary = summarise(rows)
+    print_summary(summary)
+    _common.write_result(args.out, {**meta, "benchmark": "keep_best_rule",
+                                    "epochs": args.epochs, "seeds": args.seeds, "rows": rows,
+                                    "summary": summary})
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
