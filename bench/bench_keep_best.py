@@ -1,8 +1,8 @@
 """When should a plateau-schedule run end with its best held-out epoch's model rather than its
 last one (``keep_best``, :data:`xmc_engine.config.KEEP_BEST_Z`)? Measured on what each rule
 gives: per dataset, epochs and seed the engine trains once with its defaults and a margin of
-minus infinity, so that the best epoch's model always replaces the last; the run evaluates the
-test set twice, the last model just before the swap and the kept one after it, and its
+minus infinity, so that the best epoch's model always replaces the last; the script copies the
+last model just before the swap and evaluates both on the test set, and the run's
 ``keep_best`` record says how far the best epoch's held-out hits were ahead (``z``, in standard
 errors of the paired difference). Every rule is then scored by the test metrics of the model it
 would have ended with:
@@ -45,29 +45,38 @@ def load(name: str):
 
 def run_one(data, epochs: float, seed: int) -> dict:
     """One default run whose best epoch's model always replaces its last: the test metrics of
-    both and the ``keep_best`` record's margin."""
+    both (the last model copied just before the swap) and the ``keep_best`` record's margin."""
     import xmc_engine.config as config
+    import xmc_engine.training as training
     from xmc_engine import XMCClassifier
 
     X, Y, X_test, Y_test = data
-    real = config.KEEP_BEST_Z
+    real_z, real_finish, seen = config.KEEP_BEST_Z, training._PlateauWatch.finish, {}
+
+    def finish(self, trainer, *args, **kw):
+        seen["last"] = training.host_params(trainer)
+        return real_finish(self, trainer, *args, **kw)
+
     config.KEEP_BEST_Z = -math.inf  # read by the driver when the run ends
+    training._PlateauWatch.finish = finish
     try:
-        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=epochs)
-        clf.fit(X, Y, eval_set=(X_test, Y_test))
+        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0).fit(X, Y)
     finally:
-        config.KEEP_BEST_Z = real
+        config.KEEP_BEST_Z, training._PlateauWatch.finish = real_z, real_finish
     h = clf.history_
-    evals = [r for r in h if r["event"] == "eval"]
     kept = next((r for r in h if r["event"] == "keep_best"), None)
     if kept is None:
         raise SystemExit(f"seed {seed}: no keep_best record: the run had no plateau rule "
                          f"(fewer training rows than PLATEAU_MIN_ROWS?)")
-    last = {k: evals[0]["metrics"][k] for k in METRICS}
-    best = {k: evals[-1]["metrics"][k] for k in METRICS} if kept["restored"] else last
-    return {"seed": seed, "epochs": epochs, "loss": clf.loss_, "z": kept["z"],
+    final = next(r for r in h if r["event"] == "final")
+    best = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))
+    clf.params_ = seen["last"]
+    last = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))
+    return {"seed": seed, "epochs": epochs, "epochs_trained": final["epoch"],
+            "status": final["status"], "loss": clf.loss_, "z": kept["z"],
             "best_epoch": kept["best_epoch"], "heldout_last": kept["heldout_p1"],
-            "heldout_best": kept["best_p1"], "last": last, "best": best}
+            "heldout_best": kept["best_p1"], "last": {k: float(last[k]) for k in METRICS},
+            "best": {k: float(best[k]) for k in METRICS}}
 
 
 def rules() -> list[tuple[str, object]]:
