@@ -43,7 +43,7 @@ def load(name: str):
     return _tta.load_data(name)
 
 
-def run_one(data, epochs: float, seed: int) -> dict:
+def run_one(data, epochs: float, seed: int, **params) -> dict:
     """One default run whose best epoch's model always replaces its last: the test metrics of
     both (the last model copied just before the swap) and the ``keep_best`` record's margin."""
     import xmc_engine.config as config
@@ -60,7 +60,7 @@ def run_one(data, epochs: float, seed: int) -> dict:
     config.KEEP_BEST_Z = -math.inf  # read by the driver when the run ends
     training._PlateauWatch.finish = finish
     try:
-        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0).fit(X, Y)
+        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
     finally:
         config.KEEP_BEST_Z, training._PlateauWatch.finish = real_z, real_finish
     h = clf.history_
@@ -123,6 +123,10 @@ def main(argv=None) -> int:
     p.add_argument("--datasets", nargs="+", default=["imdb"])
     p.add_argument("--epochs", type=float, nargs="+", default=[5, 10])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--devices", default=None,
+                   help="device spec of every run (default: the engine's, one CPU device)")
+    p.add_argument("--algorithm", default=None,
+                   help="algorithm of every run (default: adaptive on several devices)")
     p.add_argument("--from-results", help="print the summary of a results file and stop")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "keep_best_rule.json"))
     args = p.parse_args(argv)
@@ -130,16 +134,20 @@ def main(argv=None) -> int:
         with open(args.from_results) as f:
             print_summary(summarise(json.load(f)["rows"]))
         return 0
+    params = {k: v for k, v in (("devices", args.devices), ("algorithm", args.algorithm))
+              if v is not None}
+    if args.devices and "," in args.devices and "algorithm" not in params:
+        params["algorithm"] = "adaptive"
     meta = _common.result_metadata()
     rows = []
     print(f"{'data':<30} {'ep':>3} {'seed':>4} {'loss':<8} {'z':>6} {'best ep':>7} "
           f"{'last P@1':>8} {'best P@1':>8}")
     for name in args.datasets:
         data = load(name)
-        _common.warm_engine(data[0], data[1])
+        _common.warm_engine(data[0], data[1], **params)
         for epochs in args.epochs:
             for seed in args.seeds:
-                r = {"dataset": name, **run_one(data, epochs, seed)}
+                r = {"dataset": name, **params, **run_one(data, epochs, seed, **params)}
                 rows.append(r)
                 z = f"{r['z']:+.2f}" if r["z"] is not None else "-"
                 print(f"{name:<30} {epochs:>3g} {seed:>4} {r['loss']:<8} {z:>6} "
@@ -148,7 +156,8 @@ def main(argv=None) -> int:
     summary = summarise(rows)
     print_summary(summary)
     _common.write_result(args.out, {**meta, "benchmark": "keep_best_rule",
-                                    "epochs": args.epochs, "seeds": args.seeds, "rows": rows,
+                                    "epochs": args.epochs, "seeds": args.seeds,
+                                    "params": params, "rows": rows,
                                     "summary": summary})
     print(f"wrote {args.out}")
     return 0
