@@ -64,7 +64,7 @@ def test_a_run_that_kept_an_earlier_epochs_model_says_so(tmp_path, monkeypatch, 
                  "1", "--loss", "softmax", "--lr-decay", "plateau", "--eval-every", "0",
                  "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert ("model: epoch 1's (held-out P@1 0.5000; the last epoch's 0.3000, 2.7 standard "
+    assert ("kept:  epoch 1's model (held-out P@1 0.5000; the last epoch's 0.3000, 2.7 standard "
             "errors behind; --no-keep-best keeps the last)") in out, out
 
 

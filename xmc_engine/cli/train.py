@@ -372,7 +372,7 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
               + "; --loss softmax|bce skips the probe)")
     kept = next((r for r in model.history_ if r.get("event") == "keep_best"), None)
     if kept is not None and kept["restored"]:
-        print(f"model: epoch {kept['best_epoch']}'s (held-out P@1 {kept['best_p1']:.4f}; the "
+        print(f"kept:  epoch {kept['best_epoch']}'s model (held-out P@1 {kept['best_p1']:.4f}; the "
               f"last epoch's {kept['heldout_p1']:.4f}, {kept['z']:.1f} standard errors behind; "
               f"--no-keep-best keeps the last)")
     print(f"log:   {run_dir / LOG_NAME}")
