@@ -294,6 +294,18 @@ def test_the_last_model_stays(small, monkeypatch, kw, values, why):
         np.testing.assert_array_equal(got, last)
 
 
+def test_a_run_of_one_epoch_has_no_earlier_model_to_keep(small, monkeypatch):
+    """The rule reads nothing after the last epoch, so one epoch leaves no best epoch's model,
+    and the end reads nothing either."""
+    X, Y, _, _ = small
+    calls, _ = script_heldout(monkeypatch, [])
+    m = XMCClassifier(epochs=1, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax").fit(X, Y)
+    kept, = _records(m, "keep_best")
+    assert calls == [] and not kept["restored"]
+    assert kept["best_epoch"] is None and kept["z"] is None and kept["heldout_p1"] is None
+
+
 def test_a_checkpoint_keeps_the_best_model_and_a_resume_can_return_it(small, tmp_path,
                                                                        monkeypatch):
     """The best epoch's model and its held-out hits travel in the checkpoints (``best.<name>``,

@@ -96,7 +96,8 @@ not know. The events the engine writes:
 ``keep_best``
     With ``lr_decay="plateau"`` and ``keep_best`` (the default), once after training, before
     the final evaluation: ``epoch`` (epochs trained), ``heldout_p1`` (the last model's P@1 on
-    the held-out rows; ``null`` on MPI ranks other than 0), ``best_p1`` and ``best_epoch``
+    the held-out rows; ``null`` on MPI ranks other than 0, and where no epoch before the last
+    was read: a run of one epoch has no earlier model to keep), ``best_p1`` and ``best_epoch``
     (the best epoch's), ``z`` (how far the best epoch's held-out hits are ahead of the last
     model's, in standard errors of the paired difference; ``null`` on other ranks),
     ``restored`` (whether that epoch's model replaced the last one: ``z`` above

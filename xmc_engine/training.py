@@ -787,9 +787,9 @@ class _PlateauWatch:
         from xmc_engine.config import KEEP_BEST_Z
 
         t0 = time.perf_counter()
-        if read:
+        if read and self.best_params is not None:  # else there is nothing to compare with
             self._read_p1(trainer, cfg)
-        hits = self.last_hits
+        hits = self.last_hits if self.best_params is not None else None
         p1 = float(hits.mean()) if hits is not None else None
         best = self.state()["plateau_best_p1"]
         z = (round(paired_z(self.best_hits, hits), 2)
