@@ -116,7 +116,8 @@ class XMCClassifier:
         Adagrad, 0 for SGD).
     keep_best : bool, default True
         With the plateau schedule (held-out rows): the fitted model is that of the epoch with
-        the best held-out P@1 where the last epoch's is lower; ``False`` keeps the last one.
+        the best held-out P@1 where the last model is behind it by more than
+        :data:`xmc_engine.config.KEEP_BEST_Z` standard errors; ``False`` keeps the last one.
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"adagrad", "sgd"}

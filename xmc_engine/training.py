@@ -717,7 +717,7 @@ class _PlateauWatch:
     lower is better), the rule's multiplier sent from rank 0 to every node, and the trainer's
     schedule rescaled by it; a ``plateau`` record each time. With ``keep_best``
     (``TrainConfig.keep_best``) every node keeps a host copy of the central model of the best
-    epoch so far, and :meth:`finish` puts it back where the last model is worse."""
+    epoch so far, and :meth:`finish` puts it back where the last model is clearly worse."""
 
     def __init__(self, rule: Plateau, heldout, comm, keep_best: bool = False):
         self.rule, self.heldout, self.comm = rule, heldout, comm

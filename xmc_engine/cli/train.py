@@ -37,8 +37,8 @@ _CONFIG_OPTIONS = {
                  "adagrad from 40,000 training rows, else the optimizer's fixed decay (0.5 "
                  "for adagrad, 0 for sgd)"),
     "keep_best": ("--keep-best", bool, "with the plateau schedule: end with the model of the "
-                  "epoch with the best held-out P@1 (default), or the last one "
-                  "(--no-keep-best)"),
+                  "epoch with the best held-out P@1 where the last one is clearly (2 standard "
+                  "errors) behind it (default), or always with the last (--no-keep-best)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "
