@@ -797,9 +797,9 @@ class _PlateauWatch:
         restored = (bool(self._root_says(float(z is not None and z > KEEP_BEST_Z)))
                     and self.best_params is not None)
         if restored:
-            be = trainer.replicas[0].backend
+            be = trainer.replicas[0].backend  # the central model's (device 0's)
             for dst, src in zip(trainer.central_params(), self.best_params, strict=True):
-                dst[...] = be.asarray(src)
+                be.copy_into(dst, src)  # on its stream, after the pending work
         seconds = time.perf_counter() - t0
         log.write("keep_best", epoch=round(epoch, 4), heldout_p1=p1, best_p1=best,
                   best_epoch=self.best_epoch, z=z, restored=restored, seconds=seconds)
