@@ -217,6 +217,26 @@ def probe_seconds(history) -> float:
     return total
 
 
+def add_device_args(p) -> None:
+    """``--devices`` and ``--algorithm`` of a benchmark whose every run shares them
+    (:func:`device_params` reads them back)."""
+    p.add_argument("--devices", default=None,
+                   help="device spec of every run (default: the engine's, one CPU device)")
+    p.add_argument("--algorithm", default=None,
+                   help="algorithm of every run (default: the engine's; adaptive on several "
+                        "devices)")
+
+
+def device_params(args) -> dict:
+    """``XMCClassifier`` keywords of :func:`add_device_args`' options: those given, and
+    ``algorithm="adaptive"`` where several devices are given without one."""
+    params = {k: v for k, v in (("devices", args.devices), ("algorithm", args.algorithm))
+              if v is not None}
+    if args.devices and "," in args.devices and "algorithm" not in params:
+        params["algorithm"] = "adaptive"
+    return params
+
+
 def warm_engine(X, Y, rows: int = 3000, **params) -> None:
     """One throwaway epoch of ``XMCClassifier(**params)`` (``loss="softmax"`` unless given) on
     the first ``rows`` rows of ``X``, ``Y``: Numba's cache and the engine's first-call costs

@@ -97,19 +97,13 @@ def main(argv=None) -> int:
                    help="the default compared on and off (default: continue_probe)")
     p.add_argument("--epochs", type=float, nargs="+", default=[5])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--devices", default=None,
-                   help="device spec of every run (default: the engine's, one CPU device)")
-    p.add_argument("--algorithm", default=None,
-                   help="algorithm of every run (default: the engine's for --devices)")
+    _common.add_device_args(p)
     p.add_argument("--out", default=None,
                    help="results file (default: bench/results/<option>.json)")
     args = p.parse_args(argv)
     opt = args.option
     out = args.out or str(_common.RESULTS_DIR / f"{opt}.json")
-    params = {k: v for k, v in (("devices", args.devices), ("algorithm", args.algorithm))
-              if v is not None}
-    if args.devices and "," in args.devices and "algorithm" not in params:
-        params["algorithm"] = "adaptive"
+    params = _common.device_params(args)
 
     import bench_defaults
     from xmc_engine.datasets.registry import load_dataset

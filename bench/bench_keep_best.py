@@ -123,10 +123,7 @@ def main(argv=None) -> int:
     p.add_argument("--datasets", nargs="+", default=["imdb"])
     p.add_argument("--epochs", type=float, nargs="+", default=[5, 10])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--devices", default=None,
-                   help="device spec of every run (default: the engine's, one CPU device)")
-    p.add_argument("--algorithm", default=None,
-                   help="algorithm of every run (default: adaptive on several devices)")
+    _common.add_device_args(p)
     p.add_argument("--from-results", help="print the summary of a results file and stop")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "keep_best_rule.json"))
     args = p.parse_args(argv)
@@ -134,10 +131,7 @@ def main(argv=None) -> int:
         with open(args.from_results) as f:
             print_summary(summarise(json.load(f)["rows"]))
         return 0
-    params = {k: v for k, v in (("devices", args.devices), ("algorithm", args.algorithm))
-              if v is not None}
-    if args.devices and "," in args.devices and "algorithm" not in params:
-        params["algorithm"] = "adaptive"
+    params = _common.device_params(args)
     meta = _common.result_metadata()
     rows = []
     print(f"{'data':<30} {'ep':>3} {'seed':>4} {'loss':<8} {'z':>6} {'best ep':>7} "

@@ -473,3 +473,18 @@ def test_keep_best_rule_scores_each_margin_by_the_model_it_ends_with():
     assert rules["best"]["swapped"] == 4  # a run without a margin too (its best is its last)
     assert out[1]["rules"]["z > 3"]["P@1"] == pytest.approx(0.1)  # not above 3
     assert out[0]["z"] == [0.5, 1.5, 2.5, None]
+
+
+def test_device_params_default_to_adaptive_on_several_devices():
+    import argparse
+
+    import _common
+
+    p = argparse.ArgumentParser()
+    _common.add_device_args(p)
+    assert _common.device_params(p.parse_args([])) == {}
+    assert _common.device_params(p.parse_args(["--devices", "cpu,cpu@0.5"])) == {
+        "devices": "cpu,cpu@0.5", "algorithm": "adaptive"}
+    assert _common.device_params(p.parse_args(["--devices", "cpu,cpu", "--algorithm",
+                                               "sync"]))["algorithm"] == "sync"
+    assert _common.device_params(p.parse_args(["--devices", "cpu"])) == {"devices": "cpu"}
