@@ -165,7 +165,7 @@ PLATEAU_STOP_SCALE = 1 / 32
 #: many training rows (where the held-out rows are at most 5 % of them), the fixed decay of
 #: :data:`DEFAULT_LR_DECAY` below, where holding rows out costs more than the rule gains.
 PLATEAU_MIN_ROWS = 40_000
-#: Logits a block of :func:`xmc_engine.model.heldout_p1` holds at most (rows x label chunk,
+#: Logits a block of :func:`xmc_engine.model.heldout_hits` holds at most (rows x label chunk,
 #: 64 MiB): the plateau rule's workspace.
 HELDOUT_LOGITS = 1 << 24
 #: Batch-size rules of :class:`~xmc_engine.scheduler.controller.BatchSizeController`.

@@ -280,7 +280,6 @@ class TopKMetrics:
 
         hit = _hits(top, Y)
         n_pos = np.diff(Y.indptr).astype(np.int64)
-        rows = np.repeat(np.arange(n, dtype=np.int64), n_pos)
         hit_pad = np.zeros((n, self.kmax))
         hit_pad[:, :k_avail] = hit
 
@@ -302,6 +301,7 @@ class TopKMetrics:
             w_top = np.zeros((n, self.kmax))
             w_top[:, :k_avail] = np.where(hit, self.inv_propensity[np.maximum(top, 0)], 0.0)
             # best achievable: each row's true labels by descending inverse propensity
+            rows = np.repeat(np.arange(n, dtype=np.int64), n_pos)
             w_true = self.inv_propensity[Y.indices]
             order = np.lexsort((-w_true, rows))
             rank = np.arange(Y.nnz, dtype=np.int64) - np.repeat(Y.indptr[:-1].astype(np.int64),

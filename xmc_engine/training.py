@@ -750,12 +750,13 @@ class _PlateauWatch:
         """Read the held-out P@1, update the rule and the schedule (and with ``keep_best``
         copy a new best epoch's model); returns the seconds."""
         t0 = time.perf_counter()
-        p1, lowered = self._read_p1(trainer, cfg), False
+        p1, lowered, scale = self._read_p1(trainer, cfg), False, self.rule.scale
         if p1 is not None:
             lowered = self.rule.update(1.0 - p1)
         self.rule.scale = self._root_says(self.rule.scale)  # rank 0 decides for every node
         self.apply(trainer)
-        if self.keep_best and self._root_says(float(p1 is not None and not lowered)):
+        # the rule keeps the rate exactly when the epoch improved: a new best on every node
+        if self.keep_best and self.rule.scale == scale:
             self._copy_best(trainer)
             self.best_epoch, self.best_hits = epoch, self.last_hits
         seconds = time.perf_counter() - t0
