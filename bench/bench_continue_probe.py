@@ -106,17 +106,13 @@ def main(argv=None) -> int:
     params = _common.device_params(args)
 
     import bench_defaults
-    from xmc_engine.datasets.registry import load_dataset
 
     meta = _common.result_metadata()
     rows = []
     print(f"{'data':<18} {'ep':>4} {'seed':>4} {opt[:5]:<5} {'loss':<8} {'wall s':>7} "
           f"{'probe':>6} {'train':>6} {'P@1':>7} {'P@3':>7} {'P@5':>7}")
     for name in args.datasets:
-        if name in bench_defaults.SYNTHETIC:
-            X, Y, X_test, Y_test, _ = bench_defaults.load(name, max_train=10**9)
-        else:
-            X, Y, X_test, Y_test = load_dataset(name)
+        X, Y, X_test, Y_test = bench_defaults.load_any(name)
         _common.warm_engine(X, Y, **params)
         for epochs in args.epochs:
             for seed in args.seeds:

@@ -22,23 +22,10 @@ import sys
 import time
 
 import _common
+import bench_defaults
 import numpy as np
 
 ROWS = 5_000
-
-
-def load(name: str):
-    """``(X, Y, X_test, Y_test)`` of a dataset name (see the module docstring): the shapes and
-    shared sets of ``bench_defaults.py`` through its loader (every training row), anything
-    else through the engine's registry."""
-    import bench_defaults
-
-    if name in bench_defaults.SYNTHETIC or name in bench_defaults.REAL:
-        X, Y, X_test, Y_test, _ = bench_defaults.load(name, max_train=sys.maxsize)
-        return X, Y, X_test, Y_test
-    from xmc_engine.datasets import load_dataset
-
-    return load_dataset(name)
 
 
 def main(argv=None) -> int:
@@ -57,7 +44,7 @@ def main(argv=None) -> int:
           f"{'fit s':>6}")
     for name in args.datasets:
         try:
-            X, Y, X_test, Y_test = load(name)
+            X, Y, X_test, Y_test = bench_defaults.load_any(name)
         except (XMCError, _common.SkipBenchmark) as e:  # a dataset not on this machine
             print(f"{name:<22} skipped: {e}")
             continue

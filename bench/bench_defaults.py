@@ -200,6 +200,18 @@ def load(name: str, max_train: int):
     return X, Y, Xt, Yt, note
 
 
+def load_any(name: str):
+    """``(X, Y, X_test, Y_test)`` of any dataset name a benchmark takes, every training row:
+    the shapes and shared sets of this module through :func:`load`, anything else (a
+    ``synthetic:N_TRAIN:N_FEATURES:N_LABELS`` shape, a registered name, a path) through
+    :func:`_tta.load_data`."""
+    if name in SYNTHETIC or name in REAL:
+        return load(name, max_train=sys.maxsize)[:4]
+    import _tta
+
+    return _tta.load_data(name)
+
+
 def datasets_present(names, max_train: int):
     """``(name, X, Y, X_test, Y_test, note)`` of each of ``names`` (:func:`load`), a line saying
     so in place of each that is not here (a shared dataset absent from this machine)."""

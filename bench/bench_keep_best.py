@@ -30,17 +30,10 @@ import math
 import sys
 
 import _common
-import _tta
 import bench_defaults
 
 METRICS = ("P@1", "P@3", "P@5")
 THRESHOLDS = (0.0, 1.0, 2.0, 3.0)
-
-
-def load(name: str):
-    if name in bench_defaults.SYNTHETIC:
-        return bench_defaults.load(name, max_train=10**9)[:4]
-    return _tta.load_data(name)
 
 
 def run_one(data, epochs: float, seed: int, **params) -> dict:
@@ -137,7 +130,7 @@ def main(argv=None) -> int:
     print(f"{'data':<30} {'ep':>3} {'seed':>4} {'loss':<8} {'z':>6} {'best ep':>7} "
           f"{'last P@1':>8} {'best P@1':>8}")
     for name in args.datasets:
-        data = load(name)
+        data = bench_defaults.load_any(name)
         _common.warm_engine(data[0], data[1], **params)
         for epochs in args.epochs:
             for seed in args.seeds:
