@@ -119,6 +119,7 @@ def test_clone_round_trips_every_parameter():
     assert copy.algorithm_params is not est.algorithm_params  # a deep copy
     # every parameter set to a non-default value survives
     custom = {"normalize": "none", "hidden": [32, 16], "epochs": 3, "max_train_seconds": 60.0,
+              "ensemble": 2,
               "batch_size": 64, "lr": 0.5,
               "lr_warmup_epochs": 0.5, "lr_decay": 0.1, "keep_best": False, "label_chunk": 7,
               "optimizer": "adagrad", "loss": "bce", "continue_probe": False,

@@ -685,6 +685,15 @@ class TrainConfig(ConfigMixin):
         Stop once this much training time has passed (evaluation excluded), at the first
         barrier after it (a merge period: well under a second on the CPU at the defaults);
         ``None``: train all ``epochs``. For comparisons at equal wall time.
+    ensemble : int
+        Networks trained one after the other, each for ``epochs`` with every other setting
+        (member ``j`` with seed :func:`xmc_engine.training.member_seed`, the first with
+        ``seed`` itself; the others train the loss ``"auto"`` chose for the first), combined
+        into one network of ``ensemble`` times the hidden width whose logits are the mean of
+        theirs (:func:`xmc_engine.model.combine_members`). It costs ``ensemble`` times the
+        training time, and prediction costs what a network that wide costs;
+        ``max_train_seconds`` is shared out equally. 1 (the default): one network. Measured:
+        ``bench/RESULTS.md``, "Ensembles".
     batch_size : int
         ``B``: every device's batch on one device and during warm-up; the base of Adaptive
         SGD's per-device batches.
@@ -780,6 +789,7 @@ class TrainConfig(ConfigMixin):
     hidden: list[int] = field(default_factory=lambda: [128])
     epochs: float = 10
     max_train_seconds: float | None = None
+    ensemble: int = 1
     batch_size: int = 64
     lr: float | None = None
     lr_warmup_epochs: float | None = None
@@ -827,6 +837,8 @@ class TrainConfig(ConfigMixin):
             bad("epochs", "must be > 0")
         if self.max_train_seconds is not None and not self.max_train_seconds > 0:
             bad("max_train_seconds", "must be > 0 (or None: no time limit)")
+        if self.ensemble < 1:
+            bad("ensemble", "must be >= 1 (1: one network)")
         if self.batch_size < 1:
             bad("batch_size", "must be >= 1")
         if self.lr is not None and not self.lr > 0:

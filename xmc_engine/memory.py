@@ -299,6 +299,10 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
         if cfg.keep_best:
             add(host, "the best epoch's model (keep_best, P)", P)
     add(host, "host parameter copies (2 x P)", 2 * P)
+    if cfg.ensemble > 1:  # the finished members, then their combination beside them
+        k = cfg.ensemble
+        add(host, f"ensemble: the other members and the combined network ({2 * k - 1} x P)",
+            (2 * k - 1) * P)
     add(host, RUNTIME_ITEM, RUNTIME_BYTES)
     settings = {"n_samples": int(n_samples), "n_features": int(n_features),
                 "n_labels": int(n_labels), "hidden": list(cfg.hidden), "devices": cfg.devices,

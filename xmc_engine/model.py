@@ -121,6 +121,42 @@ def init_params_for_data(shape: ModelShape, X, seed: int = 0, *,
     return params
 
 
+def fitted_hidden(params) -> tuple[int, ...]:
+    """The hidden widths of the network whose host parameters (in :class:`ModelShape` order)
+    are ``params``: ``W1``'s columns, then each further layer's (a combined ensemble's are
+    the members' summed, :func:`combine_members`)."""
+    n_layers = (len(params) - 2) // 2
+    return tuple(int(params[2 * k].shape[1]) for k in range(n_layers))
+
+
+def combine_members(members) -> list[np.ndarray]:
+    """One network whose logits are the mean of the ``members``' logits (``TrainConfig.
+    ensemble``): the members' hidden units side by side. ``W1`` and every bias of a hidden
+    layer are concatenated, each further hidden layer's weights placed block-diagonally (a
+    member's units see only that member's units), ``W2`` stacked row-wise and divided by the
+    number of members, ``b2`` averaged. So ``relu`` acts on each member's units as in that
+    member, and ``H W2 + b2 = mean_m (H_m W2_m + b2_m)`` exactly: prediction, ``predict_proba``
+    (the softmax or the sigmoids of the mean logits), saving and loading are those of a plain
+    network of the summed widths. ``members``: lists of host arrays of one :class:`ModelShape`
+    each."""
+    members = [[np.asarray(p, dtype=np.float32) for p in m] for m in members]
+    n, n_hidden = len(members), (len(members[0]) - 2) // 2
+    out = [np.concatenate([m[0] for m in members], axis=1),
+           np.concatenate([m[1] for m in members])]
+    for k in range(1, n_hidden):
+        blocks = [m[2 * k] for m in members]
+        W = np.zeros((sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)),
+                     dtype=np.float32)
+        r = c = 0
+        for b in blocks:
+            W[r:r + b.shape[0], c:c + b.shape[1]] = b
+            r, c = r + b.shape[0], c + b.shape[1]
+        out += [W, np.concatenate([m[2 * k + 1] for m in members])]
+    out.append(np.concatenate([m[-2] for m in members], axis=0) / np.float32(n))
+    out.append(np.mean([m[-1] for m in members], axis=0, dtype=np.float64).astype(np.float32))
+    return [np.ascontiguousarray(p) for p in out]
+
+
 class MLPReplica:
     """One model copy on one device, trained on rows of a training set.
 

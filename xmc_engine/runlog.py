@@ -112,6 +112,16 @@ not know. The events the engine writes:
     ``"time_budget"`` or ``"plateau_stop"``: what ended it sooner), ``epoch``, ``samples``,
     ``train_time``, ``metrics`` (the last evaluation, if any), ``mean_loss`` (the training
     loss averaged over the samples of this call).
+``ensemble``
+    With ``ensemble`` > 1 the run folder's own log holds two records, this one and a
+    ``final``; each member's run (every record above) is logged in its sub-folder
+    ``member-<j>``. ``members``, ``seeds`` (each member's), ``loss`` (the loss they trained),
+    ``hidden`` (the combined network's widths), ``member_metrics`` and
+    ``member_train_time`` (each member's last evaluation and training seconds),
+    ``member_dirs``, ``metrics`` (the combined network's evaluation, if any) and
+    ``eval_time``. The ``final`` after it has ``status`` ``"ensemble"``,
+    ``member_status`` (each member's ``final`` status), ``samples`` and ``train_time`` (the
+    members' summed) and ``metrics``.
 
 For example::
 

@@ -85,6 +85,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     that a run does not copy its optimizer state off the device for nothing. The result's
     ``samples`` and ``train_time`` are where training ended; its ``eval_top1`` is each
     ``eval_set`` row's top label at the last evaluation (``None`` without one)."""
+    if cfg.ensemble > 1:
+        return _fit_ensemble(cfg, X, Y, eval_set, log_dir=log_dir,
+                             checkpoint_every=checkpoint_every, resume=resume, simulate=simulate,
+                             progress_desc=progress_desc, one_node=one_node)
     from xmc_engine.checkpoint import CheckpointManager
     from xmc_engine.devices import parse_devices
     from xmc_engine.runlog import RunLog
@@ -222,6 +226,85 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             "eval_top1": evaluator.top1 if evaluator is not None else None}
 
 
+def member_seed(seed: int, member: int) -> int:
+    """The seed of member ``member`` of an ensemble (``TrainConfig.ensemble``) whose run seed
+    is ``seed``: ``seed`` itself for the first, so that its first member is the plain run of
+    ``seed``; the others' drawn from both numbers, so that runs of different seeds share no
+    member."""
+    if member == 0:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), int(member)]).generate_state(1)[0] >> 1)
+
+
+#: The run folder's sub-folder of ensemble member ``j`` (its own log and checkpoints).
+MEMBER_DIR = "member-{}"
+
+
+def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: str,
+                  **fit_kw) -> dict:
+    """``cfg.ensemble`` networks, one :func:`fit_model` after the other (each with its own
+    seed, :func:`member_seed`; the first's ``loss="auto"`` choice for the rest; an equal share
+    of ``max_train_seconds``), combined into one network (:func:`~xmc_engine.model.
+    combine_members`), which is evaluated on ``eval_set``. Each member keeps its run log and
+    checkpoints in the sub-folder :data:`MEMBER_DIR` of ``log_dir`` (a resumed run resumes
+    each: a finished member's last checkpoint is its end); ``log_dir/log.jsonl`` gets an
+    ``ensemble`` record and a ``final`` one. The result is :func:`fit_model`'s, for the
+    combined network: ``history`` holds the members' records one after the other, then those
+    two; ``train_time`` and ``samples`` are the members' summed."""
+    from xmc_engine.backends import get_backend
+    from xmc_engine.model import combine_members, fitted_hidden
+    from xmc_engine.runlog import RunLog
+
+    k = cfg.ensemble
+    run_dir = Path(log_dir) if log_dir is not None else None
+    budget = None if cfg.max_train_seconds is None else cfg.max_train_seconds / k
+    loss, results = cfg.loss, []
+    for j in range(k):
+        member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j), loss=loss,
+                                     max_train_seconds=budget)
+        logger.info("ensemble: member %d of %d (seed %d)", j + 1, k, member.seed)
+        res = fit_model(member, X, Y, eval_set,
+                        log_dir=None if run_dir is None else run_dir / MEMBER_DIR.format(j),
+                        progress_desc=f"{progress_desc} {j + 1}/{k}", **fit_kw)
+        loss = res["loss"]
+        results.append(res)
+    params = combine_members([r["params"] for r in results])
+    for r in results:  # the members' arrays are in the combined ones
+        r["params"] = None
+    metrics, eval_time = None, 0.0
+    if eval_set is not None:
+        t0 = time.perf_counter()
+        be = get_backend("cpu", threads=cfg.threads)
+        first = results[0]
+        evaluator = Evaluator(cfg, (normalize_rows(eval_set[0], cfg.normalize), eval_set[1]),
+                              first["label_counts"], first["n_train"], cfg.label_chunk)
+        metrics = evaluator(be, [be.asarray(p) for p in params])
+        eval_time = time.perf_counter() - t0
+    train_time = sum(r["train_time"] for r in results)
+    samples = sum(r["samples"] for r in results)
+    log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
+    try:
+        log.write("ensemble", members=k, seeds=[member_seed(cfg.seed, j) for j in range(k)],
+                  loss=loss, hidden=list(fitted_hidden(params)),
+                  member_metrics=[r["metrics"] for r in results],
+                  member_train_time=[r["train_time"] for r in results],
+                  member_dirs=[MEMBER_DIR.format(j) for j in range(k)] if run_dir else None,
+                  metrics=metrics, eval_time=eval_time)
+        statuses = [next((h.get("status") for h in reversed(r["history"])
+                          if h.get("event") == "final"), None) for r in results]
+        log.write("final", status="ensemble", member_status=statuses, samples=samples,
+                  train_time=train_time, metrics=metrics)
+    finally:
+        log.close()
+    history = [h for r in results for h in r["history"]] + list(log.records)
+    if metrics is not None:
+        logger.info("ensemble of %d: %s", k, _short(metrics))
+    return {**results[0], "params": params, "history": history, "metrics": metrics,
+            "loss": loss, "samples": samples, "train_time": train_time,
+            "optimizer_state": None,
+            "eval_top1": evaluator.top1 if eval_set is not None else None}
+
+
 def _continue_fit(fit: dict, n_samples: int, seed: int,
                   n_replicas: int) -> tuple[list, dict, dict]:
     """``(params, state, extra)`` that start a run of ``n_samples`` training rows where the
@@ -324,6 +407,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     per_row = float(Y.nnz) / n  # the output layer the run itself will train
     epochs = max(1.0, LOSS_PROBE_SAMPLES / len(rows))  # a small set: several epochs
     base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
+                               ensemble=1,
                                lr_decay=None if isinstance(cfg.lr_decay, str) else cfg.lr_decay,
                                devices=str(device), algorithm="single", algorithm_params={},
                                output=cfg.output_for(Y.shape[1], per_row))

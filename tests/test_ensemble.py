@@ -1,0 +1,152 @@
+"""``TrainConfig.ensemble``: several networks trained one after the other and combined into one
+network whose logits are the mean of theirs (``model.combine_members``,
+``training._fit_ensemble``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tests._helpers import run_cli, write_tiny_xc
+from tests.test_estimator import tiny_data
+from xmc_engine import XMCClassifier
+from xmc_engine.errors import CheckpointError, ConfigError
+from xmc_engine.model import ModelShape, combine_members, fitted_hidden, init_params
+
+
+def _logits(params, X):
+    """The network's logits on the host: ``relu`` after every hidden layer."""
+    H = X
+    for k in range((len(params) - 2) // 2):
+        H = np.maximum(H @ params[2 * k] + params[2 * k + 1], 0.0)
+    return H @ params[-2] + params[-1]
+
+
+@pytest.mark.parametrize("hidden", [(6,), (5, 4), (3, 4, 2)])
+def test_the_combined_network_computes_the_mean_of_the_members_logits(hidden):
+    shape = ModelShape(20, 7, hidden)
+    rng = np.random.default_rng(0)
+    members = []
+    for seed in range(3):
+        params = init_params(shape, seed)
+        for p in params:  # biases not zero, so that their combination is checked too
+            p += rng.normal(size=p.shape).astype(np.float32) * 0.3
+        members.append(params)
+    combined = combine_members(members)
+    assert fitted_hidden(combined) == tuple(3 * h for h in hidden)
+    assert [p.dtype for p in combined] == [np.float32] * len(combined)
+    X = rng.normal(size=(11, 20)).astype(np.float32)
+    want = np.mean([_logits(m, X) for m in members], axis=0)
+    np.testing.assert_allclose(_logits(combined, X), want, rtol=1e-5, atol=1e-5)
+    # one member is that member
+    for a, b in zip(combine_members(members[:1]), members[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_ensemble_is_its_members_runs_combined():
+    """``ensemble=2`` trains exactly the runs of ``seed`` and of ``member_seed(seed, 1)``
+    with every other setting, and its model is their combination."""
+    from xmc_engine.training import member_seed
+
+    X, Y = tiny_data(n=400)
+    kw = dict(hidden=[8], epochs=2, threads=1, loss="softmax", eval_every=0)
+    ens = XMCClassifier(ensemble=2, seed=3, **kw).fit(X[:300], Y[:300], (X[300:], Y[300:]))
+    assert member_seed(3, 0) == 3 and member_seed(3, 1) not in (3, member_seed(4, 1))
+    runs = [XMCClassifier(seed=member_seed(3, j), **kw).fit(X[:300], Y[:300]) for j in (0, 1)]
+    for a, b in zip(ens.params_, combine_members([r.params_ for r in runs]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the reported metrics are the combined network's
+    assert ens.metrics_["P@1"] == pytest.approx(ens.score(X[300:], Y[300:]))
+    assert ens.metrics_["P@5"] == pytest.approx(ens.score(X[300:], Y[300:], metric="P@5"))
+    rec = next(r for r in ens.history_ if r["event"] == "ensemble")
+    assert rec["members"] == 2 and rec["hidden"] == [16]
+    assert rec["seeds"] == [3, member_seed(3, 1)]
+    assert rec["metrics"]["P@1"] == ens.metrics_["P@1"]
+    final = ens.history_[-1]
+    assert final["event"] == "final" and final["status"] == "ensemble"
+    starts = [r for r in ens.history_ if r["event"] == "start"]
+    assert [s["config"]["seed"] for s in starts] == [3, member_seed(3, 1)]
+
+
+def test_the_members_share_the_probed_loss_and_the_time_budget(monkeypatch):
+    from xmc_engine import training
+
+    seen = []
+    real = training.fit_model
+
+    def spy(cfg, *a, **kw):
+        if cfg.ensemble == 1 and kw.get("progress_desc", "").startswith("train "):
+            seen.append(cfg)
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(training, "fit_model", spy)
+    X, Y = tiny_data(n=2400)
+    XMCClassifier(ensemble=3, hidden=[4], epochs=1, threads=1, max_train_seconds=60,
+                  eval_every=0).fit(X, Y)
+    assert len(seen) == 3
+    assert seen[0].loss == "auto" and seen[1].loss == seen[2].loss != "auto"
+    assert [c.max_train_seconds for c in seen] == [20, 20, 20]
+
+
+def test_save_and_load_keep_the_combined_network(tmp_path):
+    X, Y = tiny_data(n=300)
+    m = XMCClassifier(ensemble=2, hidden=[8], epochs=1, threads=1, loss="bce").fit(X, Y)
+    path = m.save(tmp_path / "model")
+    config = json.loads((path / "config.json").read_text())
+    assert config["fitted_hidden"] == [16] and config["train_config"]["hidden"] == [8]
+    back = XMCClassifier.load(path)
+    np.testing.assert_array_equal(back.predict_topk(X)[0], m.predict_topk(X)[0])
+    np.testing.assert_allclose(back.predict_proba(X, k=3).toarray(),
+                               m.predict_proba(X, k=3).toarray(), rtol=1e-6)
+    config["fitted_hidden"] = [0]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="fitted_hidden"):
+        XMCClassifier.load(path)
+
+
+def test_each_member_keeps_its_log_and_a_resumed_ensemble_trains_nothing_twice(tmp_path):
+    X, Y = tiny_data(n=300)
+    kw = dict(ensemble=2, hidden=[8], epochs=2, threads=1, loss="softmax",
+              log_dir=tmp_path / "run", checkpoint_every=300)
+    m = XMCClassifier(**kw).fit(X, Y, (X, Y))
+    for j in (0, 1):
+        events = [json.loads(line)["event"]
+                  for line in (tmp_path / "run" / f"member-{j}" / "log.jsonl").open()]
+        assert events[0] == "start" and events[-1] == "final"
+    top = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
+    assert [r["event"] for r in top] == ["ensemble", "final"]
+    again = XMCClassifier(**kw).fit(X, Y, (X, Y), resume=True)
+    for a, b in zip(again.params_, m.params_, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert again.history_[-1]["samples"] == m.history_[-1]["samples"] == 2 * 2 * 300
+
+
+def test_the_memory_plan_counts_the_members():
+    from xmc_engine.memory import plan_for_data
+
+    X, Y = tiny_data(n=300)
+    plan = plan_for_data(XMCClassifier(ensemble=3).get_config(), X, Y)
+    items = next(p for p in plan.pools if p.name == "host").items
+    key = next(k for k in items if k.startswith("ensemble"))
+    assert "5 x P" in key and items[key] > 0
+
+
+def test_bad_ensemble_sizes_are_refused():
+    with pytest.raises(ConfigError, match="ensemble"):
+        XMCClassifier(ensemble=0).get_config()
+    X = sp.random(30, 10, density=0.3, format="csr", random_state=0)
+    with pytest.raises(ConfigError, match="ensemble"):
+        XMCClassifier(ensemble=0).fit(X, X)
+
+
+def test_the_cli_trains_an_ensemble_and_says_so(tmp_path):
+    data = write_tiny_xc(tmp_path / "data", n=400, n_train=300)
+    out = run_cli("train", "--data", data, "--hidden", 8, "--epochs", 1, "--threads", 1,
+                  "--ensemble", 2, "--out", tmp_path / "run").stdout
+    line = next(x for x in out.splitlines() if x.startswith("ensemble:"))
+    assert "2 networks combined into one of hidden 16; each alone P@1 " in line, line
+    assert (tmp_path / "run" / "member-1" / "log.jsonl").exists()
+    assert (tmp_path / "run" / "curves.png").exists()
