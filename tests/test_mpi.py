@@ -259,3 +259,25 @@ def test_two_ranks_follow_rank_0s_plateau_rule(tmp_path):
     best = max(r["heldout_p1"] for r in plateau)
     assert kept["best_p1"] == pytest.approx(best)
     assert kept["z"] is not None and kept["restored"] == (kept["z"] > KEEP_BEST_Z)
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_two_ranks_train_an_ensemble_member_by_member(tmp_path):
+    """``--ensemble 2`` across ranks: both ranks train each member together (their
+    collectives match, or the run would hang), and rank 0 alone writes the run folder's log
+    (its ``ensemble`` and ``final`` records once, not once per rank)."""
+    data = _tiny_xc(tmp_path / "train.txt")
+    out = tmp_path / "run"
+    p, _ = _run(2, ["-m", "xmc_engine", "train", "--data", str(data), "--algorithm", "adaptive",
+                    "--devices", "cpu", "--epochs", "1", "--batch-size", "32",
+                    "--loss", "softmax", "--threads", "1", "--ensemble", "2",
+                    "--out", str(out)], timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    top = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in top] == ["ensemble", "final"]
+    assert top[0]["hidden"] == [256] and top[-1]["samples"] == 2 * 600
+    for j in (0, 1):
+        recs = [json.loads(line) for line in (out / f"member-{j}" / "log.jsonl").open()]
+        assert [r["event"] for r in recs].count("start") == 1
+        assert recs[-1]["event"] == "final" and recs[-1]["samples"] == 600

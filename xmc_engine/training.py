@@ -282,6 +282,10 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
         eval_time = time.perf_counter() - t0
     train_time = sum(r["train_time"] for r in results)
     samples = sum(r["samples"] for r in results)
+    from xmc_engine.distributed import world
+
+    if not fit_kw.get("one_node") and not world().is_root:  # rank 0 alone logs (fit_model)
+        run_dir = None
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
     try:
         log.write("ensemble", members=k, seeds=[member_seed(cfg.seed, j) for j in range(k)],
