@@ -398,3 +398,20 @@ def test_keep_best_puts_the_best_epochs_model_back_on_the_device(stand_in_cuda, 
     for got, want in zip(est.params_, models[0], strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)
     clean(stand_in_cuda)
+
+
+def test_an_ensemble_on_the_device_equals_the_cpu_one(stand_in_cuda):
+    """``ensemble=2`` on a CUDA device: the members train there, their combination is
+    evaluated there, and both equal the CPU run's; every access is ordered."""
+    from tests.test_estimator import tiny_data
+    from xmc_engine import XMCClassifier
+
+    X, Y = tiny_data()
+    kw = dict(ensemble=2, loss="softmax", **FIT)
+    gpu = XMCClassifier(devices="cuda:0", **kw).fit(X[:500], Y[:500], (X[500:], Y[500:]))
+    cpu = XMCClassifier(devices="cpu", threads=1, **kw).fit(X[:500], Y[:500],
+                                                           (X[500:], Y[500:]))
+    assert [p.shape for p in gpu.params_][0] == (X.shape[1], 32)
+    assert_same([np.asarray(p) for p in gpu.params_], [np.asarray(p) for p in cpu.params_])
+    assert gpu.metrics_["P@1"] == pytest.approx(cpu.metrics_["P@1"])
+    clean(stand_in_cuda)

@@ -250,7 +250,8 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     each: a finished member's last checkpoint is its end); ``log_dir/log.jsonl`` gets an
     ``ensemble`` record and a ``final`` one. The result is :func:`fit_model`'s, for the
     combined network: ``history`` holds the members' records one after the other, then those
-    two; ``train_time`` and ``samples`` are the members' summed."""
+    two; ``train_time`` and ``samples`` are the members' summed. The combined network is
+    evaluated on the first device, as the members were."""
     from xmc_engine.backends import get_backend
     from xmc_engine.model import combine_members, fitted_hidden
     from xmc_engine.runlog import RunLog
@@ -274,7 +275,10 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     metrics, eval_time = None, 0.0
     if eval_set is not None:
         t0 = time.perf_counter()
-        be = get_backend("cpu", threads=cfg.threads)
+        from xmc_engine.devices import parse_devices
+
+        dev = parse_devices(cfg.devices)[0]  # where the members were evaluated
+        be = get_backend(dev.kind, dev.index, threads=cfg.threads or dev.threads)
         first = results[0]
         evaluator = Evaluator(cfg, (normalize_rows(eval_set[0], cfg.normalize), eval_set[1]),
                               first["label_counts"], first["n_train"], cfg.label_chunk)
