@@ -424,6 +424,23 @@ def write_result(path, payload: dict) -> Path:
     return write_json(path, payload)
 
 
+def add_from_results_arg(p) -> None:
+    """``--from-results FILE``: a benchmark prints the summary of a results file it wrote
+    instead of training (:func:`print_saved`)."""
+    p.add_argument("--from-results", default=None,
+                   help="print the summary of a results file instead of training")
+
+
+def print_saved(path, show) -> bool:
+    """Where ``path`` (``--from-results``) is given: ``show(results)`` with the JSON object it
+    holds, and True (the benchmark stops there); else False."""
+    if not path:
+        return False
+    with open(path, encoding="utf-8") as f:
+        show(json.load(f))
+    return True
+
+
 def read_json(path) -> dict | None:
     """The JSON object at ``path``, or ``None`` if the file is missing or unreadable."""
     try:

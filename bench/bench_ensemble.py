@@ -24,7 +24,6 @@ Names: a shared dataset, a shape of ``bench_defaults.py`` (``synth1k``) or
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import _common
@@ -126,12 +125,10 @@ def main(argv=None) -> int:
     p.add_argument("--equal-samples", action="store_true",
                    help="also train one network k x the epochs (the members' samples)")
     _common.add_device_args(p)
-    p.add_argument("--from-results", help="print the summary of a results file and stop")
+    _common.add_from_results_arg(p)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "ensemble.json"))
     args = p.parse_args(argv)
-    if args.from_results:
-        with open(args.from_results) as f:
-            print_summary(summarise(json.load(f)["rows"]))
+    if _common.print_saved(args.from_results, lambda r: print_summary(summarise(r["rows"]))):
         return 0
     if args.members < 2:
         p.error("--members must be at least 2")

@@ -25,7 +25,6 @@ rule (and its held-out rows) by default. Names: a shared dataset, a shape of
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -117,12 +116,10 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=float, nargs="+", default=[5, 10])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     _common.add_device_args(p)
-    p.add_argument("--from-results", help="print the summary of a results file and stop")
+    _common.add_from_results_arg(p)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "keep_best_rule.json"))
     args = p.parse_args(argv)
-    if args.from_results:
-        with open(args.from_results) as f:
-            print_summary(summarise(json.load(f)["rows"]))
+    if _common.print_saved(args.from_results, lambda r: print_summary(summarise(r["rows"]))):
         return 0
     params = _common.device_params(args)
     meta = _common.result_metadata()

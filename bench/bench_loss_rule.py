@@ -26,7 +26,6 @@ training rows as given (no subsampling).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import _common
@@ -121,12 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=float, default=5)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "loss_rule.json"))
-    p.add_argument("--from-results", default=None,
-                   help="print the summary of a results file instead of training")
+    _common.add_from_results_arg(p)
     args = p.parse_args(argv)
-    if args.from_results:
-        with open(args.from_results, encoding="utf-8") as f:
-            print_summary(json.load(f)["summary"])
+    if _common.print_saved(args.from_results, lambda r: print_summary(r["summary"])):
         return 0
     meta = _common.result_metadata()
     results = []
