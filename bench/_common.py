@@ -206,6 +206,12 @@ def event_seconds(history, event: str) -> float:
     return sum(r.get("seconds", 0.0) for r in history if r.get("event") == event)
 
 
+def final_record(history) -> dict:
+    """The run's last ``final`` record: with ``ensemble`` > 1 the combination's (its members'
+    come before it), whose ``train_time`` is theirs summed."""
+    return next(r for r in reversed(history) if r.get("event") == "final")
+
+
 def probe_seconds(history) -> float:
     """The seconds of a run's loss probe (``loss="auto"``) outside its ``train_time``: the
     ``loss_probe`` record's ``seconds`` less the ``train_time`` of the fit the run went on

@@ -60,7 +60,7 @@ def run(data, seed: int, epochs: float, lr: float, weighted: bool, **params) -> 
     finally:
         host_layer.BCE_WEIGHTED_NEGATIVES = saved
     m = clf.evaluate(Xt, Yt)
-    final = next(r for r in clf.history_ if r["event"] == "final")
+    final = _common.final_record(clf.history_)
     return {**{k: float(m[k]) for k in METRICS}, "train_time": final["train_time"],
             "wall_s": wall}
 

@@ -53,7 +53,7 @@ def run_one(X, Y, X_test, Y_test, epochs: float, seed: int, on: bool,
                         **params).fit(X, Y)
     wall = time.perf_counter() - t0
     h = clf.history_
-    final = next(r for r in h if r["event"] == "final")
+    final = _common.final_record(h)
     probe = next((r for r in h if r["event"] == "loss_probe"), {})
     scores = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))  # outside the timings
     kept = next((r for r in h if r["event"] == "keep_best"), {})

@@ -67,7 +67,7 @@ def run_one(data, epochs: float, seed: int, members: int, equal: bool, **params)
         out["equal_samples"] = {}
         for k in range(2, members + 1):
             one = XMCClassifier(epochs=k * epochs, seed=seed, eval_every=0, **params).fit(X, Y)
-            final = next(r for r in reversed(one.history_) if r["event"] == "final")
+            final = _common.final_record(one.history_)
             out["equal_samples"][str(k)] = {**_scores(one, one.params_, X_test, Y_test),
                                        "train_time": final["train_time"]}
     return out

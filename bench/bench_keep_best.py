@@ -60,7 +60,7 @@ def run_one(data, epochs: float, seed: int, **params) -> dict:
     if kept is None:
         raise SystemExit(f"seed {seed}: no keep_best record: the run had no plateau rule "
                          f"(fewer training rows than PLATEAU_MIN_ROWS?)")
-    final = next(r for r in h if r["event"] == "final")
+    final = _common.final_record(h)
     best = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))
     clf.params_ = seen["last"]
     last = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))

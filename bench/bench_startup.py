@@ -58,7 +58,7 @@ def run_one(data, devices: str, seed: int, epochs: float, loss: str) -> dict:
     # a period's wall seconds: any device's busy plus idle time in it
     us = [1e6 * (r["devices"][0]["busy_s"] + r["devices"][0]["idle_s"])
           / sum(d["samples"] for d in r["devices"]) for r in merges]
-    final = [r for r in clf.history_ if r.get("event") == "final"][-1]
+    final = _common.final_record(clf.history_)
     return {"devices": devices, "seed": seed, "wall_s": wall, "train_s": final["train_time"],
             "periods": len(merges), "first_period_us": us[0],
             "later_period_us": statistics.median(us[1:]) if len(us) > 1 else None,

@@ -195,7 +195,7 @@ def run_engine_defaults(X, Y, X_test, Y_test, *, epochs: float, seed: int = 0,
     t0, c0 = time.perf_counter(), time.process_time()
     clf.fit(X, Y)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    final = next(r for r in clf.history_ if r["event"] == "final")
+    final = _common.final_record(clf.history_)
     compile_s = _common.event_seconds(clf.history_, "compile")
     probe_s = _common.probe_seconds(clf.history_)
     t0 = time.perf_counter()
