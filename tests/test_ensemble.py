@@ -150,3 +150,9 @@ def test_the_cli_trains_an_ensemble_and_says_so(tmp_path):
     assert "2 networks combined into one of hidden 16; each alone P@1 " in line, line
     assert (tmp_path / "run" / "member-1" / "log.jsonl").exists()
     assert (tmp_path / "run" / "curves.png").exists()
+
+
+def test_the_plan_command_counts_an_ensemble(tmp_path):
+    data = write_tiny_xc(tmp_path / "data", n=400, n_train=300)
+    out = run_cli("plan", "--data", data, "--ensemble", 3).stdout
+    assert "ensemble: the other members and the combined network (5 x P)" in out, out

@@ -22,8 +22,9 @@ def register(sub) -> None:
     p.add_argument("--data", type=user_path, required=True,
                    help="a file, a dataset folder or a registered name (e.g. "
                    "synthetic-amazon670k: planned from its shape, nothing is generated)")
-    add_config_arguments(p, ("hidden", "batch_size", "label_chunk", "devices", "algorithm",
-                             "eval_every", "optimizer", "output", "negatives"), "b_max=512")
+    add_config_arguments(p, ("hidden", "ensemble", "batch_size", "label_chunk", "devices",
+                             "algorithm", "eval_every", "optimizer", "output", "negatives"),
+                         "b_max=512")
     p.add_argument("--config", type=user_path, default=None,
                    help="read the config from this JSON file")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
