@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 from xmc_engine.runlog import log_path, read_log
@@ -131,7 +132,10 @@ def plot_runs(run_dirs, out_png, metrics=("P@1",), x: str = "train_time") -> Pat
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out_png.parent, prefix=f".{out_png.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, warnings.catch_warnings():
+            # a run folder's name is its legend label: a character the font lacks is drawn as
+            # a box, which is no reason to warn
+            warnings.filterwarnings("ignore", message="Glyph .* missing from font")
             fig.savefig(f, format="png", dpi=120)
         os.replace(tmp, out_png)
     except BaseException:
