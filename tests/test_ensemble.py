@@ -156,3 +156,19 @@ def test_the_plan_command_counts_an_ensemble(tmp_path):
     data = write_tiny_xc(tmp_path / "data", n=400, n_train=300)
     out = run_cli("plan", "--data", data, "--ensemble", 3).stdout
     assert "ensemble: the other members and the combined network (5 x P)" in out, out
+
+
+def test_the_members_reuse_the_first_ones_thread_budget():
+    """The first member calibrates its CPU thread budget (or keeps one thread on a run too
+    short to time it); the others take it instead of calibrating again."""
+    from xmc_engine.devices import parse_devices
+
+    if parse_devices("cpu")[0].threads < 2:
+        pytest.skip("one CPU thread here: no budget to calibrate")
+    X, Y = tiny_data(n=300)
+    m = XMCClassifier(ensemble=3, hidden=[8], epochs=1, loss="softmax").fit(X, Y)
+    recs = [r for r in m.history_ if r["event"] == "threads"]
+    assert len(recs) == 3
+    assert "first member" not in recs[0]["note"]
+    assert all(r["note"] == "by the ensemble's first member (its record says how)"
+               and r["threads"] == recs[0]["threads"] for r in recs[1:])

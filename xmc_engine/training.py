@@ -66,7 +66,8 @@ def _short(metrics: dict) -> str:
 
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
               resume: bool = False, simulate=None, progress_desc: str = "train",
-              one_node: bool = False, keep_optimizer_state: bool = False) -> dict:
+              one_node: bool = False, keep_optimizer_state: bool = False,
+              calibrated: dict[int, int] | None = None) -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
     (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation). The
     feature rows of ``X`` and of ``eval_set`` are normalised first (``cfg.normalize``).
@@ -84,7 +85,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     replica's Adagrad state (the probe's fits, which a run may continue); else ``None``, so
     that a run does not copy its optimizer state off the device for nothing. The result's
     ``samples`` and ``train_time`` are where training ended; its ``eval_top1`` is each
-    ``eval_set`` row's top label at the last evaluation (``None`` without one)."""
+    ``eval_set`` row's top label at the last evaluation (``None`` without one).
+    ``calibrated``: CPU thread budgets by device index calibrated by an earlier run of the
+    same devices and data (an ensemble's first member), used instead of calibrating again;
+    the result's ``calibrated`` holds this run's."""
     if cfg.ensemble > 1:
         return _fit_ensemble(cfg, X, Y, eval_set, log_dir=log_dir,
                              checkpoint_every=checkpoint_every, resume=resume, simulate=simulate,
@@ -204,7 +208,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                             mode="threads" if simulate is None else "simulated", cost=simulate,
                             calibrated={0: probe["threads"]} if probe and probe.get("threads")
                             and _probe_device(devices[0]).threads == devices[0].threads
-                            else None,
+                            else calibrated,
+                            calibrated_by="the loss probe" if probe and probe.get("threads")
+                            else "the ensemble's first member",
                             run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]))
     try:
         if extra:
@@ -223,7 +229,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             "optimizer_state": trainer.replicas[0].optimizer_state()
             if keep_optimizer_state else None,
             "samples": int(state["samples"]), "train_time": float(state["train_time"]),
-            "eval_top1": evaluator.top1 if evaluator is not None else None}
+            "eval_top1": evaluator.top1 if evaluator is not None else None,
+            "calibrated": {i: r.backend.threads for i, r in enumerate(trainer.replicas)
+                           if r.backend.name == "cpu"}}
 
 
 def member_seed(seed: int, member: int) -> int:
@@ -243,15 +251,15 @@ MEMBER_DIR = "member-{}"
 def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: str,
                   **fit_kw) -> dict:
     """``cfg.ensemble`` networks, one :func:`fit_model` after the other (each with its own
-    seed, :func:`member_seed`; the first's ``loss="auto"`` choice for the rest; an equal share
-    of ``max_train_seconds``), combined into one network (:func:`~xmc_engine.model.
-    combine_members`), which is evaluated on ``eval_set``. Each member keeps its run log and
-    checkpoints in the sub-folder :data:`MEMBER_DIR` of ``log_dir`` (a resumed run resumes
-    each: a finished member's last checkpoint is its end); ``log_dir/log.jsonl`` gets an
-    ``ensemble`` record and a ``final`` one. The result is :func:`fit_model`'s, for the
-    combined network: ``history`` holds the members' records one after the other, then those
-    two; ``train_time`` and ``samples`` are the members' summed. The combined network is
-    evaluated on the first device, as the members were."""
+    seed, :func:`member_seed`; the first's ``loss="auto"`` choice and CPU thread budgets for
+    the rest; an equal share of ``max_train_seconds``), combined into one network
+    (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. Each
+    member keeps its run log and checkpoints in the sub-folder :data:`MEMBER_DIR` of
+    ``log_dir`` (a resumed run resumes each: a finished member's last checkpoint is its end);
+    ``log_dir/log.jsonl`` gets an ``ensemble`` record and a ``final`` one. The result is
+    :func:`fit_model`'s, for the combined network: ``history`` holds the members' records one
+    after the other, then those two; ``train_time`` and ``samples`` are the members' summed.
+    The combined network is evaluated on the first device, as the members were."""
     from xmc_engine.backends import get_backend
     from xmc_engine.model import combine_members, fitted_hidden
     from xmc_engine.runlog import RunLog
@@ -259,15 +267,16 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     k = cfg.ensemble
     run_dir = Path(log_dir) if log_dir is not None else None
     budget = None if cfg.max_train_seconds is None else cfg.max_train_seconds / k
-    loss, results = cfg.loss, []
+    loss, results, calibrated = cfg.loss, [], None
     for j in range(k):
         member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j), loss=loss,
                                      max_train_seconds=budget)
         logger.info("ensemble: member %d of %d (seed %d)", j + 1, k, member.seed)
         res = fit_model(member, X, Y, eval_set,
                         log_dir=None if run_dir is None else run_dir / MEMBER_DIR.format(j),
-                        progress_desc=f"{progress_desc} {j + 1}/{k}", **fit_kw)
-        loss = res["loss"]
+                        progress_desc=f"{progress_desc} {j + 1}/{k}", calibrated=calibrated,
+                        **fit_kw)
+        loss, calibrated = res["loss"], res["calibrated"]  # the rest train the first's
         results.append(res)
     params = combine_members([r["params"] for r in results])
     for r in results:  # the members' arrays are in the combined ones
@@ -692,7 +701,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
 
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                   assignment: str = "shared", mode: str = "threads", cost=None,
-                  calibrated: dict[int, int] | None = None,
+                  calibrated: dict[int, int] | None = None, calibrated_by: str = "the loss probe",
                   run_samples: float | None = None):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
     :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
@@ -701,7 +710,8 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     ``assignment`` make it one node of a multi-node run; ``mode`` and ``cost`` are the
     trainer's (``"simulated"``: a virtual clock, see :func:`fit_model`'s ``simulate``).
     ``calibrated`` maps a device's index to a CPU thread budget already calibrated for it (by
-    the loss probe, :func:`choose_loss`), which is used instead of calibrating again.
+    ``calibrated_by``: the loss probe, :func:`choose_loss`, or an ensemble's first member),
+    which is used instead of calibrating again.
     ``run_samples`` (the samples the run has left to train, if known) lets a run too short to
     repay the calibration keep one thread untimed."""
     from xmc_engine.algorithms import get_algorithm
@@ -722,7 +732,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                 note = ("not timed: the run is too short to repay timing the budgets"
                         if known is None and rep.threads_timed is False else
                         "calibrated: the faster of 1 and all of the device's threads"
-                        if known is None else "by the loss probe (its record says how)")
+                        if known is None else f"by {calibrated_by} (its record says how)")
                 log.write("threads", device=str(d), threads=be.threads, note=note)
         replicas.append(rep)
     # fit_model resolves "auto" and runs the plateau rule between epochs (its _PlateauWatch
