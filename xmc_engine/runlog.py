@@ -36,7 +36,7 @@ not know. The events the engine writes:
 ``threads``
     Before training, per CPU device with several threads and no ``threads`` given: ``device``,
     ``threads`` (the budget it trains with) and ``note`` (timed, not timed because the run is
-    too short, or taken from the loss probe).
+    too short, or taken from the loss probe or from an ensemble's first member).
 ``compile``
     Before training: ``seconds`` spent compiling the kernels or loading them from Numba's
     cache (outside ``train_time``), ``compiled`` (the Numba compilations of CPU code that took:
