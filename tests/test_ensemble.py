@@ -172,3 +172,15 @@ def test_the_members_reuse_the_first_ones_thread_budget():
     assert "first member" not in recs[0]["note"]
     assert all(r["note"] == "by the ensemble's first member (its record says how)"
                and r["threads"] == recs[0]["threads"] for r in recs[1:])
+
+
+def test_an_ensemble_refused_before_training_leaves_no_run_behind(tmp_path):
+    """A setting refused inside the first member's fit (the plateau rule on too few rows)
+    exits with status 2, and the run folder keeps neither its files nor the member's
+    folder."""
+    data = write_tiny_xc(tmp_path / "data", n=12, n_train=9)
+    run = tmp_path / "run"
+    bad = run_cli("train", "--data", data, "--hidden", 4, "--epochs", 1, "--ensemble", 2,
+                  "--lr-decay", "plateau", "--out", run, check=False)
+    assert bad.returncode == 2 and "too few" in bad.stderr, bad.stderr
+    assert not (run / "run.json").exists() and not (run / "member-0").exists()

@@ -332,8 +332,15 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
                   resume=bool(args.resume))
     except XMCError:
         if not args.resume and comm.is_root and _stopped_before_training(run_dir):
+            from xmc_engine.training import MEMBER_DIR
+
             for name in (RUN_FILE, LOG_NAME):  # refused (a bad option): leave no run behind
                 (run_dir / name).unlink(missing_ok=True)
+            member = run_dir / MEMBER_DIR.format(0)  # an ensemble's first member's folder
+            if member.is_dir() and _stopped_before_training(member):
+                (member / LOG_NAME).unlink(missing_ok=True)
+                if not any(member.iterdir()):
+                    member.rmdir()
         raise
     if not comm.is_root:
         return 0
