@@ -184,3 +184,24 @@ def test_an_ensemble_refused_before_training_leaves_no_run_behind(tmp_path):
                   "--lr-decay", "plateau", "--out", run, check=False)
     assert bad.returncode == 2 and "too few" in bad.stderr, bad.stderr
     assert not (run / "run.json").exists() and not (run / "member-0").exists()
+
+
+def test_the_cli_resumes_every_member(tmp_path):
+    """A finished ensemble made longer in its run file: ``--resume`` takes each member on
+    from its last checkpoint."""
+    data = write_tiny_xc(tmp_path / "data", n=400, n_train=300)
+    run = tmp_path / "run"
+    run_cli("train", "--data", data, "--hidden", 8, "--epochs", 2, "--threads", 1,
+            "--ensemble", 2, "--out", run, "--checkpoint-every", 100)
+    run_json = json.loads((run / "run.json").read_text())
+    run_json["config"]["epochs"] = 3
+    (run / "run.json").write_text(json.dumps(run_json))
+    assert "ensemble: 2 networks" in run_cli("train", "--resume", run).stdout
+    for j in (0, 1):
+        log = [json.loads(x) for x in (run / f"member-{j}" / "log.jsonl").open()]
+        starts = [r for r in log if r["event"] == "start"]
+        assert len(starts) == 2 and starts[1]["resumed"] and starts[1]["samples"] == 600
+        assert log[-1]["event"] == "final" and log[-1]["samples"] == 900
+    top = [json.loads(x) for x in (run / "log.jsonl").open()]
+    assert [r["event"] for r in top] == ["ensemble", "final"] * 2
+    assert top[-1]["samples"] == 1800
