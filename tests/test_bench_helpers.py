@@ -488,3 +488,24 @@ def test_device_params_default_to_adaptive_on_several_devices():
     assert _common.device_params(p.parse_args(["--devices", "cpu,cpu", "--algorithm",
                                                "sync"]))["algorithm"] == "sync"
     assert _common.device_params(p.parse_args(["--devices", "cpu"])) == {"devices": "cpu"}
+
+
+def test_ensemble_summary_pairs_each_combination_with_one_network():
+    from bench_ensemble import summarise
+
+    def row(seed, one, two, longer):
+        return {"dataset": "d", "seed": seed, "epochs": 5, "member_train_time": [1.0, 2.0],
+                "k": {"1": {"P@1": one, "P@3": one, "P@5": one},
+                      "2": {"P@1": two, "P@3": two, "P@5": two}},
+                "equal_samples": {"2": {"P@1": longer, "P@3": longer, "P@5": longer,
+                                        "train_time": 2.5}}}
+    line, = summarise([row(0, 0.5, 0.6, 0.5), row(1, 0.7, 0.7, 0.8)])
+    cells = {c["label"]: c for c in line["cells"]}
+    assert list(cells) == ["ensemble 1", "ensemble 2", "one network, 2x the epochs"]
+    two = cells["ensemble 2"]
+    assert two["P@1"] == pytest.approx(0.65) and two["train_time"] == pytest.approx(3.0)
+    assert two["P@1 diff"][0] == pytest.approx(0.05)  # the paired differences 0.1 and 0
+    assert two["P@1 diff"][1] == pytest.approx(0.05)  # their standard error
+    longer = cells["one network, 2x the epochs"]
+    assert longer["P@5 diff"][0] == pytest.approx(0.05) and longer["train_time"] == 2.5
+    assert cells["ensemble 1"]["train_time"] == pytest.approx(1.0)
