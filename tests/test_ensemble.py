@@ -205,3 +205,12 @@ def test_the_cli_resumes_every_member(tmp_path):
     top = [json.loads(x) for x in (run / "log.jsonl").open()]
     assert [r["event"] for r in top] == ["ensemble", "final"] * 2
     assert top[-1]["samples"] == 1800
+
+
+def test_the_plot_labels_the_combination():
+    from pathlib import Path
+
+    from xmc_engine.plots import _run_label
+
+    assert _run_label(Path("runs/r"), [{"event": "ensemble", "members": 3}]) == \
+        "r (ensemble of 3)"

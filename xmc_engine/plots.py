@@ -27,8 +27,12 @@ _AXIS_LABELS = {
 
 
 def _run_label(run_path: Path, records: list[dict]) -> str:
-    """Folder name, plus algorithm and devices from the ``start`` record when present."""
+    """Folder name, plus algorithm and devices from the ``start`` record when present (an
+    ensemble's own log: the number of members)."""
     name = run_path.parent.name if run_path.suffix == ".jsonl" else run_path.name
+    ens = next((r for r in records if r.get("event") == "ensemble"), None)
+    if ens is not None:
+        return f"{name} (ensemble of {ens.get('members')})"
     start = next((r for r in records if r.get("event") == "start"), {})
     config = start.get("config") if isinstance(start.get("config"), dict) else {}
     extra = []

@@ -358,8 +358,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
         from xmc_engine.plots import plot_runs
         from xmc_engine.training import MEMBER_DIR
 
-        # an ensemble's curves are its members' (its own log holds the combination's end)
-        runs = ([run_dir / MEMBER_DIR.format(j) for j in range(model.ensemble)]
+        # an ensemble's curves are its members', and its own log the combination's point (at
+        # the members' summed training time)
+        runs = ([run_dir / MEMBER_DIR.format(j) for j in range(model.ensemble)] + [run_dir]
                 if model.ensemble > 1 else [run_dir])
         plot = plot_runs(runs, run_dir / "curves.png")
     except Exception as exc:  # noqa: BLE001 - a missing plot must not lose a trained model
