@@ -214,3 +214,24 @@ def test_the_plot_labels_the_combination():
 
     assert _run_label(Path("runs/r"), [{"event": "ensemble", "members": 3}]) == \
         "r (ensemble of 3)"
+
+
+def test_an_ensemble_that_does_not_fit_is_refused_before_training(monkeypatch):
+    """The memory check counts the members' copies: with a budget between one network's plan
+    and the ensemble's, one network trains and the ensemble is refused before any member."""
+    from xmc_engine.errors import MemoryPlanError
+    from xmc_engine.memory import plan_for_data
+
+    X, Y = tiny_data(n=300)
+    kw = dict(hidden=[64], epochs=1, threads=1, loss="softmax", output="exact")
+
+    def host(ensemble):
+        plan = plan_for_data(XMCClassifier(ensemble=ensemble, **kw).get_config(), X, Y)
+        return next(p for p in plan.pools if p.name == "host").total
+
+    one, many = host(1), host(40)
+    assert many > one
+    monkeypatch.setenv("XMC_MEMORY_BUDGET", str((one + many) // 2))
+    XMCClassifier(**kw).fit(X, Y)
+    with pytest.raises(MemoryPlanError, match="ensemble"):
+        XMCClassifier(ensemble=40, **kw).fit(X, Y)

@@ -261,9 +261,11 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     after the other, then those two; ``train_time`` and ``samples`` are the members' summed.
     The combined network is evaluated on the first device, as the members were."""
     from xmc_engine.backends import get_backend
+    from xmc_engine.memory import check_memory
     from xmc_engine.model import combine_members, fitted_hidden
     from xmc_engine.runlog import RunLog
 
+    check_memory(cfg, X, Y, eval_set)  # the members' copies too, before the first trains
     k = cfg.ensemble
     run_dir = Path(log_dir) if log_dir is not None else None
     budget = None if cfg.max_train_seconds is None else cfg.max_train_seconds / k
