@@ -231,6 +231,10 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
 
     X, Y, Xt, Yt = data
     given, config = config, dict(config)
+    if config.get("ensemble", 1) > 1:  # its eval records are its members', one after another
+        raise SystemExit("bench_defaults.run_one reads the eval record of each epoch, and an "
+                         "ensemble's are its members': score ensembles with "
+                         "bench/bench_ensemble.py")
     if config.pop("rows", None) == "plateau":  # the rows lr_decay="plateau" trains on
         from xmc_engine.training import hold_out
 

@@ -31,6 +31,9 @@ epochs=E, seed=s)`` (its learning rate then the loss's default) and PyTorch the 
 
     python bench/bench_torch_adam.py --loss bce --out bench/results/torch_adam_bce.json
 
+``--engine-ensembles 2 3`` adds the engine with ``ensemble=2`` and ``3`` (its other settings
+the defaults), each scored against PyTorch's best in P@k and in time.
+
 With ``--loss auto`` the engine trains its default ``loss="auto"`` (the probe picks a loss; its
 seconds count in the engine's time) and PyTorch's grid covers both losses::
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engine-lrs", type=float, nargs="*", default=list(ENGINE_LRS),
                    help="learning rates of the engine's default optimizer tried beside its "
                    "defaults (none: defaults only)")
+    p.add_argument("--engine-ensembles", type=int, nargs="*", default=[],
+                   help="ensemble sizes (TrainConfig.ensemble) tried beside the defaults, "
+                   "each with the default learning rate (none by default)")
     p.add_argument("--optimizers", nargs="+", default=["adam", "sparse_adam"],
                    choices=torch_baseline.TORCH_OPTIMIZERS)
     p.add_argument("--loss", choices=("softmax", "bce", "auto"), default="softmax",
@@ -99,6 +106,22 @@ def run_engine(data, epochs: int, seed: int, lr: float | None = None,
     at = r["at"][str(epochs)]
     return {**{k: at[k] for k in METRICS}, "train_time": at["train_time"],
             "probe_s": at["probe_s"], "wall_s": r["wall_s"], "resolved": r["resolved"]}
+
+
+def run_engine_ensemble(data, epochs: int, seed: int, members: int, loss: str) -> dict:
+    """``XMCClassifier(ensemble=members, epochs=epochs, seed=seed)`` with ``loss``: the
+    combined network's P@1/3/5 and the members' summed training seconds (its last ``final``
+    record) and the probe's seconds outside them."""
+    from xmc_engine import XMCClassifier
+
+    X, Y, Xt, Yt = data
+    t0 = time.perf_counter()
+    clf = XMCClassifier(ensemble=members, epochs=epochs, seed=seed, loss=loss,
+                        eval_every=0).fit(X, Y, eval_set=(Xt, Yt))
+    final = _common.final_record(clf.history_)
+    return {**{k: final["metrics"][k] for k in METRICS}, "train_time": final["train_time"],
+            "probe_s": _common.probe_seconds(clf.history_),
+            "wall_s": time.perf_counter() - t0, "ensemble": members}
 
 
 def run_torch(data, args, optimizer: str, lr: float, seed: int, loss: str) -> dict:
@@ -140,7 +163,7 @@ def main(argv=None) -> int:
         how = TrainConfig().normalize  # what the engine does to the rows by default
         torch_data = (normalize_rows(X, how), Y, normalize_rows(Xt, how), Yt)
         run_engine(data, 1, args.seeds[0], loss=args.loss)  # compile (or load the cache) first
-        engines, engine_grids, grids = [], [], []
+        engines, engine_grids, grids, ensembles = [], [], [], []
         for seed in args.seeds:
             engine = run_engine(data, args.epochs, seed, loss=args.loss)
             print(f"{name} seed {seed}: engine defaults {_fmt(engine)} {engine['resolved']}",
@@ -151,6 +174,11 @@ def main(argv=None) -> int:
                 engine_grid.append(engine if same else run_engine(data, args.epochs, seed, lr,
                                                                   args.loss))
                 print(f"{name} seed {seed}: engine lr={lr:g} {_fmt(engine_grid[-1])}",
+                      flush=True)
+            ensembles.append([run_engine_ensemble(data, args.epochs, seed, k, args.loss)
+                              for k in args.engine_ensembles])
+            for r in ensembles[-1]:
+                print(f"{name} seed {seed}: engine ensemble={r['ensemble']} {_fmt(r)}",
                       flush=True)
             grid = []
             for loss in torch_losses:
@@ -167,7 +195,16 @@ def main(argv=None) -> int:
         grid = [mean_over_seeds(list(runs)) for runs in zip(*grids, strict=True)]
         engine_best = max([engine, *engine_grid], key=lambda r: r["P@1"])
         best = max(grid, key=lambda r: r["P@1"])
+        ens = [mean_over_seeds(list(runs)) for runs in zip(*ensembles, strict=True)]
+        for r in ens:  # against PyTorch's best, and its time over the ensemble's
+            r["P@1_diff"] = r["P@1"] - best["P@1"]
+            r["time_ratio"] = best["train_time"] / (r["train_time"] + r["probe_s"])
+            print(f"{name}: engine ensemble={r['ensemble']} - torch best P@1 "
+                  f"{r['P@1_diff']:+.4f} (P@3 {r['P@3'] - best['P@3']:+.4f}, P@5 "
+                  f"{r['P@5'] - best['P@5']:+.4f}); torch / engine training time "
+                  f"{r['time_ratio']:.2f}x", flush=True)
         row = {"dataset": name, "note": note, "seeds": args.seeds, "engine": engine,
+               "engine_ensembles": ens,
                "engine_grid": engine_grid, "engine_best": engine_best, "torch": grid,
                "torch_best": best, "P@1_diff": engine["P@1"] - best["P@1"],
                "best_P@1_diff": engine_best["P@1"] - best["P@1"],

@@ -509,3 +509,12 @@ def test_ensemble_summary_pairs_each_combination_with_one_network():
     longer = cells["one network, 2x the epochs"]
     assert longer["P@5 diff"][0] == pytest.approx(0.05) and longer["train_time"] == 2.5
     assert cells["ensemble 1"]["train_time"] == pytest.approx(1.0)
+
+
+def test_the_defaults_grid_refuses_an_ensemble():
+    """bench_defaults.run_one reads one eval record per epoch; an ensemble's belong to its
+    members, so it refuses rather than report the last member as the ensemble."""
+    import bench_defaults
+
+    with pytest.raises(SystemExit, match="bench_ensemble"):
+        bench_defaults.run_one((None, None, None, None), {"ensemble": 2}, 0, [1], 1)
