@@ -437,6 +437,15 @@ def add_from_results_arg(p) -> None:
                    help="print the summary of a results file instead of training")
 
 
+def add_study_args(p, out_name: str) -> None:
+    """The arguments every seeded study of the engine's defaults shares: ``--devices`` /
+    ``--algorithm`` (:func:`add_device_args`), ``--from-results`` and ``--out`` (default
+    ``bench/results/<out_name>``)."""
+    add_device_args(p)
+    add_from_results_arg(p)
+    p.add_argument("--out", default=str(RESULTS_DIR / out_name))
+
+
 def print_saved(path, show) -> bool:
     """Where ``path`` (``--from-results``) is given: ``show(results)`` with the JSON object it
     holds, and True (the benchmark stops there); else False."""

@@ -124,9 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--equal-samples", action="store_true",
                    help="also train one network k x the epochs (the members' samples)")
-    _common.add_device_args(p)
-    _common.add_from_results_arg(p)
-    p.add_argument("--out", default=str(_common.RESULTS_DIR / "ensemble.json"))
+    _common.add_study_args(p, "ensemble.json")
     args = p.parse_args(argv)
     if _common.print_saved(args.from_results, lambda r: print_summary(summarise(r["rows"]))):
         return 0

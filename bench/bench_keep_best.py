@@ -115,9 +115,7 @@ def main(argv=None) -> int:
     p.add_argument("--datasets", nargs="+", default=["imdb"])
     p.add_argument("--epochs", type=float, nargs="+", default=[5, 10])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    _common.add_device_args(p)
-    _common.add_from_results_arg(p)
-    p.add_argument("--out", default=str(_common.RESULTS_DIR / "keep_best_rule.json"))
+    _common.add_study_args(p, "keep_best_rule.json")
     args = p.parse_args(argv)
     if _common.print_saved(args.from_results, lambda r: print_summary(summarise(r["rows"]))):
         return 0
