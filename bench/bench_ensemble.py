@@ -17,6 +17,15 @@ against one network with its standard error, and the training seconds::
     python bench/bench_ensemble.py --datasets bibtex delicious debian_debtags debian_builddeps \\
         --seeds 0 1 2 --equal-samples --out bench/results/ensemble.json
 
+With ``--lanes`` it measures instead what training the members side by side saves (where
+one thread won the first member's calibration, ``training._member_lanes``): per dataset and
+seed ``ensemble=K`` is fitted side by side (the engine's way) and one after the other (the
+lanes forced to 1), in alternating order, checked to train the same model, and timed (the
+wall time of ``fit`` and the run's training seconds), beside ``ensemble=1``::
+
+    python bench/bench_ensemble.py --lanes --members 2 --seeds 0 1 2 \
+        --out bench/results/ensemble_lanes.json
+
 Names: a shared dataset, a shape of ``bench_defaults.py`` (``synth1k``) or
 ``synthetic:N_TRAIN:N_FEATURES:N_LABELS``.
 """
@@ -73,6 +82,86 @@ def run_one(data, epochs: float, seed: int, members: int, equal: bool, **params)
     return out
 
 
+def _timed_fit(data, lanes: bool, **kw):
+    """``XMCClassifier(**kw).fit`` on ``data``'s training rows, its members side by side
+    where the engine would put them there (``lanes``) or forced one after the other; returns
+    the estimator and the wall seconds of ``fit``."""
+    import time
+
+    from xmc_engine import XMCClassifier, training
+
+    real = training._member_lanes
+    if not lanes:
+        training._member_lanes = lambda *a, **k: 1
+    try:
+        t0 = time.perf_counter()
+        clf = XMCClassifier(**kw).fit(data[0], data[1])
+        return clf, time.perf_counter() - t0
+    finally:
+        training._member_lanes = real
+
+
+def run_lanes(data, epochs: float, seed: int, members: int, **params) -> dict:
+    """``ensemble=members`` side by side and one after the other (the order alternating with
+    the seed), and ``ensemble=1``: wall seconds of ``fit``, training seconds, the lanes the
+    engine used, and whether both ways trained the same model (they must)."""
+    import numpy as np
+
+    kw = dict(ensemble=members, epochs=epochs, seed=seed, eval_every=0, **params)
+    out = {"seed": seed, "epochs": epochs, "members": members}
+    for lanes in ((True, False) if seed % 2 == 0 else (False, True)):
+        clf, wall = _timed_fit(data, lanes, **kw)
+        rec = next(r for r in clf.history_ if r["event"] == "ensemble")
+        out["side_by_side" if lanes else "in_turn"] = {
+            "fit_s": wall, "train_time": _common.final_record(clf.history_)["train_time"],
+            "lanes": rec["lanes"], "member_train_time": rec["member_train_time"],
+            "threads": [r["threads"] for r in clf.history_ if r["event"] == "threads"],
+            "params": clf.params_}
+    a, b = out["side_by_side"].pop("params"), out["in_turn"].pop("params")
+    # the same model where both ways trained on the same thread budgets (a timed calibration
+    # can pick another, which sums in another order)
+    out["same_model"] = (all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+                         if out["side_by_side"]["threads"] == out["in_turn"]["threads"]
+                         else None)
+    one, wall = _timed_fit(data, True, **{**kw, "ensemble": 1})
+    out["one"] = {"fit_s": wall, "train_time": _common.final_record(one.history_)["train_time"]}
+    return out
+
+
+def summarise_lanes(rows: list[dict]) -> list[dict]:
+    """Per dataset: mean wall seconds of ``fit`` and training seconds of each way, their
+    ratios, the lanes used and whether every seed trained the same model both ways."""
+    out = []
+    for name in dict.fromkeys(r["dataset"] for r in rows):
+        runs = [r for r in rows if r["dataset"] == name]
+        line = {"dataset": name, "seeds": len(runs), "members": runs[0]["members"],
+                "lanes": sorted({r["side_by_side"]["lanes"] for r in runs}),
+                "same_model": all(r["same_model"] is not False for r in runs),
+                "compared": sum(r["same_model"] is not None for r in runs)}
+        for way in ("one", "in_turn", "side_by_side"):
+            for key in ("fit_s", "train_time"):
+                line[f"{way} {key}"] = sum(r[way][key] for r in runs) / len(runs)
+        for key in ("fit_s", "train_time"):
+            line[f"speed-up {key}"] = _common.mean_se(
+                [r["in_turn"][key] / r["side_by_side"][key] for r in runs])
+        out.append(line)
+    return out
+
+
+def print_lanes(summary: list[dict]) -> None:
+    print("\nmean seconds over the seeds (fit: wall time of fit; train: the run's training "
+          "seconds); speed-up: one after the other / side by side, mean +- standard error")
+    for s in summary:
+        print(f"{s['dataset']:<18} K={s['members']} lanes {s['lanes']} same model "
+              f"{s['same_model']} ({s['compared']} of {s['seeds']} seeds on equal budgets):"
+              f"  one network fit {s['one fit_s']:.2f} s train "
+              f"{s['one train_time']:.2f} s | in turn fit {s['in_turn fit_s']:.2f} s train "
+              f"{s['in_turn train_time']:.2f} s | side by side fit "
+              f"{s['side_by_side fit_s']:.2f} s train {s['side_by_side train_time']:.2f} s | "
+              f"speed-up fit {s['speed-up fit_s'][0]:.2f} +- {s['speed-up fit_s'][1]:.2f}, "
+              f"train {s['speed-up train_time'][0]:.2f} +- {s['speed-up train_time'][1]:.2f}")
+
+
 def _cell(label: str, got: list[dict], one: list[dict], seconds: list[float]) -> dict:
     """Mean metrics of ``got`` (one per seed), their paired difference against ``one`` (mean,
     standard error) and the mean training seconds."""
@@ -124,9 +213,13 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--equal-samples", action="store_true",
                    help="also train one network k x the epochs (the members' samples)")
+    p.add_argument("--lanes", action="store_true",
+                   help="time the members side by side against one after the other instead")
     _common.add_study_args(p, "ensemble.json")
     args = p.parse_args(argv)
-    if _common.print_saved(args.from_results, lambda r: print_summary(summarise(r["rows"]))):
+    if _common.print_saved(args.from_results, lambda r: (
+            print_lanes(r["summary"]) if r.get("benchmark") == "ensemble_lanes"
+            else print_summary(summarise(r["rows"])))):
         return 0
     if args.members < 2:
         p.error("--members must be at least 2")
@@ -137,12 +230,30 @@ def main(argv=None) -> int:
         data = bench_defaults.load_any(name)
         _common.warm_engine(data[0], data[1], **params)
         for seed in args.seeds:
+            if args.lanes:
+                r = {"dataset": name, **params,
+                     **run_lanes(data, args.epochs, seed, args.members, **params)}
+                rows.append(r)
+                print(f"{name:<20} seed {seed} lanes {r['side_by_side']['lanes']} fit "
+                      f"{r['in_turn']['fit_s']:.2f} s -> {r['side_by_side']['fit_s']:.2f} s "
+                      f"(one network {r['one']['fit_s']:.2f} s), same model "
+                      f"{r['same_model']}", flush=True)
+                continue
             r = {"dataset": name, **params,
                  **run_one(data, args.epochs, seed, args.members, args.equal_samples, **params)}
             rows.append(r)
             print(f"{name:<20} seed {seed} {r['loss']:<8} " + "  ".join(
                 f"k={k}: " + "/".join(f"{v[m]:.4f}" for m in METRICS)
                 for k, v in r["k"].items()), flush=True)
+    if args.lanes:
+        summary = summarise_lanes(rows)
+        print_lanes(summary)
+        _common.write_result(args.out, {**meta, "benchmark": "ensemble_lanes",
+                                        "epochs": args.epochs, "members": args.members,
+                                        "seeds": args.seeds, "params": params, "rows": rows,
+                                        "summary": summary})
+        print(f"wrote {args.out}")
+        return 0
     summary = summarise(rows)
     print_summary(summary)
     _common.write_result(args.out, {**meta, "benchmark": "ensemble", "epochs": args.epochs,

@@ -235,3 +235,89 @@ def test_an_ensemble_that_does_not_fit_is_refused_before_training(monkeypatch):
     XMCClassifier(**kw).fit(X, Y)
     with pytest.raises(MemoryPlanError, match="ensemble"):
         XMCClassifier(ensemble=40, **kw).fit(X, Y)
+
+
+def _cores() -> int:
+    from xmc_engine.devices import parse_devices
+
+    return parse_devices("cpu")[0].threads
+
+
+def test_members_train_side_by_side_where_one_thread_won():
+    """On a run too short to time the thread budgets (one thread, untimed) the members train
+    a core each, side by side, and the ensemble is the combination of each member's run on
+    one thread (a summation order may differ in the last bits: not bitwise)."""
+    from xmc_engine.training import member_seed
+
+    if _cores() < 2:
+        pytest.skip("one CPU core here: members cannot train side by side")
+    X, Y = tiny_data(n=1200)
+    kw = dict(hidden=[8], epochs=2, loss="softmax", eval_every=0)
+    ens = XMCClassifier(ensemble=3, seed=5, **kw).fit(X, Y)
+    rec = next(r for r in ens.history_ if r["event"] == "ensemble")
+    assert rec["lanes"] == min(3, _cores())
+    assert [r["threads"] for r in ens.history_ if r["event"] == "threads"] == [1, 1, 1]
+    runs = [XMCClassifier(seed=member_seed(5, j), threads=1, **kw).fit(X, Y) for j in range(3)]
+    for a, b in zip(ens.params_, combine_members([r.params_ for r in runs]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # the training time is the longest lane's, not the members' sum
+    final = ens.history_[-1]
+    assert final["train_time"] < sum(rec["member_train_time"])
+
+
+def test_member_lanes_only_where_one_thread_runs_one_cpu_device():
+    import dataclasses
+
+    from xmc_engine.config import TrainConfig
+    from xmc_engine.training import _member_lanes
+
+    if _cores() < 2:
+        pytest.skip("one CPU core here: one lane")
+    X, Y = tiny_data(n=300)
+    cfg = TrainConfig(ensemble=3, hidden=[8])
+    assert _member_lanes(cfg, {0: 1}, X, Y, None, {}) == min(3, _cores())
+    assert _member_lanes(cfg, {0: 2}, X, Y, None, {}) == 1  # the cores are the budget's
+    assert _member_lanes(dataclasses.replace(cfg, threads=1), {0: 1}, X, Y, None, {}) == 1
+    two = dataclasses.replace(cfg, devices="cpu,cpu@0.5")
+    assert _member_lanes(two, {0: 1, 1: 1}, X, Y, None, {}) == 1
+    assert _member_lanes(cfg, {0: 1}, X, Y, None, {"simulate": lambda i, n: 1.0}) == 1
+
+
+def test_a_member_that_fails_beside_the_first_fails_the_ensemble(monkeypatch):
+    """An error in a member training beside the first is raised by the ensemble (after the
+    others stop), not swallowed by its thread."""
+    from xmc_engine import training
+
+    if _cores() < 2:
+        pytest.skip("one CPU core here: members cannot train side by side")
+    real = training.fit_model
+
+    def failing(cfg, *a, **kw):
+        if cfg.ensemble == 1 and kw.get("progress_desc", "").endswith("2/2"):
+            raise RuntimeError("member 2 broke")
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(training, "fit_model", failing)
+    X, Y = tiny_data(n=600)
+    with pytest.raises(RuntimeError, match="member 2 broke"):
+        XMCClassifier(ensemble=2, hidden=[4], epochs=1, loss="softmax").fit(X, Y)
+
+
+def test_a_stop_event_stops_a_run_like_a_signal(tmp_path):
+    """``fit_model(stop=...)``: a set event stops the run at the next barrier with a
+    checkpoint and TrainingInterrupted (a member beside others when one fails or the main
+    thread is interrupted)."""
+    import threading
+
+    from xmc_engine.config import TrainConfig
+    from xmc_engine.errors import TrainingInterrupted
+    from xmc_engine.training import fit_model
+
+    X, Y = tiny_data(n=300)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(TrainingInterrupted, match="SIGINT"):
+        fit_model(TrainConfig(hidden=[4], epochs=2, threads=1, loss="softmax"), X, Y,
+                  log_dir=tmp_path / "run", checkpoint_every=100, stop=stop)
+    log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").open()]
+    assert log[-1]["event"] == "interrupted" and log[-1]["checkpoint"]

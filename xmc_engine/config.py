@@ -686,14 +686,16 @@ class TrainConfig(ConfigMixin):
         barrier after it (a merge period: well under a second on the CPU at the defaults);
         ``None``: train all ``epochs``. For comparisons at equal wall time.
     ensemble : int
-        Networks trained one after the other, each for ``epochs`` with every other setting
+        Networks trained each for ``epochs`` with every other setting
         (member ``j`` with seed :func:`xmc_engine.training.member_seed`, the first with
         ``seed`` itself; the others train the loss ``"auto"`` chose for the first), combined
         into one network of ``ensemble`` times the hidden width whose logits are the mean of
-        theirs (:func:`xmc_engine.model.combine_members`). It costs ``ensemble`` times the
-        training time, and prediction costs what a network that wide costs;
-        ``max_train_seconds`` is shared out equally. 1 (the default): one network. Measured:
-        ``bench/RESULTS.md``, "Ensembles".
+        theirs (:func:`xmc_engine.model.combine_members`). One after the other, or side
+        by side, a core each, where the run is one CPU device of several cores and one
+        thread won the first member's thread calibration (the ensemble's ``lanes``). It costs
+        ``ensemble`` times the training samples, and prediction costs what a network that
+        wide costs; ``max_train_seconds`` is shared out equally. 1 (the default): one
+        network. Measured: ``bench/RESULTS.md``, "Ensembles".
     batch_size : int
         ``B``: every device's batch on one device and during warm-up; the base of Adaptive
         SGD's per-device batches.

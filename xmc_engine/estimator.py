@@ -101,10 +101,11 @@ class XMCClassifier:
         Stop once this much training time has passed (evaluation excluded; ``None``: all
         ``epochs``), at the first merge barrier after it.
     ensemble : int, default 1
-        Networks trained one after the other (each for ``epochs``, with its own seed) and
-        combined into one of that many times the hidden width whose logits are the mean of
-        theirs (:attr:`xmc_engine.config.TrainConfig.ensemble`): P@3 / P@5 rise on every
-        shared dataset, at that many times the training time.
+        Networks trained (each for ``epochs``, with its own seed; side by side, a core each,
+        where one thread won the thread calibration on one CPU device) and combined into one
+        of that many times the hidden width whose logits are the mean of theirs
+        (:attr:`xmc_engine.config.TrainConfig.ensemble`): P@3 / P@5 rise on every shared
+        dataset, at that many times the training samples.
     lr : float or None
         Base learning rate; ``None``: the optimizer's default
         (:data:`xmc_engine.config.DEFAULT_LR`: 0.05 for Adagrad, 2.0 for SGD; with

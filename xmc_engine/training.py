@@ -8,6 +8,7 @@ resume, and the progress bar. The one-device loop lives here; several devices go
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -67,7 +68,7 @@ def _short(metrics: dict) -> str:
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
               resume: bool = False, simulate=None, progress_desc: str = "train",
               one_node: bool = False, keep_optimizer_state: bool = False,
-              calibrated: dict[int, int] | None = None) -> dict:
+              calibrated: dict[int, int] | None = None, on_start=None, stop=None) -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
     (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation). The
     feature rows of ``X`` and of ``eval_set`` are normalised first (``cfg.normalize``).
@@ -88,11 +89,16 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``eval_set`` row's top label at the last evaluation (``None`` without one).
     ``calibrated``: CPU thread budgets by device index calibrated by an earlier run of the
     same devices and data (an ensemble's first member), used instead of calibrating again;
-    the result's ``calibrated`` holds this run's."""
+    the result's ``calibrated`` holds this run's. ``on_start``, a function ``(loss,
+    calibrated)``, is called once both are known, just before training starts (an ensemble
+    starts its other members then). ``stop`` (a :class:`threading.Event`): once set, the run
+    stops at the next barrier as on SIGINT (a checkpoint where it has a run folder, then
+    :class:`~xmc_engine.errors.TrainingInterrupted`); for runs in threads other than the main
+    one, which hears no signals."""
     if cfg.ensemble > 1:
         return _fit_ensemble(cfg, X, Y, eval_set, log_dir=log_dir,
                              checkpoint_every=checkpoint_every, resume=resume, simulate=simulate,
-                             progress_desc=progress_desc, one_node=one_node)
+                             progress_desc=progress_desc, one_node=one_node, stop=stop)
     from xmc_engine.checkpoint import CheckpointManager
     from xmc_engine.devices import parse_devices
     from xmc_engine.runlog import RunLog
@@ -218,8 +224,10 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         params = extra = probe_fit = None  # the replicas hold their own copies
         if watch is not None:
             watch.apply(trainer)
+        if on_start is not None:
+            on_start(cfg.loss, _thread_budgets(trainer))
         driver = _Driver(cfg, trainer, n_samples, state, log, evaluator, ckpts,
-                         checkpoint_every, shape, progress_desc, watch)
+                         checkpoint_every, shape, progress_desc, watch, stop)
         metrics = driver.run()
     finally:
         trainer.close()
@@ -230,8 +238,13 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             if keep_optimizer_state else None,
             "samples": int(state["samples"]), "train_time": float(state["train_time"]),
             "eval_top1": evaluator.top1 if evaluator is not None else None,
-            "calibrated": {i: r.backend.threads for i, r in enumerate(trainer.replicas)
-                           if r.backend.name == "cpu"}}
+            "calibrated": _thread_budgets(trainer)}
+
+
+def _thread_budgets(trainer) -> dict[int, int]:
+    """The CPU thread budget of each CPU replica of ``trainer``, by device index."""
+    return {i: r.backend.threads for i, r in enumerate(trainer.replicas)
+            if r.backend.name == "cpu"}
 
 
 def member_seed(seed: int, member: int) -> int:
@@ -249,18 +262,27 @@ MEMBER_DIR = "member-{}"
 
 
 def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: str,
-                  **fit_kw) -> dict:
-    """``cfg.ensemble`` networks, one :func:`fit_model` after the other (each with its own
-    seed, :func:`member_seed`; the first's ``loss="auto"`` choice and CPU thread budgets for
-    the rest; an equal share of ``max_train_seconds``), combined into one network
-    (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. Each
-    member keeps its run log and checkpoints in the sub-folder :data:`MEMBER_DIR` of
+                  stop=None, **fit_kw) -> dict:
+    """``cfg.ensemble`` networks (each a :func:`fit_model` with its own seed,
+    :func:`member_seed`; the first's ``loss="auto"`` choice and CPU thread budgets for the
+    rest; an equal share of ``max_train_seconds``), combined into one network
+    (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. Where
+    one thread won the first member's calibration on a CPU device of several cores
+    (:func:`_member_lanes`), the other members train beside it, a core each; else one after
+    the other. A member's run is the same either way (its seed, loss and one thread decide
+    it). Each member keeps its run log and checkpoints in the sub-folder :data:`MEMBER_DIR` of
     ``log_dir`` (a resumed run resumes each: a finished member's last checkpoint is its end);
     ``log_dir/log.jsonl`` gets an ``ensemble`` record and a ``final`` one. The result is
     :func:`fit_model`'s, for the combined network: ``history`` holds the members' records one
-    after the other, then those two; ``train_time`` and ``samples`` are the members' summed.
-    The combined network is evaluated on the first device, as the members were."""
+    after the other, then those two; ``samples`` is the members' summed, ``train_time`` that of
+    the longest lane (the members one thread trained in turn: their sum where they train one
+    after the other). The combined network is evaluated on the first device, as the members
+    were."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     from xmc_engine.backends import get_backend
+    from xmc_engine.backends.cpu import numba_threads
     from xmc_engine.memory import check_memory
     from xmc_engine.model import combine_members, fitted_hidden
     from xmc_engine.runlog import RunLog
@@ -269,17 +291,60 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     k = cfg.ensemble
     run_dir = Path(log_dir) if log_dir is not None else None
     budget = None if cfg.max_train_seconds is None else cfg.max_train_seconds / k
-    loss, results, calibrated = cfg.loss, [], None
-    for j in range(k):
-        member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j), loss=loss,
-                                     max_train_seconds=budget)
+    results: list = [None] * k
+    lane_of: list = [None] * k  # the thread that trained each member
+    # set when a member fails (or by the caller): the members training stop at a barrier
+    stop = threading.Event() if stop is None else stop
+    first: dict = {"loss": cfg.loss, "calibrated": None}
+    pool, futures, blas, side = None, {}, None, {"lanes": 1}
+
+    def train(j: int) -> dict:
+        member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j),
+                                     loss=first["loss"], max_train_seconds=budget)
         logger.info("ensemble: member %d of %d (seed %d)", j + 1, k, member.seed)
-        res = fit_model(member, X, Y, eval_set,
-                        log_dir=None if run_dir is None else run_dir / MEMBER_DIR.format(j),
-                        progress_desc=f"{progress_desc} {j + 1}/{k}", calibrated=calibrated,
-                        **fit_kw)
-        loss, calibrated = res["loss"], res["calibrated"]  # the rest train the first's
-        results.append(res)
+        lane_of[j] = threading.get_ident()
+        # beside other members: this thread's own numba work (compiling, evaluating) on one
+        # core too, as its steps are
+        with numba_threads(1) if pool is not None else contextlib.nullcontext():
+            return fit_model(member, X, Y, eval_set,
+                             log_dir=None if run_dir is None else run_dir / MEMBER_DIR.format(j),
+                             progress_desc=f"{progress_desc} {j + 1}/{k}",
+                             calibrated=first["calibrated"], stop=stop,
+                             on_start=started if j == 0 else None, **fit_kw)
+
+    def started(loss: str, calibrated: dict) -> None:
+        """The first member's loss and budgets are known: the others may start beside it."""
+        nonlocal pool, blas
+        first.update(loss=loss, calibrated=calibrated)
+        lanes = side["lanes"] = _member_lanes(cfg, calibrated, X, Y, eval_set, fit_kw)
+        if lanes > 1:
+            from threadpoolctl import threadpool_limits
+
+            logger.info("ensemble: one thread won the calibration: %d members train side by "
+                        "side", lanes)
+            # one BLAS thread for each member (the steps hold the same; the limit is
+            # process-wide), until every member is done
+            blas = threadpool_limits(limits=1, user_api="blas")
+            pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="xmc-member")
+            futures.update({j: pool.submit(train, j) for j in range(1, k)})
+
+    try:
+        results[0] = train(0)
+        first["calibrated"] = results[0]["calibrated"]
+        for j in range(1, k):  # the members no lane has started train here, in turn
+            if j not in futures or futures[j].cancel():
+                results[j] = train(j)
+        for j, fut in futures.items():
+            if results[j] is None:
+                results[j] = fut.result()
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+            blas.restore_original_limits()
+    loss = results[0]["loss"]
     params = combine_members([r["params"] for r in results])
     for r in results:  # the members' arrays are in the combined ones
         r["params"] = None
@@ -295,7 +360,10 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                               first["label_counts"], first["n_train"], cfg.label_chunk)
         metrics = evaluator(be, [be.asarray(p) for p in params])
         eval_time = time.perf_counter() - t0
-    train_time = sum(r["train_time"] for r in results)
+    lanes = {lane: 0.0 for lane in lane_of}
+    for lane, r in zip(lane_of, results, strict=True):
+        lanes[lane] += r["train_time"]
+    train_time = max(lanes.values())
     samples = sum(r["samples"] for r in results)
     from xmc_engine.distributed import world
 
@@ -307,6 +375,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                   loss=loss, hidden=list(fitted_hidden(params)),
                   member_metrics=[r["metrics"] for r in results],
                   member_train_time=[r["train_time"] for r in results],
+                  lanes=side["lanes"],
                   member_dirs=[MEMBER_DIR.format(j) for j in range(k)] if run_dir else None,
                   metrics=metrics, eval_time=eval_time)
         statuses = [next((h.get("status") for h in reversed(r["history"])
@@ -322,6 +391,28 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             "loss": loss, "samples": samples, "train_time": train_time,
             "optimizer_state": None,
             "eval_top1": evaluator.top1 if eval_set is not None else None}
+
+
+def _member_lanes(cfg: TrainConfig, calibrated: dict, X, Y, eval_set, fit_kw: dict) -> int:
+    """How many of ``cfg.ensemble``'s members train at once (:func:`_fit_ensemble`): one per
+    core of the device where the run is one CPU device whose calibrated budget
+    (``calibrated``, the first member's) is one thread, in one process and in threads (no
+    ``simulate``), and the memory planner says the host holds that many runs at once; else 1
+    (one after the other). A budget of several threads already has the cores."""
+    from xmc_engine.devices import parse_devices
+    from xmc_engine.distributed import world
+
+    devices = parse_devices(cfg.devices)
+    if (cfg.ensemble < 2 or cfg.threads is not None or len(devices) != 1
+            or devices[0].kind != "cpu" or calibrated != {0: 1}
+            or fit_kw.get("simulate") is not None
+            or (not fit_kw.get("one_node") and world().size > 1)):
+        return 1
+    lanes = min(cfg.ensemble, devices[0].threads)
+    while lanes > 1 and not _host_holds(lanes, dataclasses.replace(cfg, ensemble=1), X, Y,
+                                        eval_set):
+        lanes -= 1
+    return lanes
 
 
 def _continue_fit(fit: dict, n_samples: int, seed: int,
@@ -947,8 +1038,9 @@ class _Driver:
     checkpoint; several nodes always run whole epochs (their periods are aligned)."""
 
     def __init__(self, cfg, trainer, n_samples, state, log, evaluator, ckpts, checkpoint_every,
-                 shape, desc="train", watch=None):
+                 shape, desc="train", watch=None, stop=None):
         self.cfg, self.trainer, self.n, self.desc = cfg, trainer, n_samples, desc
+        self.stop = stop  # a threading.Event another thread sets to stop this run (fit_model)
         self.watch = watch  # lr_decay="plateau": a _PlateauWatch
         self.multi_node = trainer.comm is not None and trainer.comm.size > 1
         # Samples of the open epoch done by earlier calls (a resumed checkpoint may be mid-epoch).
@@ -966,8 +1058,16 @@ class _Driver:
 
     # -- SIGINT / SIGTERM: stop between steps, checkpoint, raise TrainingInterrupted ----------
     def stop_requested(self) -> bool:
-        """Asked by the trainer at every barrier: a signal, or the training-time budget."""
+        """Asked by the trainer at every barrier: a signal (or the ``stop`` event, taken for
+        SIGINT), or the training-time budget."""
+        if self._signal is None and self.stop is not None and self.stop.is_set():
+            self._signal = signal.SIGINT
         return self._signal is not None or self.out_of_time()
+
+    def stop_requested_by_signal(self) -> bool:
+        """A signal (or the ``stop`` event) has asked the run to stop."""
+        self.stop_requested()
+        return self._signal is not None
 
     def out_of_time(self) -> bool:
         """``max_train_seconds`` has passed: the finished trainer calls' training time plus,
@@ -1104,7 +1204,7 @@ class _Driver:
             epoch = int(st["epoch"])
             # A signal stops the loop at the next barrier, where a checkpoint can be taken.
             while (st["samples"] < total and not self._budget_spent()
-                   and self._signal is None and not self._plateau_done()):
+                   and not self.stop_requested_by_signal() and not self._plateau_done()):
                 st["epoch"] = epoch
                 before, t0 = st["samples"], st["train_time"]
                 stop_after = None

@@ -84,6 +84,18 @@ def sgemm_rm(alpha, A, Bm, beta, C):
     return True
 
 
+@contextmanager
+def numba_threads(n: int):
+    """numba's threads for the calling thread only limited to ``n`` inside the block, then
+    put back (numba's limit is per thread)."""
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)
+
+
 class CPUBackend:
     """Host device: NumPy arrays, ``@njit(nogil=True)`` kernels, BLAS through NumPy/SciPy.
 
@@ -208,17 +220,13 @@ class CPUBackend:
         with self.kernel_threads(n), threadpool_limits(limits=n, user_api="blas"):
             yield
 
-    @contextmanager
-    def kernel_threads(self, n: int):
+    @staticmethod
+    def kernel_threads(n: int):
         """Limit numba's threads for this thread only to ``n`` inside the block (the trainer's
-        merges on the main thread). Costs microseconds where :meth:`thread_budget`, which also
-        asks threadpoolctl for the BLAS libraries, costs about 2 ms per entry."""
-        old = numba.get_num_threads()
-        numba.set_num_threads(min(int(n), numba.config.NUMBA_NUM_THREADS))
-        try:
-            yield
-        finally:
-            numba.set_num_threads(old)
+        merges on the main thread): :func:`numba_threads`. Costs microseconds where
+        :meth:`thread_budget`, which also asks threadpoolctl for the BLAS libraries, costs
+        about 2 ms per entry."""
+        return numba_threads(n)
 
     # ------------------------------------------------------------------ dense arithmetic
     @staticmethod

@@ -26,9 +26,9 @@ _CONFIG_OPTIONS = {
     "epochs": ("--epochs", finite_float, "training epochs (default 10)"),
     "max_train_seconds": ("--max-train-seconds", finite_float,
                           "stop after this much training time (evaluation excluded)"),
-    "ensemble": ("--ensemble", int, "networks trained one after the other and combined into "
-                 "one (the mean of their logits): higher P@3 / P@5 for that many times the "
-                 "training time (default 1)"),
+    "ensemble": ("--ensemble", int, "networks trained (side by side where one thread per "
+                 "network is fastest) and combined into one (the mean of their logits): higher "
+                 "P@3 / P@5 for that many times the training samples (default 1)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 64)"),
     "lr": ("--lr", finite_float, "base learning rate (default: the optimizer's, 0.05 for "
            "adagrad, 0.1 for adagrad with --loss bce, 2.0 for sgd)"),
