@@ -321,3 +321,32 @@ def test_a_stop_event_stops_a_run_like_a_signal(tmp_path):
                   log_dir=tmp_path / "run", checkpoint_every=100, stop=stop)
     log = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").open()]
     assert log[-1]["event"] == "interrupted" and log[-1]["checkpoint"]
+
+
+def test_blas_stays_at_one_thread_under_members_side_by_side(monkeypatch):
+    """BLAS's thread limit is process-wide: every step of members training side by side runs
+    under one BLAS thread, the first member's included (its device worker starts where the
+    process limit is the machine's, and used to put that back under the other member)."""
+    import threading
+
+    from threadpoolctl import ThreadpoolController
+
+    from xmc_engine import model
+
+    if _cores() < 2:
+        pytest.skip("one CPU core here: members cannot train side by side")
+    blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+    if not blas:
+        pytest.skip("no BLAS library that threadpoolctl controls")
+    seen, real = [], model.MLPReplica.train_batch
+
+    def spy(self, *a, **kw):
+        if threading.current_thread().name.startswith("xmc-device"):
+            seen.append(max(c.get_num_threads() for c in blas))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(model.MLPReplica, "train_batch", spy)
+    X, Y = tiny_data(n=3000)
+    ens = XMCClassifier(ensemble=2, hidden=[8], epochs=3, loss="softmax", eval_every=0).fit(X, Y)
+    assert next(r for r in ens.history_ if r["event"] == "ensemble")["lanes"] == 2
+    assert seen and set(seen) == {1}, sorted(set(seen))

@@ -90,11 +90,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``calibrated``: CPU thread budgets by device index calibrated by an earlier run of the
     same devices and data (an ensemble's first member), used instead of calibrating again;
     the result's ``calibrated`` holds this run's. ``on_start``, a function ``(loss,
-    calibrated)``, is called once both are known, just before training starts (an ensemble
-    starts its other members then). ``stop`` (a :class:`threading.Event`): once set, the run
-    stops at the next barrier as on SIGINT (a checkpoint where it has a run folder, then
-    :class:`~xmc_engine.errors.TrainingInterrupted`); for runs in threads other than the main
-    one, which hears no signals."""
+    calibrated)``, is called once both are known, before the trainer's device workers start
+    (an ensemble starts its other members then). ``stop`` (a :class:`threading.Event`): once
+    set, the run stops at the next barrier as on SIGINT (a checkpoint where it has a run
+    folder, then :class:`~xmc_engine.errors.TrainingInterrupted`); for runs in threads other
+    than the main one, which hears no signals."""
     if cfg.ensemble > 1:
         return _fit_ensemble(cfg, X, Y, eval_set, log_dir=log_dir,
                              checkpoint_every=checkpoint_every, resume=resume, simulate=simulate,
@@ -217,15 +217,15 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                             else calibrated,
                             calibrated_by="the loss probe" if probe and probe.get("threads")
                             else "the ensemble's first member",
-                            run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]))
+                            run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]),
+                            on_budgets=None if on_start is None
+                            else (lambda budgets: on_start(cfg.loss, budgets)))
     try:
         if extra:
             restore_trainer(trainer, extra)
         params = extra = probe_fit = None  # the replicas hold their own copies
         if watch is not None:
             watch.apply(trainer)
-        if on_start is not None:
-            on_start(cfg.loss, _thread_budgets(trainer))
         driver = _Driver(cfg, trainer, n_samples, state, log, evaluator, ckpts,
                          checkpoint_every, shape, progress_desc, watch, stop)
         metrics = driver.run()
@@ -296,7 +296,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     # set when a member fails (or by the caller): the members training stop at a barrier
     stop = threading.Event() if stop is None else stop
     first: dict = {"loss": cfg.loss, "calibrated": None}
-    pool, futures, blas, side = None, {}, None, {"lanes": 1}
+    pool, futures, side = None, {}, {"lanes": 1}
 
     def train(j: int) -> dict:
         member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j),
@@ -314,36 +314,39 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
 
     def started(loss: str, calibrated: dict) -> None:
         """The first member's loss and budgets are known: the others may start beside it."""
-        nonlocal pool, blas
+        nonlocal pool
         first.update(loss=loss, calibrated=calibrated)
         lanes = side["lanes"] = _member_lanes(cfg, calibrated, X, Y, eval_set, fit_kw)
         if lanes > 1:
-            from threadpoolctl import threadpool_limits
-
             logger.info("ensemble: one thread won the calibration: %d members train side by "
                         "side", lanes)
-            # one BLAS thread for each member (the steps hold the same; the limit is
-            # process-wide), until every member is done
-            blas = threadpool_limits(limits=1, user_api="blas")
+            # BLAS's thread limit is process-wide, and threadpoolctl (3.8) lets one thread
+            # at a time set it: a device worker takes it on entry, puts back on exit what it
+            # found and lets go. Held here at 1 by this thread before any member's worker
+            # starts, the workers' calls leave it at 1. Without the hold, the first member's
+            # worker, having found 2, left 2 under the member still training beside it
+            # (measured: the last 345 steps of a debian_debtags member, whose sums then
+            # differed in the last bits from the same run trained alone).
+            hold.enter_context(_blas_threads(1))
             pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="xmc-member")
             futures.update({j: pool.submit(train, j) for j in range(1, k)})
 
-    try:
-        results[0] = train(0)
-        first["calibrated"] = results[0]["calibrated"]
-        for j in range(1, k):  # the members no lane has started train here, in turn
-            if j not in futures or futures[j].cancel():
-                results[j] = train(j)
-        for j, fut in futures.items():
-            if results[j] is None:
-                results[j] = fut.result()
-    except BaseException:
-        stop.set()
-        raise
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-            blas.restore_original_limits()
+    with contextlib.ExitStack() as hold:  # BLAS's limit while members train side by side
+        try:
+            results[0] = train(0)
+            first["calibrated"] = results[0]["calibrated"]
+            for j in range(1, k):  # the members no lane has started train here, in turn
+                if j not in futures or futures[j].cancel():
+                    results[j] = train(j)
+            for j, fut in futures.items():
+                if results[j] is None:
+                    results[j] = fut.result()
+        except BaseException:
+            stop.set()  # the members still training stop at their next barrier
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
     loss = results[0]["loss"]
     params = combine_members([r["params"] for r in results])
     for r in results:  # the members' arrays are in the combined ones
@@ -393,22 +396,38 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             "eval_top1": evaluator.top1 if eval_set is not None else None}
 
 
-def _member_lanes(cfg: TrainConfig, calibrated: dict, X, Y, eval_set, fit_kw: dict) -> int:
-    """How many of ``cfg.ensemble``'s members train at once (:func:`_fit_ensemble`): one per
-    core of the device where the run is one CPU device whose calibrated budget
-    (``calibrated``, the first member's) is one thread, in one process and in threads (no
-    ``simulate``), and the memory planner says the host holds that many runs at once; else 1
-    (one after the other). A budget of several threads already has the cores."""
+def _lanes_possible(cfg: TrainConfig, fit_kw: dict) -> bool:
+    """Could ``cfg.ensemble``'s members train side by side (:func:`_member_lanes`, before the
+    first member's budget is known)? Several members on one CPU device of several cores, its
+    threads calibrated, in one process and in threads (``fit_kw`` without ``simulate``)."""
     from xmc_engine.devices import parse_devices
     from xmc_engine.distributed import world
 
     devices = parse_devices(cfg.devices)
-    if (cfg.ensemble < 2 or cfg.threads is not None or len(devices) != 1
-            or devices[0].kind != "cpu" or calibrated != {0: 1}
-            or fit_kw.get("simulate") is not None
-            or (not fit_kw.get("one_node") and world().size > 1)):
+    return (cfg.ensemble > 1 and cfg.threads is None and len(devices) == 1
+            and devices[0].kind == "cpu" and devices[0].threads > 1
+            and fit_kw.get("simulate") is None
+            and (bool(fit_kw.get("one_node")) or world().size == 1))
+
+
+def _blas_threads(n: int):
+    """BLAS's threads limited to ``n`` (process-wide) inside the block."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+def _member_lanes(cfg: TrainConfig, calibrated: dict, X, Y, eval_set, fit_kw: dict) -> int:
+    """How many of ``cfg.ensemble``'s members train at once (:func:`_fit_ensemble`): one per
+    core of the device where they could (:func:`_lanes_possible`), the first member's
+    calibrated budget (``calibrated``) is one thread and the memory planner says the host
+    holds that many runs at once; else 1 (one after the other). A budget of several threads
+    already has the cores."""
+    from xmc_engine.devices import parse_devices
+
+    if not _lanes_possible(cfg, fit_kw) or calibrated != {0: 1}:
         return 1
-    lanes = min(cfg.ensemble, devices[0].threads)
+    lanes = min(cfg.ensemble, parse_devices(cfg.devices)[0].threads)
     while lanes > 1 and not _host_holds(lanes, dataclasses.replace(cfg, ensemble=1), X, Y,
                                         eval_set):
         lanes -= 1
@@ -795,7 +814,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                   assignment: str = "shared", mode: str = "threads", cost=None,
                   calibrated: dict[int, int] | None = None, calibrated_by: str = "the loss probe",
-                  run_samples: float | None = None):
+                  run_samples: float | None = None, on_budgets=None):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
     :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
     starting from the host arrays ``params``, and the algorithm's policy. ``log`` (a
@@ -806,7 +825,9 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     ``calibrated_by``: the loss probe, :func:`choose_loss`, or an ensemble's first member),
     which is used instead of calibrating again.
     ``run_samples`` (the samples the run has left to train, if known) lets a run too short to
-    repay the calibration keep one thread untimed."""
+    repay the calibration keep one thread untimed. ``on_budgets``, if given, is called with the
+    CPU replicas' thread budgets by device index once they are set, before the trainer starts
+    its device workers."""
     from xmc_engine.algorithms import get_algorithm
     from xmc_engine.scheduler import Schedule, Trainer
 
@@ -828,6 +849,9 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                         if known is None else f"by {calibrated_by} (its record says how)")
                 log.write("threads", device=str(d), threads=be.threads, note=note)
         replicas.append(rep)
+    if on_budgets is not None:
+        on_budgets({i: r.backend.threads for i, r in enumerate(replicas)
+                    if r.backend.name == "cpu"})
     # fit_model resolves "auto" and runs the plateau rule between epochs (its _PlateauWatch
     # rescales this schedule). A trainer built without it has no held-out rows: "auto" is the
     # optimizer's fixed decay here, and "plateau" no decay by the epoch (its scale stays 1).
