@@ -118,10 +118,12 @@ not know. The events the engine writes:
     ``member-<j>``. ``members``, ``seeds`` (each member's), ``loss`` (the loss they trained),
     ``hidden`` (the combined network's widths), ``member_metrics`` and
     ``member_train_time`` (each member's last evaluation and training seconds),
+    ``lanes`` (how many members trained at once: 1, one after the other, or side by side),
     ``member_dirs``, ``metrics`` (the combined network's evaluation, if any) and
     ``eval_time``. The ``final`` after it has ``status`` ``"ensemble"``,
-    ``member_status`` (each member's ``final`` status), ``samples`` and ``train_time`` (the
-    members' summed) and ``metrics``.
+    ``member_status`` (each member's ``final`` status), ``samples`` (the members' summed),
+    ``train_time`` (the first member's seconds before the others could start, then the longest
+    lane's: the members' summed where they trained one after the other) and ``metrics``.
 
 For example::
 

@@ -90,11 +90,13 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``calibrated``: CPU thread budgets by device index calibrated by an earlier run of the
     same devices and data (an ensemble's first member), used instead of calibrating again;
     the result's ``calibrated`` holds this run's. ``on_start``, a function ``(loss,
-    calibrated)``, is called once both are known, before the trainer's device workers start
-    (an ensemble starts its other members then). ``stop`` (a :class:`threading.Event`): once
-    set, the run stops at the next barrier as on SIGINT (a checkpoint where it has a run
-    folder, then :class:`~xmc_engine.errors.TrainingInterrupted`); for runs in threads other
-    than the main one, which hears no signals."""
+    calibrated, train_time)``, is called once the loss and the budgets are known, before the
+    trainer's device workers start (an ensemble starts its other members then), with the
+    training seconds the run starts from (a continued probe fit's, a checkpoint's). ``stop``
+    (a :class:`threading.Event`): once set, the run stops at the next barrier as on SIGINT (a
+    checkpoint where it has a run folder, then
+    :class:`~xmc_engine.errors.TrainingInterrupted`); for runs in threads other than the main
+    one, which hears no signals."""
     if cfg.ensemble > 1:
         return _fit_ensemble(cfg, X, Y, eval_set, log_dir=log_dir,
                              checkpoint_every=checkpoint_every, resume=resume, simulate=simulate,
@@ -219,7 +221,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                             else "the ensemble's first member",
                             run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]),
                             on_budgets=None if on_start is None
-                            else (lambda budgets: on_start(cfg.loss, budgets)))
+                            else (lambda budgets: on_start(cfg.loss, budgets,
+                                                           state["train_time"])))
     try:
         if extra:
             restore_trainer(trainer, extra)
@@ -274,9 +277,10 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     ``log_dir`` (a resumed run resumes each: a finished member's last checkpoint is its end);
     ``log_dir/log.jsonl`` gets an ``ensemble`` record and a ``final`` one. The result is
     :func:`fit_model`'s, for the combined network: ``history`` holds the members' records one
-    after the other, then those two; ``samples`` is the members' summed, ``train_time`` that of
-    the longest lane (the members one thread trained in turn: their sum where they train one
-    after the other). The combined network is evaluated on the first device, as the members
+    after the other, then those two; ``samples`` is the members' summed, ``train_time`` the
+    first member's seconds before the others could start (its probe fit's) plus the longest
+    lane's after (a lane: the members one thread trained in turn), the members' sum where they
+    train one after the other. The combined network is evaluated on the first device, as the members
     were."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -296,7 +300,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     # set when a member fails (or by the caller): the members training stop at a barrier
     stop = threading.Event() if stop is None else stop
     first: dict = {"loss": cfg.loss, "calibrated": None}
-    pool, futures, side = None, {}, {"lanes": 1}
+    pool, futures, side = None, {}, {"lanes": 1, "before": 0.0}
 
     def train(j: int) -> dict:
         member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j),
@@ -312,10 +316,11 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                              calibrated=first["calibrated"], stop=stop,
                              on_start=started if j == 0 else None, **fit_kw)
 
-    def started(loss: str, calibrated: dict) -> None:
+    def started(loss: str, calibrated: dict, train_time: float) -> None:
         """The first member's loss and budgets are known: the others may start beside it."""
         nonlocal pool
         first.update(loss=loss, calibrated=calibrated)
+        side["before"] = train_time  # trained before any other member could start
         lanes = side["lanes"] = _member_lanes(cfg, calibrated, X, Y, eval_set, fit_kw)
         if lanes > 1:
             logger.info("ensemble: one thread won the calibration: %d members train side by "
@@ -363,10 +368,13 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                               first["label_counts"], first["n_train"], cfg.label_chunk)
         metrics = evaluator(be, [be.asarray(p) for p in params])
         eval_time = time.perf_counter() - t0
+    # the training seconds of the longest lane, the first member's seconds before the others
+    # could start counted once, before every lane
     lanes = {lane: 0.0 for lane in lane_of}
     for lane, r in zip(lane_of, results, strict=True):
         lanes[lane] += r["train_time"]
-    train_time = max(lanes.values())
+    lanes[lane_of[0]] -= side["before"]
+    train_time = side["before"] + max(lanes.values())
     samples = sum(r["samples"] for r in results)
     from xmc_engine.distributed import world
 
