@@ -150,6 +150,11 @@ def test_the_cli_trains_an_ensemble_and_says_so(tmp_path):
     assert "2 networks combined into one of hidden 16; each alone P@1 " in line, line
     assert (tmp_path / "run" / "member-1" / "log.jsonl").exists()
     assert (tmp_path / "run" / "curves.png").exists()
+    if _cores() >= 2:  # the thread budget calibrated (one thread on so short a run)
+        out = run_cli("train", "--data", data, "--hidden", 8, "--epochs", 1, "--ensemble", 2,
+                      "--out", tmp_path / "side").stdout
+        line = next(x for x in out.splitlines() if x.startswith("ensemble:"))
+        assert "of hidden 16, trained 2 at a time; each alone P@1 " in line, line
 
 
 def test_the_plan_command_counts_an_ensemble(tmp_path):

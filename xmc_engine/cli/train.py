@@ -388,9 +388,11 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     ens = next((r for r in model.history_ if r.get("event") == "ensemble"), None)
     if ens is not None:
         each = ", ".join(f"{m['P@1']:.4f}" for m in ens["member_metrics"] if m)
+        lanes = ens.get("lanes", 1)
         print(f"ensemble: {ens['members']} networks combined into one of hidden "
-              f"{','.join(map(str, ens['hidden']))}" + (f"; each alone P@1 {each}" if each
-                                                         else ""))
+              f"{','.join(map(str, ens['hidden']))}"
+              + (f", trained {lanes} at a time" if lanes > 1 else "")
+              + (f"; each alone P@1 {each}" if each else ""))
     kept = next((r for r in model.history_ if r.get("event") == "keep_best"), None)
     if kept is not None and kept["restored"]:
         print(f"kept:  epoch {kept['best_epoch']}'s model (held-out P@1 {kept['best_p1']:.4f}; the "
