@@ -273,19 +273,24 @@ def test_members_train_side_by_side_where_one_thread_won():
 def test_member_lanes_only_where_one_thread_runs_one_cpu_device():
     import dataclasses
 
-    from xmc_engine.config import TrainConfig
+    from xmc_engine.config import LANES_MAX_SPEEDUP, TrainConfig
     from xmc_engine.training import _member_lanes
 
     if _cores() < 2:
         pytest.skip("one CPU core here: one lane")
     X, Y = tiny_data(n=300)
     cfg = TrainConfig(ensemble=3, hidden=[8])
-    assert _member_lanes(cfg, {0: 1}, X, Y, None, {}) == min(3, _cores())
-    assert _member_lanes(cfg, {0: 2}, X, Y, None, {}) == 1  # the cores are the budget's
-    assert _member_lanes(dataclasses.replace(cfg, threads=1), {0: 1}, X, Y, None, {}) == 1
+    lanes = min(3, _cores())
+    assert _member_lanes(cfg, {0: 1}, {0: None}, X, Y, None, {}) == lanes
+    # all the threads won, by less than LANES_MAX_SPEEDUP: one thread each, side by side
+    assert _member_lanes(cfg, {0: 2}, {0: LANES_MAX_SPEEDUP - 0.2}, X, Y, None, {}) == lanes
+    # by more, or not measured: the cores are the budget's
+    assert _member_lanes(cfg, {0: 2}, {0: LANES_MAX_SPEEDUP + 0.2}, X, Y, None, {}) == 1
+    assert _member_lanes(cfg, {0: 2}, {0: None}, X, Y, None, {}) == 1
+    assert _member_lanes(dataclasses.replace(cfg, threads=1), {0: 1}, {}, X, Y, None, {}) == 1
     two = dataclasses.replace(cfg, devices="cpu,cpu@0.5")
-    assert _member_lanes(two, {0: 1, 1: 1}, X, Y, None, {}) == 1
-    assert _member_lanes(cfg, {0: 1}, X, Y, None, {"simulate": lambda i, n: 1.0}) == 1
+    assert _member_lanes(two, {0: 1, 1: 1}, {}, X, Y, None, {}) == 1
+    assert _member_lanes(cfg, {0: 1}, {}, X, Y, None, {"simulate": lambda i, n: 1.0}) == 1
 
 
 def test_a_member_that_fails_beside_the_first_fails_the_ensemble(monkeypatch):
@@ -355,3 +360,28 @@ def test_blas_stays_at_one_thread_under_members_side_by_side(monkeypatch):
     ens = XMCClassifier(ensemble=2, hidden=[8], epochs=3, loss="softmax", eval_every=0).fit(X, Y)
     assert next(r for r in ens.history_ if r["event"] == "ensemble")["lanes"] == 2
     assert seen and set(seen) == {1}, sorted(set(seen))
+
+
+def test_members_go_side_by_side_where_all_threads_win_by_little(monkeypatch):
+    """The first member's calibration keeps all the device's threads, but they are less than
+    LANES_MAX_SPEEDUP times as fast as one: the members train side by side on one thread
+    each, and the first's threads record says why and what the calibration measured."""
+    from xmc_engine import model
+
+    if _cores() < 2:
+        pytest.skip("one CPU core here: members cannot train side by side")
+
+    def calibrate(self, batch_size, max_threads, run_samples=None):
+        self.backend.threads, self.threads_timed, self.threads_speedup = max_threads, True, 1.1
+        return max_threads
+
+    monkeypatch.setattr(model.MLPReplica, "calibrate_threads", calibrate)
+    X, Y = tiny_data(n=600)
+    ens = XMCClassifier(ensemble=2, hidden=[4], epochs=1, loss="softmax", eval_every=0).fit(X, Y)
+    assert next(r for r in ens.history_ if r["event"] == "ensemble")["lanes"] == 2
+    recs = [r for r in ens.history_ if r["event"] == "threads"]
+    assert [r["threads"] for r in recs] == [1, 1]
+    assert "side by side" in recs[0]["note"] and recs[0]["speedup"] == 1.1
+    one = XMCClassifier(hidden=[4], epochs=1, loss="softmax", eval_every=0).fit(X, Y)
+    rec = next(r for r in one.history_ if r["event"] == "threads")
+    assert rec["threads"] == _cores() and rec["speedup"] == 1.1  # one network keeps them

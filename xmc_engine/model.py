@@ -282,6 +282,7 @@ class MLPReplica:
                 be, lambda: self.train_batch(rows, 0.0), max_threads, report=report,
                 run_steps=None if run_samples is None else run_samples / batch_size)
             self.threads_timed = report["timed"]
+            self.threads_speedup = report.get("speedup")
         finally:
             self._rng, self._proposal = rng, proposal
             for a, saved in zip(self._acc or [], acc or [], strict=True):
@@ -762,6 +763,7 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
         if max(best.values()) > 0.1:  # slow steps: one round is enough (and all we can afford)
             break
     logger.debug("thread calibration: %s ms/step", {n: round(1e3 * t, 3) for n, t in best.items()})
+    outcome["speedup"] = best[1] / best[budgets[1]]
     if report is not None:
         report.update(outcome)
     return budgets[1] if best[budgets[1]] < THREADS_MARGIN * best[1] else 1

@@ -90,9 +90,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``calibrated``: CPU thread budgets by device index calibrated by an earlier run of the
     same devices and data (an ensemble's first member), used instead of calibrating again;
     the result's ``calibrated`` holds this run's. ``on_start``, a function ``(loss,
-    calibrated, train_time)``, is called once the loss and the budgets are known, before the
-    trainer's device workers start (an ensemble starts its other members then), with the
-    training seconds the run starts from (a continued probe fit's, a checkpoint's). ``stop``
+    calibrated, speedups, train_time)``, is called once the loss and the budgets are known,
+    before the trainer's device workers start (an ensemble starts its other members then), with
+    the calibrations' measured speed-ups (:func:`build_trainer`'s ``on_budgets``) and the
+    training seconds the run starts from (a continued probe fit's, a checkpoint's); it may
+    return other budgets for the run (an ensemble's members side by side: one thread). ``stop``
     (a :class:`threading.Event`): once set, the run stops at the next barrier as on SIGINT (a
     checkpoint where it has a run folder, then
     :class:`~xmc_engine.errors.TrainingInterrupted`); for runs in threads other than the main
@@ -217,12 +219,13 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                             calibrated={0: probe["threads"]} if probe and probe.get("threads")
                             and _probe_device(devices[0]).threads == devices[0].threads
                             else calibrated,
+                            speedups={0: probe.get("threads_speedup")} if probe else None,
                             calibrated_by="the loss probe" if probe and probe.get("threads")
                             else "the ensemble's first member",
                             run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]),
                             on_budgets=None if on_start is None
-                            else (lambda budgets: on_start(cfg.loss, budgets,
-                                                           state["train_time"])))
+                            else (lambda budgets, speedups: on_start(
+                                cfg.loss, budgets, speedups, state["train_time"])))
     try:
         if extra:
             restore_trainer(trainer, extra)
@@ -316,15 +319,17 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                              calibrated=first["calibrated"], stop=stop,
                              on_start=started if j == 0 else None, **fit_kw)
 
-    def started(loss: str, calibrated: dict, train_time: float) -> None:
-        """The first member's loss and budgets are known: the others may start beside it."""
+    def started(loss: str, calibrated: dict, speedups: dict, train_time: float):
+        """The first member's loss and budgets are known: the others may start beside it
+        (then every member trains on one thread: the budgets returned)."""
         nonlocal pool
         first.update(loss=loss, calibrated=calibrated)
         side["before"] = train_time  # trained before any other member could start
-        lanes = side["lanes"] = _member_lanes(cfg, calibrated, X, Y, eval_set, fit_kw)
+        lanes = side["lanes"] = _member_lanes(cfg, calibrated, speedups, X, Y, eval_set,
+                                              fit_kw)
         if lanes > 1:
-            logger.info("ensemble: one thread won the calibration: %d members train side by "
-                        "side", lanes)
+            first["calibrated"] = {0: 1}
+            logger.info("ensemble: %d members train side by side, one thread each", lanes)
             # BLAS's thread limit is process-wide, and threadpoolctl (3.8) lets one thread
             # at a time set it: a device worker takes it on entry, puts back on exit what it
             # found and lets go. Held here at 1 by this thread before any member's worker
@@ -335,6 +340,8 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             hold.enter_context(_blas_threads(1))
             pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="xmc-member")
             futures.update({j: pool.submit(train, j) for j in range(1, k)})
+            return first["calibrated"]
+        return None
 
     with contextlib.ExitStack() as hold:  # BLAS's limit while members train side by side
         try:
@@ -425,15 +432,21 @@ def _blas_threads(n: int):
     return threadpool_limits(limits=n, user_api="blas")
 
 
-def _member_lanes(cfg: TrainConfig, calibrated: dict, X, Y, eval_set, fit_kw: dict) -> int:
+def _member_lanes(cfg: TrainConfig, calibrated: dict, speedups: dict, X, Y, eval_set,
+                  fit_kw: dict) -> int:
     """How many of ``cfg.ensemble``'s members train at once (:func:`_fit_ensemble`): one per
-    core of the device where they could (:func:`_lanes_possible`), the first member's
-    calibrated budget (``calibrated``) is one thread and the memory planner says the host
-    holds that many runs at once; else 1 (one after the other). A budget of several threads
-    already has the cores."""
+    core of the device, each on one thread, where they could (:func:`_lanes_possible`), the
+    first member's calibration (``calibrated``, ``speedups``: its budget and the measured
+    speed-up of all the device's threads over one) kept one thread or found all of them less
+    than :data:`~xmc_engine.config.LANES_MAX_SPEEDUP` times as fast, and the memory planner
+    says the host holds that many runs at once; else 1 (one after the other, on the calibrated
+    budget)."""
+    from xmc_engine.config import LANES_MAX_SPEEDUP
     from xmc_engine.devices import parse_devices
 
-    if not _lanes_possible(cfg, fit_kw) or calibrated != {0: 1}:
+    speedup = (speedups or {}).get(0)
+    if not _lanes_possible(cfg, fit_kw) or not (
+            calibrated == {0: 1} or (speedup is not None and speedup < LANES_MAX_SPEEDUP)):
         return 1
     lanes = min(cfg.ensemble, parse_devices(cfg.devices)[0].threads)
     while lanes > 1 and not _host_holds(lanes, dataclasses.replace(cfg, ensemble=1), X, Y,
@@ -509,7 +522,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     margin of the softmax), ``rows``, ``heldout``,
     ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
     was calibrated), ``threads_timed`` (False: the run was too short to repay timing the
-    budgets and keeps one thread) and ``together`` (the fits ran side by side), plus
+    budgets and keeps one thread), ``threads_speedup`` (the speed-up of all the device's
+    threads over one that the timing measured; ``None`` where not timed) and ``together``
+    (the fits ran side by side), plus
     ``compile_seconds`` and ``compiled`` (both losses' kernels, compiled or loaded before the
     probe and outside its ``seconds``, and the number of Numba compilations that took;
     :func:`fit_model` logs them as a ``compile`` record) and ``fit`` (the winning fit, None
@@ -599,6 +614,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
             "fit": {**winner, "untrained_rows": np.setdiff1d(np.arange(n), rows),
                     "passes": epochs},
             "threads": None if cfg.threads is not None else threads,
+            "threads_speedup": None if cfg.threads is not None else calibration.get("speedup"),
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}
 
@@ -663,6 +679,7 @@ def calibrate_device(cfg: TrainConfig, X, Y, run_samples: float | None = None,
     threads = rep.calibrate_threads(cfg.batch_size, device.threads, run_samples)
     if report is not None:
         report["timed"] = rep.threads_timed
+        report["speedup"] = getattr(rep, "threads_speedup", None)
     return threads
 
 
@@ -822,7 +839,8 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                   assignment: str = "shared", mode: str = "threads", cost=None,
                   calibrated: dict[int, int] | None = None, calibrated_by: str = "the loss probe",
-                  run_samples: float | None = None, on_budgets=None):
+                  run_samples: float | None = None, speedups: dict | None = None,
+                  on_budgets=None):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
     :class:`~xmc_engine.model.MLPReplica` per device of ``devices`` (a list of DeviceSpec),
     starting from the host arrays ``params``, and the algorithm's policy. ``log`` (a
@@ -833,33 +851,46 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     ``calibrated_by``: the loss probe, :func:`choose_loss`, or an ensemble's first member),
     which is used instead of calibrating again.
     ``run_samples`` (the samples the run has left to train, if known) lets a run too short to
-    repay the calibration keep one thread untimed. ``on_budgets``, if given, is called with the
-    CPU replicas' thread budgets by device index once they are set, before the trainer starts
-    its device workers."""
+    repay the calibration keep one thread untimed. ``speedups`` maps a device's index to the
+    speed-up of all its threads over one that ``calibrated`` budget's calibration measured
+    (``None``: not timed). ``on_budgets``, if given, is called with the CPU replicas' thread
+    budgets and those speed-ups by device index once they are set, before the trainer starts
+    its device workers; the budgets it returns, if any, replace them (logged as set by it)."""
     from xmc_engine.algorithms import get_algorithm
     from xmc_engine.scheduler import Schedule, Trainer
 
     opts = cfg.algorithm_params
-    replicas = []
+    replicas, notes, measured = [], {}, {}
     for d in devices:
         rep = make_replica(cfg, d, X, Y, params, len(replicas))
         be = rep.backend
         if cfg.threads is None and be.name == "cpu" and d.threads > 1:
-            known = (calibrated or {}).get(len(replicas))
+            i = len(replicas)
+            known = (calibrated or {}).get(i)
             if known is None:
                 rep.calibrate_threads(cfg.batch_size, d.threads, run_samples)
+                measured[i] = rep.threads_speedup if rep.threads_timed else None
             else:
                 be.threads = known
-            if log is not None:
-                note = ("not timed: the run is too short to repay timing the budgets"
+                measured[i] = (speedups or {}).get(i)
+            notes[i] = ("not timed: the run is too short to repay timing the budgets"
                         if known is None and rep.threads_timed is False else
                         "calibrated: the faster of 1 and all of the device's threads"
                         if known is None else f"by {calibrated_by} (its record says how)")
-                log.write("threads", device=str(d), threads=be.threads, note=note)
         replicas.append(rep)
     if on_budgets is not None:
-        on_budgets({i: r.backend.threads for i, r in enumerate(replicas)
-                    if r.backend.name == "cpu"})
+        given = on_budgets({i: r.backend.threads for i, r in enumerate(replicas)
+                            if r.backend.name == "cpu"}, dict(measured)) or {}
+        for i, n in given.items():
+            if replicas[i].backend.threads != n:
+                replicas[i].backend.threads = n
+                notes[i] = ("one thread: an ensemble's members train side by side, a core "
+                            "each (training.LANES_MAX_SPEEDUP)")
+    for i, note in notes.items():
+        if log is not None:
+            log.write("threads", device=str(devices[i]), threads=replicas[i].backend.threads,
+                      note=note, speedup=None if measured.get(i) is None
+                      else round(float(measured[i]), 3))
     # fit_model resolves "auto" and runs the plateau rule between epochs (its _PlateauWatch
     # rescales this schedule). A trainer built without it has no held-out rows: "auto" is the
     # optimizer's fixed decay here, and "plateau" no decay by the epoch (its scale stays 1).
