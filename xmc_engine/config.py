@@ -698,9 +698,10 @@ class TrainConfig(ConfigMixin):
         (member ``j`` with seed :func:`xmc_engine.training.member_seed`, the first with
         ``seed`` itself; the others train the loss ``"auto"`` chose for the first), combined
         into one network of ``ensemble`` times the hidden width whose logits are the mean of
-        theirs (:func:`xmc_engine.model.combine_members`). One after the other, or side
-        by side, a core each, where the run is one CPU device of several cores and one
-        thread won the first member's thread calibration (the ensemble's ``lanes``). It costs
+        theirs (:func:`xmc_engine.model.combine_members`). Side by side, one thread
+        and one core each, where the run is one CPU device of several cores whose thread
+        calibration did not find all of them :data:`LANES_MAX_SPEEDUP` times as fast as one
+        (the ensemble's ``lanes``); else one after the other. It costs
         ``ensemble`` times the training samples, and prediction costs what a network that
         wide costs; ``max_train_seconds`` is shared out equally. 1 (the default): one
         network. Measured: ``bench/RESULTS.md``, "Ensembles".

@@ -102,7 +102,7 @@ class XMCClassifier:
         ``epochs``), at the first merge barrier after it.
     ensemble : int, default 1
         Networks trained (each for ``epochs``, with its own seed; side by side, a core each,
-        where one thread won the thread calibration on one CPU device) and combined into one
+        on one CPU device of several cores where that is faster) and combined into one
         of that many times the hidden width whose logits are the mean of theirs
         (:attr:`xmc_engine.config.TrainConfig.ensemble`): P@3 / P@5 rise on every shared
         dataset, at that many times the training samples.

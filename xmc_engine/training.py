@@ -269,22 +269,23 @@ MEMBER_DIR = "member-{}"
 
 def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: str,
                   stop=None, **fit_kw) -> dict:
-    """``cfg.ensemble`` networks (each a :func:`fit_model` with its own seed,
-    :func:`member_seed`; the first's ``loss="auto"`` choice and CPU thread budgets for the
-    rest; an equal share of ``max_train_seconds``), combined into one network
-    (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. Where
-    one thread won the first member's calibration on a CPU device of several cores
-    (:func:`_member_lanes`), the other members train beside it, a core each; else one after
-    the other. A member's run is the same either way (its seed, loss and one thread decide
-    it). Each member keeps its run log and checkpoints in the sub-folder :data:`MEMBER_DIR` of
-    ``log_dir`` (a resumed run resumes each: a finished member's last checkpoint is its end);
-    ``log_dir/log.jsonl`` gets an ``ensemble`` record and a ``final`` one. The result is
-    :func:`fit_model`'s, for the combined network: ``history`` holds the members' records one
-    after the other, then those two; ``samples`` is the members' summed, ``train_time`` the
-    first member's seconds before the others could start (its probe fit's) plus the longest
-    lane's after (a lane: the members one thread trained in turn), the members' sum where they
-    train one after the other. The combined network is evaluated on the first device, as the members
-    were."""
+    """``cfg.ensemble`` networks (each a :func:`fit_model` with its own seed, :func:`member_seed`;
+    the first's ``loss="auto"`` choice and CPU thread budgets for the rest; an equal share of
+    ``max_train_seconds``), combined into one network
+    (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. On a CPU
+    device of several cores whose calibration did not find all its threads
+    :data:`~xmc_engine.config.LANES_MAX_SPEEDUP` times as fast as one (:func:`_member_lanes`),
+    the other members train beside the first, every member on one thread, a core each; else one
+    after the other on the calibrated budget. A member's run is decided by its seed, its loss
+    and its budget, whichever way it trains. Each member keeps its run log and checkpoints in
+    the sub-folder :data:`MEMBER_DIR` of ``log_dir`` (a resumed run resumes each: a finished
+    member's last checkpoint is its end); ``log_dir/log.jsonl`` gets an ``ensemble`` record and
+    a ``final`` one. The result is :func:`fit_model`'s, for the combined network: ``history``
+    holds the members' records one after the other, then those two; ``samples`` is the members'
+    summed, ``train_time`` the first member's seconds before the others could start (its probe
+    fit's) plus the longest lane's after (a lane: the members one thread trained in turn), the
+    members' sum where they train one after the other. The combined network is evaluated on the
+    first device, as the members were."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 

@@ -26,8 +26,8 @@ _CONFIG_OPTIONS = {
     "epochs": ("--epochs", finite_float, "training epochs (default 10)"),
     "max_train_seconds": ("--max-train-seconds", finite_float,
                           "stop after this much training time (evaluation excluded)"),
-    "ensemble": ("--ensemble", int, "networks trained (side by side where one thread per "
-                 "network is fastest) and combined into one (the mean of their logits): higher "
+    "ensemble": ("--ensemble", int, "networks trained (side by side, a core each, where "
+                 "that is faster) and combined into one (the mean of their logits): higher "
                  "P@3 / P@5 for that many times the training samples (default 1)"),
     "batch_size": ("--batch-size", int, "base batch size B (default 64)"),
     "lr": ("--lr", finite_float, "base learning rate (default: the optimizer's, 0.05 for "
