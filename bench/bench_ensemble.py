@@ -12,7 +12,9 @@ them and scores on the test set:
   training samples as ``k`` members.
 
 It prints per dataset the mean P@1 / P@3 / P@5 over the seeds, the mean paired difference
-against one network with its standard error, and the training seconds::
+against one network with its standard error, and the training seconds (of ``k`` members: the
+first ``k`` members' seconds summed, their cost one after the other; where they train side by
+side the run takes less, which ``--lanes`` measures)::
 
     python bench/bench_ensemble.py --datasets bibtex delicious debian_debtags debian_builddeps \\
         --seeds 0 1 2 --equal-samples --out bench/results/ensemble.json
