@@ -110,8 +110,9 @@ def run_engine(data, epochs: int, seed: int, lr: float | None = None,
 
 def run_engine_ensemble(data, epochs: int, seed: int, members: int, loss: str) -> dict:
     """``XMCClassifier(ensemble=members, epochs=epochs, seed=seed)`` with ``loss``: the
-    combined network's P@1/3/5 and the members' summed training seconds (its last ``final``
-    record) and the probe's seconds outside them."""
+    combined network's P@1/3/5, its training seconds (its last ``final`` record: the members'
+    summed, or the longest lane's where they trained side by side), the probe's seconds
+    outside them and ``lanes`` (how many members trained at once)."""
     from xmc_engine import XMCClassifier
 
     X, Y, Xt, Yt = data
@@ -121,7 +122,8 @@ def run_engine_ensemble(data, epochs: int, seed: int, members: int, loss: str) -
     final = _common.final_record(clf.history_)
     return {**{k: final["metrics"][k] for k in METRICS}, "train_time": final["train_time"],
             "probe_s": _common.probe_seconds(clf.history_),
-            "wall_s": time.perf_counter() - t0, "ensemble": members}
+            "wall_s": time.perf_counter() - t0, "ensemble": members,
+            "lanes": next(r["lanes"] for r in clf.history_ if r["event"] == "ensemble")}
 
 
 def run_torch(data, args, optimizer: str, lr: float, seed: int, loss: str) -> dict:
@@ -137,10 +139,12 @@ def run_torch(data, args, optimizer: str, lr: float, seed: int, loss: str) -> di
 
 def mean_over_seeds(runs: list[dict]) -> dict:
     """One configuration's runs (one per seed) as one record: the mean of the metrics and of
-    the training time, the first run's other fields, the per-seed P@1 under ``per_seed``."""
+    the training time, the first run's other fields, the per-seed P@1 under ``per_seed`` (and
+    an ensemble's lanes per seed under ``lanes``)."""
     keys = (*METRICS, "train_time", *(["probe_s"] if "probe_s" in runs[0] else []))
+    lanes = {"lanes": [r["lanes"] for r in runs]} if "lanes" in runs[0] else {}
     return {**runs[0], **{k: sum(r[k] for r in runs) / len(runs) for k in keys},
-            "per_seed": [r["P@1"] for r in runs]}
+            "per_seed": [r["P@1"] for r in runs], **lanes}
 
 
 def _fmt(r: dict) -> str:

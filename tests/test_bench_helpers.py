@@ -518,3 +518,31 @@ def test_the_defaults_grid_refuses_an_ensemble():
 
     with pytest.raises(SystemExit, match="bench_ensemble"):
         bench_defaults.run_one((None, None, None, None), {"ensemble": 2}, 0, [1], 1)
+
+
+def test_lanes_summary_takes_speed_ups_and_counts_the_seeds_it_could_compare():
+    from bench_ensemble import summarise_lanes
+
+    def row(seed, in_turn, side, same):
+        way = lambda s, lanes: {"fit_s": s, "train_time": s - 0.5, "lanes": lanes}  # noqa: E731
+        return {"dataset": "d", "seed": seed, "members": 2, "same_model": same,
+                "one": {"fit_s": 1.0, "train_time": 0.5},
+                "in_turn": way(in_turn, 1), "side_by_side": way(side, 2)}
+    line, = summarise_lanes([row(0, 2.0, 1.0, True), row(1, 3.0, 2.0, None)])
+    assert line["lanes"] == [2] and line["same_model"] and line["compared"] == 1
+    assert line["in_turn fit_s"] == pytest.approx(2.5)
+    assert line["speed-up fit_s"][0] == pytest.approx((2.0 + 1.5) / 2)
+    assert line["speed-up train_time"][0] == pytest.approx((1.5 / 0.5 + 2.5 / 1.5) / 2)
+    # one seed whose two ways differ on equal budgets makes the set's verdict False
+    assert not summarise_lanes([row(0, 2.0, 1.0, True), row(1, 3.0, 2.0, False)])[0][
+        "same_model"]
+
+
+def test_the_torch_bench_keeps_an_ensembles_lanes_per_seed():
+    from bench_torch_adam import mean_over_seeds
+
+    runs = [{"P@1": p, "P@3": p, "P@5": p, "train_time": 1.0, "probe_s": 0.1, "ensemble": 2,
+             "lanes": lanes} for p, lanes in ((0.5, 2), (0.7, 1))]
+    out = mean_over_seeds(runs)
+    assert out["P@1"] == pytest.approx(0.6) and out["lanes"] == [2, 1]
+    assert "lanes" not in mean_over_seeds([{k: v for k, v in runs[0].items() if k != "lanes"}])
