@@ -107,9 +107,13 @@ def test_save_and_load_keep_the_combined_network(tmp_path):
         XMCClassifier.load(path)
 
 
-def test_each_member_keeps_its_log_and_a_resumed_ensemble_trains_nothing_twice(tmp_path):
+@pytest.mark.parametrize("threads", [1, None], ids=["in-turn", "side-by-side"])
+def test_each_member_keeps_its_log_and_a_resumed_ensemble_trains_nothing_twice(tmp_path,
+                                                                               threads):
+    """(``threads=None``: the budget calibrated, one thread on so short a run, and the members
+    side by side where the machine has two cores.)"""
     X, Y = tiny_data(n=300)
-    kw = dict(ensemble=2, hidden=[8], epochs=2, threads=1, loss="softmax",
+    kw = dict(ensemble=2, hidden=[8], epochs=2, threads=threads, loss="softmax",
               log_dir=tmp_path / "run", checkpoint_every=300)
     m = XMCClassifier(**kw).fit(X, Y, (X, Y))
     for j in (0, 1):
@@ -118,6 +122,7 @@ def test_each_member_keeps_its_log_and_a_resumed_ensemble_trains_nothing_twice(t
         assert events[0] == "start" and events[-1] == "final"
     top = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").open()]
     assert [r["event"] for r in top] == ["ensemble", "final"]
+    assert top[0]["lanes"] == (2 if threads is None and _cores() >= 2 else 1)
     again = XMCClassifier(**kw).fit(X, Y, (X, Y), resume=True)
     for a, b in zip(again.params_, m.params_, strict=True):
         np.testing.assert_array_equal(a, b)
