@@ -298,9 +298,9 @@ def test_member_lanes_only_where_one_thread_runs_one_cpu_device():
     assert _member_lanes(cfg, {0: 1}, {}, X, Y, None, {"simulate": lambda i, n: 1.0}) == 1
 
 
-def test_a_member_that_fails_beside_the_first_fails_the_ensemble(monkeypatch):
-    """An error in a member training beside the first is raised by the ensemble (after the
-    others stop), not swallowed by its thread."""
+def test_a_member_that_fails_beside_the_first_fails_the_ensemble(monkeypatch, tmp_path):
+    """An error in a member training beside the first stops the others and is raised by the
+    ensemble, not swallowed by its thread."""
     from xmc_engine import training
 
     if _cores() < 2:
@@ -315,7 +315,11 @@ def test_a_member_that_fails_beside_the_first_fails_the_ensemble(monkeypatch):
     monkeypatch.setattr(training, "fit_model", failing)
     X, Y = tiny_data(n=600)
     with pytest.raises(RuntimeError, match="member 2 broke"):
-        XMCClassifier(ensemble=2, hidden=[4], epochs=1, loss="softmax").fit(X, Y)
+        XMCClassifier(ensemble=2, hidden=[4], epochs=20, loss="softmax",
+                      log_dir=tmp_path / "run", checkpoint_every=600).fit(X, Y)
+    # the first member stopped at its next barrier, with a checkpoint, rather than train on
+    log = [json.loads(x) for x in (tmp_path / "run" / "member-0" / "log.jsonl").open()]
+    assert log[-1]["event"] == "interrupted" and log[-1]["samples"] < 20 * 600
 
 
 def test_a_stop_event_stops_a_run_like_a_signal(tmp_path):

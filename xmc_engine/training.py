@@ -320,6 +320,13 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                              calibrated=first["calibrated"], stop=stop,
                              on_start=started if j == 0 else None, **fit_kw)
 
+    def failed(fut) -> None:
+        """A member beside the first has failed: the others stop at their next barrier, and
+        the ensemble raises its error."""
+        if not fut.cancelled() and fut.exception() is not None and "failed" not in side:
+            side["failed"] = fut.exception()
+            stop.set()
+
     def started(loss: str, calibrated: dict, speedups: dict, train_time: float):
         """The first member's loss and budgets are known: the others may start beside it
         (then every member trains on one thread: the budgets returned)."""
@@ -341,6 +348,8 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             hold.enter_context(_blas_threads(1))
             pool = ThreadPoolExecutor(lanes - 1, thread_name_prefix="xmc-member")
             futures.update({j: pool.submit(train, j) for j in range(1, k)})
+            for fut in futures.values():
+                fut.add_done_callback(failed)
             return first["calibrated"]
         return None
 
@@ -354,8 +363,12 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             for j, fut in futures.items():
                 if results[j] is None:
                     results[j] = fut.result()
-        except BaseException:
+        except BaseException as exc:
             stop.set()  # the members still training stop at their next barrier
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            if isinstance(exc, TrainingInterrupted) and "failed" in side:
+                raise side["failed"] from exc  # stopped because a member beside it failed
             raise
         finally:
             if pool is not None:
