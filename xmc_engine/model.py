@@ -234,6 +234,9 @@ class MLPReplica:
         #: was the thread budget timed (:meth:`calibrate_threads`)? False where the run was too
         #: short to repay timing it; None where it was never calibrated
         self.threads_timed: bool | None = None
+        #: where timed, how many times as fast as one thread all the budget's threads ran the
+        #: step (:func:`calibrate_threads`' ``speedup``); None elsewhere
+        self.threads_speedup: float | None = None
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         if label_major_w2(backend, output):
             self._params[-2] = np.asfortranarray(self._params[-2])
@@ -700,9 +703,10 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     once one thread's warm-up step is timed, a run that would save less than the calibration
     costs even if ``max_threads`` threads ran it ``max_threads`` times as fast keeps one thread
     (on a small shared dataset the calibration took longer than the whole training). ``report``
-    (a dict), if given, receives ``timed`` (False where it was skipped) and
+    (a dict), if given, receives ``timed`` (False where it was skipped),
     ``one_thread_run_s`` (the run's estimated seconds on one thread; ``None`` without
-    ``run_steps``).
+    ``run_steps``) and, where timed, ``speedup`` (one thread's best step time over
+    ``max_threads`` threads').
     """
     import threading
     import time

@@ -693,7 +693,7 @@ def calibrate_device(cfg: TrainConfig, X, Y, run_samples: float | None = None,
     threads = rep.calibrate_threads(cfg.batch_size, device.threads, run_samples)
     if report is not None:
         report["timed"] = rep.threads_timed
-        report["speedup"] = getattr(rep, "threads_speedup", None)
+        report["speedup"] = rep.threads_speedup
     return threads
 
 
