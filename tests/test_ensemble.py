@@ -394,3 +394,29 @@ def test_members_go_side_by_side_where_all_threads_win_by_little(monkeypatch):
     one = XMCClassifier(hidden=[4], epochs=1, loss="softmax", eval_every=0).fit(X, Y)
     rec = next(r for r in one.history_ if r["event"] == "threads")
     assert rec["threads"] == _cores() and rec["speedup"] == 1.1  # one network keeps them
+
+
+def test_members_side_by_side_share_the_time_budget_by_lane(monkeypatch):
+    """``max_train_seconds`` is shared out by the members a lane trains: one after the other
+    each of 3 members gets a third, side by side on 2 lanes (2 members on the busier lane)
+    each gets half, the first member too (its share set when the lanes are known)."""
+    from xmc_engine import training
+
+    if _cores() < 2:
+        pytest.skip("one CPU core here: members cannot train side by side")
+    seen = []
+    real = training._Driver
+
+    class Spy(real):
+        def __init__(self, cfg, *a, **kw):
+            if kw.get("desc", a[8] if len(a) > 8 else "").startswith("train "):
+                seen.append(cfg.max_train_seconds)
+            super().__init__(cfg, *a, **kw)
+
+    monkeypatch.setattr(training, "_Driver", Spy)
+    X, Y = tiny_data(n=600)
+    ens = XMCClassifier(ensemble=3, hidden=[4], epochs=1, loss="softmax", eval_every=0,
+                        max_train_seconds=60).fit(X, Y)
+    rec = next(r for r in ens.history_ if r["event"] == "ensemble")
+    assert rec["lanes"] == 2 and rec["member_max_train_seconds"] == 30
+    assert seen == [30, 30, 30]

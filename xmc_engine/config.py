@@ -703,8 +703,10 @@ class TrainConfig(ConfigMixin):
         calibration did not find all of them :data:`LANES_MAX_SPEEDUP` times as fast as one
         (the ensemble's ``lanes``); else one after the other. It costs
         ``ensemble`` times the training samples, and prediction costs what a network that
-        wide costs; ``max_train_seconds`` is shared out equally. 1 (the default): one
-        network. Measured: ``bench/RESULTS.md``, "Ensembles".
+        wide costs; ``max_train_seconds`` is shared out equally (each member's share is
+        ``1 / ensemble`` of it one after the other, side by side ``1 /`` the members the
+        busiest core trains, so that the whole ensemble trains about that long). 1 (the
+        default): one network. Measured: ``bench/RESULTS.md``, "Ensembles".
     batch_size : int
         ``B``: every device's batch on one device and during warm-up; the base of Adaptive
         SGD's per-device batches.

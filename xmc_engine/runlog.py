@@ -122,6 +122,9 @@ not know. The events the engine writes:
     ``hidden`` (the combined network's widths), ``member_metrics`` and
     ``member_train_time`` (each member's last evaluation and training seconds),
     ``lanes`` (how many members trained at once: 1, one after the other, or side by side),
+    ``member_max_train_seconds`` (each member's share of ``max_train_seconds``, which its
+    ``start`` record gives as ``1 / members`` of it where the share was set after it started,
+    side by side; ``null`` without a budget),
     ``member_dirs``, ``metrics`` (the combined network's evaluation, if any) and
     ``eval_time``. The ``final`` after it has ``status`` ``"ensemble"``,
     ``member_status`` (each member's ``final`` status), ``samples`` (the members' summed),

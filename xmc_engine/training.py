@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -94,7 +95,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     before the trainer's device workers start (an ensemble starts its other members then), with
     the calibrations' measured speed-ups (:func:`build_trainer`'s ``on_budgets``) and the
     training seconds the run starts from (a continued probe fit's, a checkpoint's); it may
-    return other budgets for the run (an ensemble's members side by side: one thread). ``stop``
+    return a dict with other ``threads`` budgets for the run (an ensemble's members side by
+    side: one thread) and another ``max_train_seconds`` (their share of the time). ``stop``
     (a :class:`threading.Event`): once set, the run stops at the next barrier as on SIGINT (a
     checkpoint where it has a run folder, then
     :class:`~xmc_engine.errors.TrainingInterrupted`); for runs in threads other than the main
@@ -193,6 +195,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                  if k not in shape.param_names and not k.startswith(_BEST_PREFIX)}
         logger.info("resuming from epoch %s (%s samples)", state["epoch"], state["samples"])
 
+    told: dict = {}  # what on_start returns
     log = RunLog(run_dir / "log.jsonl" if run_dir is not None else None)
     evaluator = (Evaluator(cfg, eval_set, label_counts, n_samples, cfg.label_chunk)
                  if eval_set is not None else None)
@@ -224,8 +227,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                             else "the ensemble's first member",
                             run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]),
                             on_budgets=None if on_start is None
-                            else (lambda budgets, speedups: on_start(
-                                cfg.loss, budgets, speedups, state["train_time"])))
+                            else (lambda budgets, speedups: _started(
+                                on_start, told, cfg.loss, budgets, speedups,
+                                state["train_time"])))
+    if "max_train_seconds" in told:  # what on_start gave this run
+        cfg = dataclasses.replace(cfg, max_train_seconds=told["max_train_seconds"])
     try:
         if extra:
             restore_trainer(trainer, extra)
@@ -245,6 +251,14 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             "samples": int(state["samples"]), "train_time": float(state["train_time"]),
             "eval_top1": evaluator.top1 if evaluator is not None else None,
             "calibrated": _thread_budgets(trainer)}
+
+
+def _started(on_start, told: dict, loss: str, budgets: dict, speedups: dict,
+             train_time: float) -> dict | None:
+    """:func:`fit_model`'s call of its ``on_start``: what it returns kept in ``told``, its
+    ``threads`` handed back to :func:`build_trainer` as the run's budgets."""
+    told.update(on_start(loss, budgets, speedups, train_time) or {})
+    return told.get("threads")
 
 
 def _thread_budgets(trainer) -> dict[int, int]:
@@ -271,7 +285,8 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                   stop=None, **fit_kw) -> dict:
     """``cfg.ensemble`` networks (each a :func:`fit_model` with its own seed, :func:`member_seed`;
     the first's ``loss="auto"`` choice and CPU thread budgets for the rest; an equal share of
-    ``max_train_seconds``), combined into one network
+    ``max_train_seconds``: ``1 / K`` of it one after the other, side by side ``1 /`` the
+    members the busiest lane trains), combined into one network
     (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. On a CPU
     device of several cores whose calibration did not find all its threads
     :data:`~xmc_engine.config.LANES_MAX_SPEEDUP` times as fast as one (:func:`_member_lanes`),
@@ -298,7 +313,9 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     check_memory(cfg, X, Y, eval_set)  # the members' copies too, before the first trains
     k = cfg.ensemble
     run_dir = Path(log_dir) if log_dir is not None else None
-    budget = None if cfg.max_train_seconds is None else cfg.max_train_seconds / k
+    # max_train_seconds shared out: one after the other each member gets 1 / k of it, side by
+    # side 1 / (the members a lane trains) (set in started)
+    side_budget = {"each": None if cfg.max_train_seconds is None else cfg.max_train_seconds / k}
     results: list = [None] * k
     lane_of: list = [None] * k  # the thread that trained each member
     # set when a member fails (or by the caller): the members training stop at a barrier
@@ -308,7 +325,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
 
     def train(j: int) -> dict:
         member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j),
-                                     loss=first["loss"], max_train_seconds=budget)
+                                     loss=first["loss"], max_train_seconds=side_budget["each"])
         logger.info("ensemble: member %d of %d (seed %d)", j + 1, k, member.seed)
         lane_of[j] = threading.get_ident()
         # beside other members: this thread's own numba work (compiling, evaluating) on one
@@ -337,6 +354,8 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                                               fit_kw)
         if lanes > 1:
             first["calibrated"] = {0: 1}
+            if cfg.max_train_seconds is not None:
+                side_budget["each"] = cfg.max_train_seconds / math.ceil(k / lanes)
             logger.info("ensemble: %d members train side by side, one thread each", lanes)
             # BLAS's thread limit is process-wide, and threadpoolctl (3.8) lets one thread
             # at a time set it: a device worker takes it on entry, puts back on exit what it
@@ -350,7 +369,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             futures.update({j: pool.submit(train, j) for j in range(1, k)})
             for fut in futures.values():
                 fut.add_done_callback(failed)
-            return first["calibrated"]
+            return {"threads": first["calibrated"], "max_train_seconds": side_budget["each"]}
         return None
 
     with contextlib.ExitStack() as hold:  # BLAS's limit while members train side by side
@@ -407,7 +426,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                   loss=loss, hidden=list(fitted_hidden(params)),
                   member_metrics=[r["metrics"] for r in results],
                   member_train_time=[r["train_time"] for r in results],
-                  lanes=side["lanes"],
+                  lanes=side["lanes"], member_max_train_seconds=side_budget["each"],
                   member_dirs=[MEMBER_DIR.format(j) for j in range(k)] if run_dir else None,
                   metrics=metrics, eval_time=eval_time)
         statuses = [next((h.get("status") for h in reversed(r["history"])
