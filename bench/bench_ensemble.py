@@ -20,12 +20,12 @@ side the run takes less, which ``--lanes`` measures)::
         --seeds 0 1 2 --equal-samples --out bench/results/ensemble.json
 
 With ``--lanes`` it measures instead what training the members side by side saves (where
-one thread won the first member's calibration, ``training._member_lanes``): per dataset and
+the engine puts them there, ``training._member_lanes``): per dataset and
 seed ``ensemble=K`` is fitted side by side (the engine's way) and one after the other (the
 lanes forced to 1), in alternating order, checked to train the same model, and timed (the
 wall time of ``fit`` and the run's training seconds), beside ``ensemble=1``::
 
-    python bench/bench_ensemble.py --lanes --members 2 --seeds 0 1 2 \
+    python bench/bench_ensemble.py --lanes --members 2 --seeds 0 1 2 \\
         --out bench/results/ensemble_lanes.json
 
 Names: a shared dataset, a shape of ``bench_defaults.py`` (``synth1k``) or

@@ -384,8 +384,6 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
                     results[j] = fut.result()
         except BaseException as exc:
             stop.set()  # the members still training stop at their next barrier
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
             if isinstance(exc, TrainingInterrupted) and "failed" in side:
                 raise side["failed"] from exc  # stopped because a member beside it failed
             raise
@@ -647,7 +645,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
             "fit": {**winner, "untrained_rows": np.setdiff1d(np.arange(n), rows),
                     "passes": epochs},
             "threads": None if cfg.threads is not None else threads,
-            "threads_speedup": None if cfg.threads is not None else calibration.get("speedup"),
+            "threads_speedup": calibration.get("speedup"),  # None where not timed
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}
 
@@ -902,7 +900,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
             known = (calibrated or {}).get(i)
             if known is None:
                 rep.calibrate_threads(cfg.batch_size, d.threads, run_samples)
-                measured[i] = rep.threads_speedup if rep.threads_timed else None
+                measured[i] = rep.threads_speedup  # None where not timed
             else:
                 be.threads = known
                 measured[i] = (speedups or {}).get(i)
