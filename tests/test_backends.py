@@ -204,6 +204,47 @@ def test_cpu_thread_budget_is_per_thread():
     assert numba.get_num_threads() == before
 
 
+def _process_threads() -> int:
+    """The threads of this process as the kernel counts them (OpenMP's pool threads too)."""
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_release_thread_pool_frees_the_calling_threads_openmp_pool():
+    """After a parallel kernel on two threads the calling thread keeps an OpenMP pool (a thread
+    of the process); ``release_thread_pool`` ends it, and the next parallel kernel makes a new
+    one and computes as before."""
+    import os
+
+    import numba
+
+    from xmc_engine.backends.cpu import numba_threads, release_thread_pool
+
+    if not os.path.isdir("/proc/self/task") or numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs Linux's /proc/self/task and numba with at least two threads")
+
+    @numba.njit(parallel=True)
+    def total(a):
+        s = 0.0
+        for i in numba.prange(a.size):
+            s += a[i]
+        return s
+
+    a = np.ones(100_000)
+    with numba_threads(2):
+        assert total(a) == a.size
+    if numba.threading_layer() != "omp":
+        pytest.skip(f"numba's threading layer is {numba.threading_layer()!r}, not 'omp'")
+    with_pool = _process_threads()
+    assert release_thread_pool() is True
+    assert _process_threads() < with_pool
+    assert release_thread_pool() is True  # no pool left: nothing to free, no error
+    with numba_threads(2):
+        assert total(a) == a.size
+    assert _process_threads() == with_pool
+
+
 @pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"),
                     reason="per-thread page-fault counts need Linux (resource.RUSAGE_THREAD)")
 def test_cpu_zeros_are_written_at_allocation():

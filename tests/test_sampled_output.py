@@ -594,7 +594,10 @@ def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed():
     report.clear()
     assert model.calibrate_threads(be, step, 2, report=report) == 2  # no run length: timed
     speedup = report.pop("speedup")  # one thread's 4 ms over two threads' 2 ms, about 2
+    rounds = report.pop("rounds")  # each round's seconds per step, by budget
     assert report == {"timed": True, "one_thread_run_s": None} and 1.3 < speedup < 3.0
+    assert len(rounds) == 3 and all(set(r) == {1, 2} for r in rounds)
+    assert min(r[1] for r in rounds) / min(r[2] for r in rounds) == pytest.approx(speedup)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])

@@ -96,6 +96,54 @@ def numba_threads(n: int):
         numba.set_num_threads(old)
 
 
+_OMP_PAUSE: list = []  # [the libgomp function, or None where there is none], found once
+
+
+def _omp_pause():
+    """GNU libgomp's ``omp_pause_resource_all`` as loaded by numba's ``omp`` threading layer,
+    or ``None`` (another threading layer, another OpenMP runtime, a libgomp older than GCC 9, no
+    parallel kernel run yet, not Linux)."""
+    if _OMP_PAUSE:
+        return _OMP_PAUSE[0]
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel kernel has run: no pool to free, look again later
+        return None
+    fn = None
+    if layer == "omp":
+        try:
+            with open("/proc/self/maps") as f:
+                paths = sorted({line.split()[-1] for line in f if "libgomp" in line})
+        except OSError:
+            paths = []
+        for path in paths:
+            try:
+                fn = ctypes.CDLL(path).omp_pause_resource_all  # the copy already loaded
+            except (OSError, AttributeError):
+                continue
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            break
+    _OMP_PAUSE.append(fn)
+    return fn
+
+
+def release_thread_pool() -> bool:
+    """Free the calling thread's OpenMP worker pool (``omp_pause_resource_all(omp_pause_soft)``
+    of GNU libgomp; numba makes a new one at the thread's next parallel kernel). True where a
+    pool could be freed (or there was none), False where it cannot be done here.
+
+    Call it on a thread before other threads run parallel kernels: libgomp counts the threads
+    of every pool, and where they outnumber the cores it stops spin-waiting at its barriers
+    (100 spins instead of 300,000), so each of a step's parallel regions sleeps and wakes. On
+    the 2-core machine, after the main thread had run a parallel kernel on two threads, a
+    device worker's two-thread imdb step took 0.46 ms against 0.10 ms on one thread; with the
+    main thread's pool freed, 0.089 ms (``bench/RESULTS.md``, "Thread calibration")."""
+    fn = _omp_pause()
+    if fn is None:
+        return False
+    return fn(1) == 0  # omp_pause_soft; -1 inside a parallel region
+
+
 class CPUBackend:
     """Host device: NumPy arrays, ``@njit(nogil=True)`` kernels, BLAS through NumPy/SciPy.
 
@@ -219,6 +267,10 @@ class CPUBackend:
         n = int(n or self.threads)
         with self.kernel_threads(n), threadpool_limits(limits=n, user_api="blas"):
             yield
+
+    #: Free the calling thread's OpenMP pool (:func:`release_thread_pool`): the trainer's main
+    #: thread, before its device workers run a period.
+    release_thread_pool = staticmethod(release_thread_pool)
 
     @staticmethod
     def kernel_threads(n: int):
