@@ -241,23 +241,6 @@ def test_thread_budget_is_entered_in_worker_threads():
     assert not any(name.startswith("xmc-device-") for _, name in merges)
 
 
-def test_the_main_thread_frees_its_openmp_pool_before_every_period():
-    """The main thread's OpenMP pool (made by its own parallel kernels: set-up, evaluation,
-    long merges) is freed before the device workers run a period: libgomp stops spin-waiting
-    where its pools hold more threads than there are cores."""
-    import threading
-
-    devs = [DeviceSpec("cpu", threads=2), DeviceSpec("cpu", threads=2)]
-    reps = [FakeReplica(500, sleep=False) for _ in devs]
-    released = []
-    for r in reps:
-        r.backend.release_thread_pool = lambda: released.append(
-            threading.current_thread() is threading.main_thread()) or True
-    with make_trainer(reps, devs, "average", 500, merge_period=100) as tr:
-        periods = tr.run_epoch(0)["periods"]
-    assert periods >= 4 and released == [True] * periods
-
-
 def test_workers_enter_their_budget_before_the_training_clock():
     """Entering a worker's thread budget (threadpoolctl: milliseconds) is set-up: the
     constructor waits for it, so the first period's training seconds do not hold it."""

@@ -707,17 +707,12 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     ``one_thread_run_s`` (the run's estimated seconds on one thread; ``None`` without
     ``run_steps``) and, where timed, ``speedup`` (one thread's best step time over
     ``max_threads`` threads') and ``rounds`` (per round, each budget's seconds per step).
-
-    The calling thread's OpenMP pool is freed first (:func:`~xmc_engine.backends.cpu.
-    release_thread_pool`): beside it the rounds' two-thread steps stopped spin-waiting and
-    read 0.15x-1.5x as fast as one thread from one calibration to the next on delicious.
     """
     import threading
     import time
 
     if max_threads <= 1 or be.name != "cpu":
         return max(1, int(max_threads))
-    be.release_thread_pool()  # the caller's pool would slow the rounds' parallel kernels
     budgets = (1, int(max_threads))
     best = {n: float("inf") for n in budgets}
     steps = {n: 1 for n in budgets}  # per round, set from the first round's warm-up

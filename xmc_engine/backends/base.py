@@ -102,10 +102,6 @@ class SchedulerBackend(Protocol):
         """CPU backends: context manager limiting this thread's kernel threads (numba's, not
         BLAS's) to ``n``; cheap enough to enter at every merge."""
 
-    def release_thread_pool(self) -> bool:
-        """CPU backends: free the calling thread's pool of kernel threads before other threads
-        run parallel kernels (the trainer's main thread, before a period); True where done."""
-
     def synchronize(self) -> None:
         """Wait for all work queued on this backend's stream."""
 

@@ -132,12 +132,15 @@ def release_thread_pool() -> bool:
     of GNU libgomp; numba makes a new one at the thread's next parallel kernel). True where a
     pool could be freed (or there was none), False where it cannot be done here.
 
-    Call it on a thread before other threads run parallel kernels: libgomp counts the threads
-    of every pool, and where they outnumber the cores it stops spin-waiting at its barriers
-    (100 spins instead of 300,000), so each of a step's parallel regions sleeps and wakes. On
-    the 2-core machine, after the main thread had run a parallel kernel on two threads, a
-    device worker's two-thread imdb step took 0.46 ms against 0.10 ms on one thread; with the
-    main thread's pool freed, 0.089 ms (``bench/RESULTS.md``, "Thread calibration")."""
+    libgomp counts the threads of every pool, and where they outnumber the cores it stops
+    spin-waiting at its barriers (100 spins instead of 300,000), so each parallel region
+    sleeps and wakes. On the 2-core machine, after the main thread had run a parallel kernel on
+    two threads, a device worker's two-thread imdb step took 0.46 ms against 0.10 ms on one
+    thread; with the main thread's pool freed, 0.089 ms. The trainer does not call it yet:
+    with the pool freed, libgomp's spinning workers hold the cores that OpenBLAS's threads
+    need, and a budget of two threads for both (the trainer's) trained the synthetic
+    10,000-label shape 2.5x slower than with the pool kept (``bench/bench_thread_pools.py``,
+    ``bench/RESULTS.md``, "Thread calibration", "One pool at a time")."""
     fn = _omp_pause()
     if fn is None:
         return False
@@ -267,10 +270,6 @@ class CPUBackend:
         n = int(n or self.threads)
         with self.kernel_threads(n), threadpool_limits(limits=n, user_api="blas"):
             yield
-
-    #: Free the calling thread's OpenMP pool (:func:`release_thread_pool`): the trainer's main
-    #: thread, before its device workers run a period.
-    release_thread_pool = staticmethod(release_thread_pool)
 
     @staticmethod
     def kernel_threads(n: int):

@@ -144,10 +144,6 @@ class CUDABackend:
         """No CPU kernel threads to limit."""
         return nullcontext()
 
-    def release_thread_pool(self) -> bool:
-        """No CPU kernel threads: nothing to free."""
-        return True
-
     def synchronize(self):
         """Wait for all work queued on this backend's stream."""
         self.stream.synchronize()  # synchronize!

@@ -101,10 +101,6 @@ class HostBackend:
     def kernel_threads(self, n: int):
         return contextlib.nullcontext()
 
-    def release_thread_pool(self) -> bool:
-        """No kernel threads: nothing to free."""
-        return True
-
     def synchronize(self) -> None:
         """Nothing queued: NumPy returns when done."""
 

@@ -238,7 +238,6 @@ class Trainer:
         self._merge_cpu = next((r.backend for r in self.replicas
                                 if getattr(getattr(r, "backend", None), "name", None) == "cpu"),
                                None)  # whose kernel_threads limits the main thread's merges
-        # (and whose release_thread_pool frees the main thread's OpenMP pool before a period)
         if mode == "threads":
             self._start_workers()
 
@@ -620,8 +619,6 @@ class Trainer:
     def _period_threads(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
         t0 = time.perf_counter()
-        if self._merge_cpu is not None:  # else the workers' parallel kernels stop spin-waiting
-            self._merge_cpu.release_thread_pool()
         pending = {i for i in range(n) if self.alive[i]}
         for i in pending:
             self._inboxes[i].put(("period", lrs[i]))
