@@ -546,3 +546,35 @@ def test_the_torch_bench_keeps_an_ensembles_lanes_per_seed():
     out = mean_over_seeds(runs)
     assert out["P@1"] == pytest.approx(0.6) and out["lanes"] == [2, 1]
     assert "lanes" not in mean_over_seeds([{k: v for k, v in runs[0].items() if k != "lanes"}])
+
+
+def test_thread_pools_benchmark_gives_the_budget_to_the_pools_it_names(monkeypatch):
+    """``bench_thread_pools.install``: a CPU budget of ``n`` threads goes to numba's kernels,
+    to BLAS or to both as its arm says, the other pool on one thread."""
+    import bench_thread_pools
+    import numba
+    from threadpoolctl import threadpool_info
+
+    from xmc_engine.backends import cpu
+    from xmc_engine.scheduler import runner
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here: no budget to share out")
+    # put both back afterwards (install replaces them in the process)
+    monkeypatch.setattr(cpu.CPUBackend, "thread_budget", cpu.CPUBackend.thread_budget)
+    monkeypatch.setattr(runner.Trainer, "_period_threads", runner.Trainer._period_threads)
+    state = {"pools": (1, 0), "free": False}
+    bench_thread_pools.install(state)
+    be = cpu.CPUBackend(threads=2)
+
+    def blas():
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    with be.thread_budget():
+        assert numba.get_num_threads() == 2 and blas() == {1}
+    state["pools"] = (0, 1)
+    with be.thread_budget():
+        assert numba.get_num_threads() == 1 and blas() == {2}
+    state["pools"] = (1, 1)
+    with be.thread_budget(2):
+        assert numba.get_num_threads() == 2 and blas() == {2}

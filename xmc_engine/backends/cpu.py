@@ -132,15 +132,16 @@ def release_thread_pool() -> bool:
     of GNU libgomp; numba makes a new one at the thread's next parallel kernel). True where a
     pool could be freed (or there was none), False where it cannot be done here.
 
-    libgomp counts the threads of every pool, and where they outnumber the cores it stops
-    spin-waiting at its barriers (100 spins instead of 300,000), so each parallel region
-    sleeps and wakes. On the 2-core machine, after the main thread had run a parallel kernel on
-    two threads, a device worker's two-thread imdb step took 0.46 ms against 0.10 ms on one
-    thread; with the main thread's pool freed, 0.089 ms. The trainer does not call it yet:
-    with the pool freed, libgomp's spinning workers hold the cores that OpenBLAS's threads
-    need, and a budget of two threads for both (the trainer's) trained the synthetic
-    10,000-label shape 2.5x slower than with the pool kept (``bench/bench_thread_pools.py``,
-    ``bench/RESULTS.md``, "Thread calibration", "One pool at a time")."""
+    libgomp counts the threads of every pool, and where they outnumber the cores it spins
+    only briefly at its barriers (100 times instead of 300,000, as documented), so each
+    parallel region sleeps and wakes. On the 2-core machine, after the main thread had run a
+    parallel kernel on two threads, a device worker's two-thread imdb step took 0.46 ms
+    against 0.10 ms on one thread; with the main thread's pool freed, 0.089 ms.
+
+    The trainer does not call it yet: with the pool freed, libgomp's spinning workers hold
+    the cores that OpenBLAS's threads need, and a budget of two threads for both (the
+    trainer's) trained the synthetic 10,000-label shape 2.5x slower than with the pool kept
+    (``bench/bench_thread_pools.py``, ``bench/RESULTS.md``, "One pool at a time")."""
     fn = _omp_pause()
     if fn is None:
         return False
