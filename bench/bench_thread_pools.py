@@ -43,7 +43,7 @@ def install(state: dict) -> None:
     from xmc_engine.scheduler import runner
 
     @contextlib.contextmanager
-    def thread_budget(self, n=None):
+    def thread_budget(self, n=None, pool=None):  # pool: the arm decides
         n = int(n or self.threads)
         kernels, blas = (n if share else 1 for share in state["pools"])
         with self.kernel_threads(kernels), threadpool_limits(limits=blas, user_api="blas"):

@@ -1,11 +1,15 @@
 """Does the thread calibration pick the faster budget? One device, the defaults, trained with one
-thread, with every core, and with the budget left to the engine (``threads=None``: the replica
-times its own step under 1 and all threads, :func:`xmc_engine.model.calibrate_threads`), in one
-process, one run after the other, alternating over ``--repeats``.
+thread, with every core (a given ``threads``: numba's kernels and BLAS both), and with the
+budget left to the engine (``threads=None``: the replica times its own step on one thread and
+on all of them for numba's kernels alone or for BLAS alone,
+:func:`xmc_engine.model.calibrate_threads`), in one process, one run after the other,
+alternating over ``--repeats``.
 
 Printed per dataset: the training seconds of each (median over the repeats), the budget the
-calibration chose in each repeat, and the calibrated run's time over the faster fixed budget's
-(1.00: it found the faster one; above 1: it lost time). Results in ``--out``::
+calibration chose in each repeat (with its pool), the calibrated run's time over the faster
+fixed budget's (1.00: it found the faster one; above 1: it lost time; the calibrated run may
+also beat both, with a pool neither fixed budget has), and each fit's wall seconds (the loss
+probe, the calibration and the evaluations in them). Results in ``--out``::
 
     python bench/bench_threads.py --out bench/results/threads.json
 """
@@ -48,18 +52,24 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for label, threads in budgets.items():
                 r = bench_defaults.run_one(data, {}, rep, [args.epochs], threads)
-                runs[label].append({"train_time": r["at"][str(args.epochs)]["train_time"],
+                at = r["at"][str(args.epochs)]
+                runs[label].append({"train_time": at["train_time"],
                                     "threads": r["resolved"]["threads"],
-                                    "P@1": r["at"][str(args.epochs)]["P@1"]})
+                                    "pool": r["resolved"]["pool"], "P@1": at["P@1"],
+                                    "probe_s": at["probe_s"], "wall_s": r["wall_s"]})
         med = {k: float(np.median([r["train_time"] for r in v])) for k, v in runs.items()}
+        wall = {k: float(np.median([r["wall_s"] for r in v])) for k, v in runs.items()}
         fixed = min(med[k] for k in budgets if budgets[k] is not None)
         row = {"dataset": name, "note": note, "runs": runs, "median_train_s": med,
-               "chosen": [r["threads"] for r in runs["calibrated"]],
+               "median_wall_s": wall,
+               "chosen": [r["threads"] if r["threads"] == 1 else f"{r['threads']} {r['pool']}"
+                          for r in runs["calibrated"]],
                "calibrated_over_best": med["calibrated"] / fixed}
         payload["rows"].append(row)
         print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items())
               + f"; calibration chose {row['chosen']}; calibrated / faster fixed "
-              f"{row['calibrated_over_best']:.2f}", flush=True)
+              f"{row['calibrated_over_best']:.2f}; fit wall (probe, calibration, evaluation "
+              "in): " + ", ".join(f"{k} {v:.2f} s" for k, v in wall.items()), flush=True)
         _common.write_result(args.out, payload)
     print(f"wrote {args.out}")
     return 0

@@ -96,20 +96,41 @@ def numba_threads(n: int):
         numba.set_num_threads(old)
 
 
-_OMP_PAUSE: list = []  # [the libgomp function, or None where there is none], found once
+#: Where a CPU budget of several threads goes (:attr:`CPUBackend.pool`): numba's kernels and
+#: BLAS both, numba's kernels only, BLAS only. On the 2-core machine two threads for both
+#: pools lost to one thread on every shared set, each pool alone won on most
+#: (``bench/bench_thread_pools.py``, ``bench/RESULTS.md``, "One pool at a time").
+POOLS = ("both", "kernels", "blas")
 
 
-def _omp_pause():
-    """GNU libgomp's ``omp_pause_resource_all`` as loaded by numba's ``omp`` threading layer,
-    or ``None`` (another threading layer, another OpenMP runtime, a libgomp older than GCC 9, no
-    parallel kernel run yet, not Linux)."""
+def check_pool(pool: str) -> str:
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+    return pool
+
+
+def pool_threads(n: int, pool: str) -> tuple[int, int]:
+    """``(numba's threads, BLAS's threads)`` of a budget of ``n`` threads for ``pool``."""
+    check_pool(pool)
+    return (n if pool != "blas" else 1), (n if pool != "kernels" else 1)
+
+
+_OMP_PAUSE: list = []  # [the libgomp functions found], once
+
+
+def _omp_pause() -> list:
+    """``omp_pause_resource_all`` of every GNU libgomp loaded in the process (numba's ``omp``
+    threading layer uses one; another package may bring its own copy, as PyTorch's wheel
+    does, and which one numba's resolved to is not asked: pausing a copy in which the thread
+    has no pool does nothing); empty where there is none (another threading layer or OpenMP
+    runtime, a libgomp older than GCC 9, no parallel kernel run yet, not Linux)."""
     if _OMP_PAUSE:
         return _OMP_PAUSE[0]
     try:
         layer = numba.threading_layer()
     except ValueError:  # no parallel kernel has run: no pool to free, look again later
-        return None
-    fn = None
+        return []
+    fns = []
     if layer == "omp":
         try:
             with open("/proc/self/maps") as f:
@@ -122,9 +143,9 @@ def _omp_pause():
             except (OSError, AttributeError):
                 continue
             fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-            break
-    _OMP_PAUSE.append(fn)
-    return fn
+            fns.append(fn)
+    _OMP_PAUSE.append(fns)
+    return fns
 
 
 def release_thread_pool() -> bool:
@@ -138,14 +159,14 @@ def release_thread_pool() -> bool:
     parallel kernel on two threads, a device worker's two-thread imdb step took 0.46 ms
     against 0.10 ms on one thread; with the main thread's pool freed, 0.089 ms.
 
-    The trainer does not call it yet: with the pool freed, libgomp's spinning workers hold
-    the cores that OpenBLAS's threads need, and a budget of two threads for both (the
-    trainer's) trained the synthetic 10,000-label shape 2.5x slower than with the pool kept
+    The trainer frees it only for a budget of numba's kernels alone
+    (:meth:`CPUBackend.release_thread_pool`): with the pool freed, libgomp's spinning workers
+    hold the cores that OpenBLAS's threads need, and a budget of two threads for both pools
+    trained the synthetic 10,000-label shape 2.5x slower than with the pool kept
     (``bench/bench_thread_pools.py``, ``bench/RESULTS.md``, "One pool at a time")."""
-    fn = _omp_pause()
-    if fn is None:
-        return False
-    return fn(1) == 0  # omp_pause_soft; -1 inside a parallel region
+    fns = _omp_pause()
+    # omp_pause_soft in each copy; -1 inside a parallel region
+    return bool(fns) and all([fn(1) == 0 for fn in fns])
 
 
 class CPUBackend:
@@ -154,8 +175,12 @@ class CPUBackend:
     Parameters
     ----------
     threads : int, optional
-        Default thread budget of :meth:`thread_budget` (numba threads and BLAS threads);
-        ``None`` means all of numba's threads.
+        Default thread budget of :meth:`thread_budget`; ``None`` means all of numba's threads.
+    pool : {'both', 'kernels', 'blas'}
+        Which thread pool a budget of several threads goes to (:data:`POOLS`): numba's kernels
+        and BLAS both (the default, and what a given ``threads`` means), numba's kernels only
+        (BLAS on one thread) or BLAS only (numba on one thread). The thread calibration
+        chooses it (:func:`xmc_engine.model.calibrate_threads`).
 
     Notes
     -----
@@ -174,12 +199,13 @@ class CPUBackend:
     #: merge of a big ``W1`` is most of a merge's time on the host
     tracks_rows = True
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, pool: str = "both"):
         self.threads = int(threads) if threads else numba.config.NUMBA_NUM_THREADS
+        self.pool = check_pool(pool)
         self._ws: dict[str, np.ndarray] = {}
 
     def __repr__(self):
-        return f"CPUBackend(threads={self.threads})"
+        return f"CPUBackend(threads={self.threads}, pool={self.pool!r})"
 
     # ------------------------------------------------------------------ arrays and plumbing
     @staticmethod
@@ -260,17 +286,25 @@ class CPUBackend:
         return nullcontext()
 
     @contextmanager
-    def thread_budget(self, n: int | None = None):
-        """Limit numba threads (this thread only) and BLAS threads to ``n`` inside the block.
+    def thread_budget(self, n: int | None = None, pool: str | None = None):
+        """Limit numba threads (this thread only) and BLAS threads inside the block: ``n``
+        (default :attr:`threads`) for the pools of ``pool`` (default :attr:`pool`), one thread
+        for the other (:func:`pool_threads`).
 
         numba's limit is per calling thread; OpenBLAS's limit (threadpoolctl) is process-wide,
         so concurrent CPU workers should agree on their budgets.
         """
         from threadpoolctl import threadpool_limits
 
-        n = int(n or self.threads)
-        with self.kernel_threads(n), threadpool_limits(limits=n, user_api="blas"):
+        kernels, blas = pool_threads(int(n or self.threads), pool or self.pool)
+        with self.kernel_threads(kernels), threadpool_limits(limits=blas, user_api="blas"):
             yield
+
+    def release_thread_pool(self) -> bool:
+        """Free the calling thread's OpenMP pool where this backend's budget gives its threads
+        to numba's kernels only (the trainer's main thread, before its device workers run a
+        period; :func:`release_thread_pool`); True where freed."""
+        return self.pool == "kernels" and self.threads > 1 and release_thread_pool()
 
     @staticmethod
     def kernel_threads(n: int):
