@@ -683,7 +683,7 @@ def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -
 THREADS_MARGIN = 0.95
 
 
-def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
+def calibrate_threads(be, step, max_threads: int, *, rounds: int = 2,
                       seconds: float = 0.05, run_steps: float | None = None,
                       report: dict | None = None) -> int:
     """The thread budget (1 or ``max_threads``) under which ``step()`` (a training step that
@@ -704,9 +704,11 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     imdb shape's 0.17 ms step took as long with two threads as with one, while a worker thread
     took 0.63 ms with two). The budgets alternate over ``rounds`` rounds of about ``seconds`` of
     steps each (one round where a step takes longer than 0.1 s), each scored by its fastest
-    round, so that one interruption cannot decide; the faster of the two ``max_threads``
-    budgets wins only when it is faster than one thread by :data:`THREADS_MARGIN`. Measured,
-    not assumed: on the 2-core machine one thread wins on some shared sets, numba's kernels on
+    round, so that one interruption cannot decide (two rounds: in 20 calibrations with one
+    pool at a time, on delicious and debian_debtags, a budget's best of its first two rounds
+    was within 3.2 % of its best of three, and three budgets in two rounds cost what two took
+    in three before); the faster of the two ``max_threads`` budgets wins only when it is
+    faster than one thread by :data:`THREADS_MARGIN`. Measured, not assumed: on the 2-core machine one thread wins on some shared sets, numba's kernels on
     others and BLAS on the large synthetic shape, and a many-core server gains more from
     threads.
 
