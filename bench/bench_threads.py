@@ -12,11 +12,22 @@ also beat both, with a pool neither fixed budget has), and each fit's wall secon
 probe, the calibration and the evaluations in them). Results in ``--out``::
 
     python bench/bench_threads.py --out bench/results/threads.json
+
+Two checkouts' calibrated runs, rounds interleaved (``--calibrated-only``; ``--seed`` per
+round), then the per-dataset medians side by side::
+
+    for r in 0 1 2 3; do for c in before after; do
+        (cd $c && python bench/bench_threads.py --calibrated-only --repeats 1 --seed $r \
+            --epochs 5 --out /tmp/threads_ab/${c}_$r.json); done; done
+    python bench/bench_threads.py --compare before=/tmp/threads_ab/before_*.json \
+        after=/tmp/threads_ab/after_*.json
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import os
 import sys
 from pathlib import Path
@@ -39,9 +50,18 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-train", type=int, default=30_000)
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "threads.json"))
+    p.add_argument("--calibrated-only", action="store_true",
+                   help="only the run whose budget the engine calibrates")
+    p.add_argument("--seed", type=int, default=0, help="the first repeat's seed")
+    p.add_argument("--compare", nargs="+", metavar="NAME=GLOB",
+                   help="print the calibrated runs of result files side by side, and exit")
     args = p.parse_args(argv)
+    if args.compare:
+        return compare(args.compare)
     cores = os.cpu_count() or 1
     budgets = {"1 thread": 1, f"{cores} threads": cores, "calibrated": None}
+    if args.calibrated_only:
+        budgets = {"calibrated": None}
     payload = {**_common.result_metadata(), "benchmark": "threads", "epochs": args.epochs,
                "cores": cores, "rows": []}
     for name, X, Y, Xt, Yt, note in bench_defaults.datasets_present(args.datasets,
@@ -51,7 +71,7 @@ def main(argv=None) -> int:
         runs = {k: [] for k in budgets}
         for rep in range(args.repeats):
             for label, threads in budgets.items():
-                r = bench_defaults.run_one(data, {}, rep, [args.epochs], threads)
+                r = bench_defaults.run_one(data, {}, args.seed + rep, [args.epochs], threads)
                 at = r["at"][str(args.epochs)]
                 runs[label].append({"train_time": at["train_time"],
                                     "threads": r["resolved"]["threads"],
@@ -59,7 +79,7 @@ def main(argv=None) -> int:
                                     "probe_s": at["probe_s"], "wall_s": r["wall_s"]})
         med = {k: float(np.median([r["train_time"] for r in v])) for k, v in runs.items()}
         wall = {k: float(np.median([r["wall_s"] for r in v])) for k, v in runs.items()}
-        fixed = min(med[k] for k in budgets if budgets[k] is not None)
+        fixed = min((med[k] for k in budgets if budgets[k] is not None), default=float("nan"))
         row = {"dataset": name, "note": note, "runs": runs, "median_train_s": med,
                "median_wall_s": wall,
                "chosen": [r["threads"] if r["threads"] == 1 else f"{r['threads']} {r['pool']}"
@@ -72,6 +92,35 @@ def main(argv=None) -> int:
               "in): " + ", ".join(f"{k} {v:.2f} s" for k, v in wall.items()), flush=True)
         _common.write_result(args.out, payload)
     print(f"wrote {args.out}")
+    return 0
+
+
+def compare(specs: list[str]) -> int:
+    """Per dataset, each ``NAME=GLOB``'s calibrated runs (every file the glob matches): the
+    median training and ``fit`` wall seconds, and the budgets chosen."""
+    sides = {}
+    for spec in specs:
+        name, _, pattern = spec.partition("=")
+        files = sorted(glob.glob(pattern))
+        if not name or not files:
+            raise SystemExit(f"--compare {spec!r}: want NAME=GLOB matching result files")
+        runs: dict[str, list] = {}
+        for f in files:
+            for row in json.loads(Path(f).read_text())["rows"]:
+                runs.setdefault(row["dataset"], []).extend(row["runs"]["calibrated"])
+        sides[name] = runs
+    names = list(sides)
+    datasets = [d for d in sides[names[0]] if all(d in sides[n] for n in names)]
+    for d in datasets:
+        parts = []
+        for n in names:
+            rs = sides[n][d]
+            chosen = [r["threads"] if r["threads"] == 1 else f"{r['threads']} {r.get('pool')}"
+                      for r in rs]
+            parts.append(f"{n} train {np.median([r['train_time'] for r in rs]):.2f} s, "
+                         f"fit {np.median([r['wall_s'] for r in rs]):.2f} s ({len(rs)} runs; "
+                         f"{chosen})")
+        print(f"{d}: " + "; ".join(parts))
     return 0
 
 

@@ -708,9 +708,9 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 2,
     pool at a time, on delicious and debian_debtags, a budget's best of its first two rounds
     was within 3.2 % of its best of three, and three budgets in two rounds cost what two took
     in three before); the faster of the two ``max_threads`` budgets wins only when it is
-    faster than one thread by :data:`THREADS_MARGIN`. Measured, not assumed: on the 2-core machine one thread wins on some shared sets, numba's kernels on
-    others and BLAS on the large synthetic shape, and a many-core server gains more from
-    threads.
+    faster than one thread by :data:`THREADS_MARGIN`. Measured, not assumed: on the 2-core
+    machine one thread wins on some shared sets, numba's kernels on others and BLAS on the
+    large synthetic shape, and a many-core server gains more from threads.
 
     ``run_steps`` (the steps the budget will serve, if known) lets a short run skip the timing:
     once one thread's warm-up step is timed, a run that would save less than the calibration
