@@ -1,14 +1,14 @@
 """Which of the CPU's two thread pools should a device's threads go to? One device, the defaults
 with a fixed thread budget, trained with one thread, and with all cores given to numba's
-kernels and OpenBLAS both (what a given ``threads`` means, and the only budget of several
-threads the engine had until ``7cde9cc``), to numba's kernels only (BLAS on one thread) or to
-BLAS only (numba on one thread); each with the trainer's main thread keeping its OpenMP pool
-and with it freed before every period (:func:`xmc_engine.backends.cpu.release_thread_pool`).
-One process, the arms one after the other, alternating over ``--repeats``.
+kernels and OpenBLAS both (the engine's only budget of several threads), to numba's kernels
+only (BLAS on one thread) or to BLAS only (numba on one thread); each with the trainer's main
+thread keeping its OpenMP pool (as the engine does) and with it freed before every period
+(:func:`xmc_engine.backends.cpu.release_thread_pool`). One process, the arms one after the
+other, alternating over ``--repeats``.
 
-The study behind the engine's calibrated pools (:data:`xmc_engine.backends.cpu.POOLS`): the
-pools are set here by replacing ``CPUBackend.thread_budget`` and the trainer's period in this
-process, so every arm is measured the same way. Printed per dataset:
+A study: the pools are set here by replacing ``CPUBackend.thread_budget`` and the trainer's
+period in this process. A calibration among one thread and the two single pools, built on it
+(``7cde9cc``), was not kept (``bench/RESULTS.md``, "One pool at a time"). Printed per dataset:
 each arm's median training seconds and its speed-up over one thread. Results in ``--out``::
 
     python bench/bench_thread_pools.py --out bench/results/thread_pools.json

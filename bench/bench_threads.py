@@ -1,14 +1,12 @@
 """Does the thread calibration pick the faster budget? One device, the defaults, trained with one
 thread, with every core (a given ``threads``: numba's kernels and BLAS both), and with the
 budget left to the engine (``threads=None``: the replica times its own step on one thread and
-on all of them for numba's kernels alone or for BLAS alone,
-:func:`xmc_engine.model.calibrate_threads`), in one process, one run after the other,
-alternating over ``--repeats``.
+on all of them, :func:`xmc_engine.model.calibrate_threads`), in one process, one run after the
+other, alternating over ``--repeats``.
 
 Printed per dataset: the training seconds of each (median over the repeats), the budget the
-calibration chose in each repeat (with its pool), the calibrated run's time over the faster
-fixed budget's (1.00: it found the faster one; above 1: it lost time; the calibrated run may
-also beat both, with a pool neither fixed budget has), and each fit's wall seconds (the loss
+calibration chose in each repeat, the calibrated run's time over the faster fixed budget's
+(1.00: it found the faster one; above 1: it lost time), and each fit's wall seconds (the loss
 probe, the calibration and the evaluations in them). Results in ``--out``::
 
     python bench/bench_threads.py --out bench/results/threads.json
@@ -82,8 +80,7 @@ def main(argv=None) -> int:
         fixed = min((med[k] for k in budgets if budgets[k] is not None), default=float("nan"))
         row = {"dataset": name, "note": note, "runs": runs, "median_train_s": med,
                "median_wall_s": wall,
-               "chosen": [r["threads"] if r["threads"] == 1 else f"{r['threads']} {r['pool']}"
-                          for r in runs["calibrated"]],
+               "chosen": [_budget(r) for r in runs["calibrated"]],
                "calibrated_over_best": med["calibrated"] / fixed}
         payload["rows"].append(row)
         print(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items())
@@ -93,6 +90,13 @@ def main(argv=None) -> int:
         _common.write_result(args.out, payload)
     print(f"wrote {args.out}")
     return 0
+
+
+def _budget(run: dict):
+    """A calibrated run's budget as printed: its threads, and its pool where it names one
+    (the engine at ``7cde9cc``-``e55e0fd``)."""
+    pool = run.get("pool")
+    return run["threads"] if run["threads"] == 1 or pool is None else f"{run['threads']} {pool}"
 
 
 def compare(specs: list[str]) -> int:
@@ -115,8 +119,7 @@ def compare(specs: list[str]) -> int:
         parts = []
         for n in names:
             rs = sides[n][d]
-            chosen = [r["threads"] if r["threads"] == 1 else f"{r['threads']} {r.get('pool')}"
-                      for r in rs]
+            chosen = [_budget(r) for r in rs]
             parts.append(f"{n} train {np.median([r['train_time'] for r in rs]):.2f} s, "
                          f"fit {np.median([r['wall_s'] for r in rs]):.2f} s ({len(rs)} runs; "
                          f"{chosen})")

@@ -245,32 +245,6 @@ def test_release_thread_pool_frees_the_calling_threads_openmp_pool():
     assert _process_threads() == with_pool
 
 
-def test_cpu_budget_goes_to_the_pools_it_names():
-    """A budget of n threads for 'both', 'kernels' or 'blas': numba's and BLAS's threads in
-    the block, and only a budget for numba's kernels alone frees the caller's OpenMP pool."""
-    import numba
-    from threadpoolctl import threadpool_info
-
-    from xmc_engine.backends.cpu import CPUBackend, pool_threads
-
-    assert [pool_threads(4, p) for p in ("both", "kernels", "blas")] == [(4, 4), (4, 1), (1, 4)]
-    with pytest.raises(ValueError, match="pool must be one of"):
-        CPUBackend(threads=2, pool="gpu")
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("numba has one thread here")
-
-    def blas():
-        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
-
-    be = CPUBackend(threads=2, pool="blas")
-    with be.thread_budget():
-        assert numba.get_num_threads() == 1 and blas() == {2}
-    with be.thread_budget(2, "kernels"):
-        assert numba.get_num_threads() == 2 and blas() == {1}
-    assert not be.release_thread_pool()  # BLAS's budget: the caller's pool stays
-    assert not CPUBackend(threads=1, pool="kernels").release_thread_pool()
-
-
 @pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"),
                     reason="per-thread page-fault counts need Linux (resource.RUSAGE_THREAD)")
 def test_cpu_zeros_are_written_at_allocation():

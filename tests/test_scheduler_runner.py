@@ -241,23 +241,6 @@ def test_thread_budget_is_entered_in_worker_threads():
     assert not any(name.startswith("xmc-device-") for _, name in merges)
 
 
-def test_the_main_thread_asks_to_free_its_kernel_threads_before_every_period():
-    """Before the device workers run a period the main thread asks the devices' backends to
-    free its own pool of kernel threads (a CPU backend does where its budget goes to numba's
-    kernels alone): one that does is enough."""
-    import threading
-
-    devs = [DeviceSpec("cpu", threads=2), DeviceSpec("cpu", threads=2)]
-    reps = [FakeReplica(500, sleep=False) for _ in devs]
-    asked = []
-    for k, r in enumerate(reps):
-        r.backend.release_thread_pool = lambda k=k: asked.append(
-            (k, threading.current_thread() is threading.main_thread())) or True
-    with make_trainer(reps, devs, "average", 500, merge_period=100) as tr:
-        periods = tr.run_epoch(0)["periods"]
-    assert periods >= 4 and asked == [(0, True)] * periods
-
-
 def test_workers_enter_their_budget_before_the_training_clock():
     """Entering a worker's thread budget (threadpoolctl: milliseconds) is set-up: the
     constructor waits for it, so the first period's training seconds do not hold it."""

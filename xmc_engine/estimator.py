@@ -164,9 +164,7 @@ class XMCClassifier:
         Seeds initialisation and shuffling; a one-device run with a fixed ``threads`` repeats
         exactly.
     threads : int or None
-        CPU threads, for numba's kernels and BLAS both (None: all cores, split over the CPU
-        devices, calibrated per run: one thread, or all of a device's threads for numba's
-        kernels alone or for BLAS alone, whichever its step runs fastest on).
+        CPU threads (None: all cores, split over the CPU devices, calibrated per run).
     eval_every : float
         Evaluate on ``eval_set`` every this many epochs (0: only at the end).
     eval_k : int

@@ -260,10 +260,9 @@ class MLPReplica:
 
     def calibrate_threads(self, batch_size: int, max_threads: int,
                           run_samples: float | None = None) -> int:
-        """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``, and the
-        backend's ``pool`` to where ``max_threads`` go (:func:`calibrate_threads`, timing this
-        replica's own step: its optimizer, output layer and batch gather), and return the
-        budget; other backends are left as they are. ``run_samples``
+        """Set this replica's CPU thread budget to the faster of 1 and ``max_threads``
+        (:func:`calibrate_threads`, timing this replica's own step: its optimizer, output layer
+        and batch gather) and return it; other backends are left as they are. ``run_samples``
         (the samples the budget will train, if known) lets a run too short to repay the timing
         keep one thread untimed; :attr:`threads_timed` says afterwards whether it was timed.
 
@@ -285,7 +284,6 @@ class MLPReplica:
             be.threads = calibrate_threads(
                 be, lambda: self.train_batch(rows, 0.0), max_threads, report=report,
                 run_steps=None if run_samples is None else run_samples / batch_size)
-            be.pool = report["pool"]
             self.threads_timed = report["timed"]
             self.threads_speedup = report.get("speedup")
         finally:
@@ -683,20 +681,11 @@ def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -
 THREADS_MARGIN = 0.95
 
 
-def calibrate_threads(be, step, max_threads: int, *, rounds: int = 2,
+def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
                       seconds: float = 0.05, run_steps: float | None = None,
                       report: dict | None = None) -> int:
     """The thread budget (1 or ``max_threads``) under which ``step()`` (a training step that
-    leaves the model as it is) runs faster on backend ``be``, and the pool ``max_threads``
-    threads go to (:data:`~xmc_engine.backends.cpu.POOLS`): numba's kernels alone or BLAS
-    alone, in ``report["pool"]``.
-
-    Three budgets are timed: one thread, ``max_threads`` for numba's kernels (BLAS on one
-    thread; the calling thread's own OpenMP pool freed first, as the trainer frees its main
-    thread's) and ``max_threads`` for BLAS (numba on one thread). Not both pools at once: on
-    the 2-core machine that lost to one thread on every shared set, where each pool alone won
-    on most, and it read 0.15x-1.5x from one calibration to the next (``bench/RESULTS.md``,
-    "One pool at a time").
+    leaves the model as it is) runs faster on backend ``be``.
 
     Timed as training runs it: each round of a budget in a fresh thread that enters the budget
     once and runs the steps while the caller's thread waits (the scheduler's device workers are
@@ -704,37 +693,31 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 2,
     imdb shape's 0.17 ms step took as long with two threads as with one, while a worker thread
     took 0.63 ms with two). The budgets alternate over ``rounds`` rounds of about ``seconds`` of
     steps each (one round where a step takes longer than 0.1 s), each scored by its fastest
-    round, so that one interruption cannot decide (two rounds: in 20 calibrations with one
-    pool at a time, on delicious and debian_debtags, a budget's best of its first two rounds
-    was within 3.2 % of its best of three, and three budgets in two rounds cost what two took
-    in three before); the faster of the two ``max_threads`` budgets wins only when it is
-    faster than one thread by :data:`THREADS_MARGIN`. Measured, not assumed: on the 2-core
-    machine one thread wins on some shared sets, numba's kernels on others and BLAS on the
-    large synthetic shape, and a many-core server gains more from threads.
+    round, so that one interruption cannot decide; ``max_threads`` wins only when it is faster
+    by :data:`THREADS_MARGIN`. On the 2-core machine this engine is developed on one
+    thread beat two on the small shared datasets (numba's OpenMP workers and OpenBLAS's both
+    spin-wait, and fight over the cores) and two beat one on the large synthetic shapes; a
+    many-core server gains more from threads: so it is measured, not assumed.
 
     ``run_steps`` (the steps the budget will serve, if known) lets a short run skip the timing:
     once one thread's warm-up step is timed, a run that would save less than the calibration
     costs even if ``max_threads`` threads ran it ``max_threads`` times as fast keeps one thread
     (on a small shared dataset the calibration took longer than the whole training). ``report``
-    (a dict), if given, receives ``timed`` (False where it was skipped), ``pool`` (the chosen
-    budget's; ``'both'`` for one thread), ``one_thread_run_s`` (the run's estimated seconds on
-    one thread; ``None`` without ``run_steps``) and, where timed, ``speedup`` (one thread's
-    best step time over the faster ``max_threads`` budget's) and ``rounds`` (per round, each
-    budget's seconds per step, by ``'one'``, ``'kernels'``, ``'blas'``).
+    (a dict), if given, receives ``timed`` (False where it was skipped),
+    ``one_thread_run_s`` (the run's estimated seconds on one thread; ``None`` without
+    ``run_steps``) and, where timed, ``speedup`` (one thread's best step time over
+    ``max_threads`` threads') and ``rounds`` (per round, each budget's seconds per step).
     """
     import threading
     import time
 
-    from xmc_engine.backends.cpu import release_thread_pool
-
     if max_threads <= 1 or be.name != "cpu":
         return max(1, int(max_threads))
-    n_max = int(max_threads)
-    budgets = {"one": (1, "both"), "kernels": (n_max, "kernels"), "blas": (n_max, "blas")}
-    best = dict.fromkeys(budgets, float("inf"))
-    steps = dict.fromkeys(budgets, 1)  # per round, set from the first round's warm-up
+    budgets = (1, int(max_threads))
+    best = {n: float("inf") for n in budgets}
+    steps = {n: 1 for n in budgets}  # per round, set from the first round's warm-up
     failure: list[BaseException] = []
-    outcome: dict = {"timed": True, "pool": "both", "one_thread_run_s": None, "rounds": []}
+    outcome: dict = {"timed": True, "one_thread_run_s": None}  # what ``report`` receives
 
     def too_short(first: float) -> bool:
         """Can the run not repay the calibration? ``first``: one thread's warm step."""
@@ -743,38 +726,38 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 2,
         run_s = float(run_steps) * first
         outcome["one_thread_run_s"] = run_s
         cost = (1 if first > 0.1 else rounds) * len(budgets) * max(seconds, first)
-        return run_s * (1.0 - 1.0 / n_max) < cost
+        return run_s * (1.0 - 1.0 / budgets[1]) < cost
 
-    def run(name: str, warm: bool) -> None:
-        """One round of budget ``name`` in a fresh thread that enters the budget once, as a
+    def run(n: int, warm: bool) -> None:
+        """One round of budget ``n`` in a fresh thread that enters the budget once, as a
         device worker does: warm-up steps (workspaces, first touch, thread pools), then
-        ``steps[name]`` timed ones."""
+        ``steps[n]`` timed ones."""
         try:
-            with be.thread_budget(*budgets[name]):
+            with be.thread_budget(n):
                 for _ in range(2 if warm else 1):
                     t0 = time.perf_counter()
                     step()
                     first = time.perf_counter() - t0
                 if warm:
-                    steps[name] = max(1, min(200, int(seconds / max(first, 1e-6))))
-                    if name == "one" and too_short(first):
+                    steps[n] = max(1, min(200, int(seconds / max(first, 1e-6))))
+                    if n == 1 and too_short(first):
                         outcome["timed"] = False
                         return
                 t0 = time.perf_counter()
-                for _ in range(steps[name]):
+                for _ in range(steps[n]):
                     step()
-                took = (time.perf_counter() - t0) / steps[name]
-                best[name] = min(best[name], took)
-                outcome["rounds"][-1][name] = took
+                took = (time.perf_counter() - t0) / steps[n]
+                best[n] = min(best[n], took)
+                outcome["rounds"][-1][n] = took
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(e)
 
-    release_thread_pool()  # as the trainer's main thread does before numba's kernels train
+    outcome["rounds"] = []
     for r in range(rounds):
         outcome["rounds"].append({})
-        for name in budgets:
-            worker = threading.Thread(target=run, args=(name, r == 0),
-                                      name=f"xmc-calibrate-threads-{name}")
+        for n in budgets:
+            worker = threading.Thread(target=run, args=(n, r == 0),
+                                      name=f"xmc-calibrate-threads-{n}")
             worker.start()
             worker.join()
             if failure:
@@ -787,15 +770,11 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 2,
                 return 1
         if max(best.values()) > 0.1:  # slow steps: one round is enough (and all we can afford)
             break
-    logger.debug("thread calibration: %s ms/step",
-                 {name: round(1e3 * t, 3) for name, t in best.items()})
-    fastest = min(("kernels", "blas"), key=best.__getitem__)
-    outcome["speedup"] = best["one"] / best[fastest]
-    wins = best[fastest] < THREADS_MARGIN * best["one"]
-    outcome["pool"] = budgets[fastest][1] if wins else "both"
+    logger.debug("thread calibration: %s ms/step", {n: round(1e3 * t, 3) for n, t in best.items()})
+    outcome["speedup"] = best[1] / best[budgets[1]]
     if report is not None:
         report.update(outcome)
-    return n_max if wins else 1
+    return budgets[1] if best[budgets[1]] < THREADS_MARGIN * best[1] else 1
 
 
 def predict_topk(be, params, X, k: int = 5, *, row_chunk: int = EVAL_ROWS,

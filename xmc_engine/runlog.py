@@ -29,21 +29,17 @@ not know. The events the engine writes:
     budget calibrated once for the probe's fits and the run; ``null`` where none was),
     ``threads_timed`` (``false`` where the run was too short to repay timing the budgets and
     kept one thread), ``threads_speedup`` (the timing's speed-up of all the threads over one;
-    ``null`` where not timed), ``threads_pool`` (where the budget's threads go: ``both``,
-    ``kernels`` or ``blas``; ``null`` where none was calibrated), ``together`` (the fits ran
-    side by side, each on its share of the device's threads) and ``continued``: ``null``, or,
-    where the run continues the winning fit (``continue_probe``), its ``samples`` and
-    ``train_time``: the run starts there, so those samples and seconds are in its ``eval``
-    records' ``samples`` and ``train_time`` (and in ``start``'s ``samples``) as well as in the
-    probe's ``seconds``.
+    ``null`` where not timed), ``together`` (the fits ran side by side, each on its share of the
+    device's threads) and ``continued``: ``null``, or, where the run continues the winning
+    fit (``continue_probe``), its ``samples`` and ``train_time``: the run starts there, so
+    those samples and seconds are in its ``eval`` records' ``samples`` and ``train_time`` (and
+    in ``start``'s ``samples``) as well as in the probe's ``seconds``.
 ``threads``
     Before training, per CPU device with several threads and no ``threads`` given: ``device``,
-    ``threads`` (the budget it trains with), ``pool`` (where its threads go: numba's kernels
-    and BLAS ``both``, ``kernels`` only or ``blas`` only; one thread is ``both``), ``note``
-    (timed, not timed because the run is too short, taken from the loss probe or from an
-    ensemble's first member, or one thread because an ensemble's members train side by side)
-    and ``speedup`` (how many times as fast as one thread the faster pool ran the step on all
-    the device's threads where timed, else ``null``).
+    ``threads`` (the budget it trains with), ``note`` (timed, not timed because the run is
+    too short, taken from the loss probe or from an ensemble's first member, or one thread
+    because an ensemble's members train side by side) and ``speedup`` (how many times as fast
+    as one thread all the device's threads ran the step where timed, else ``null``).
 ``compile``
     Before training: ``seconds`` spent compiling the kernels or loading them from Numba's
     cache (outside ``train_time``), ``compiled`` (the Numba compilations of CPU code that took:

@@ -69,8 +69,7 @@ def _short(metrics: dict) -> str:
 def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint_every=None,
               resume: bool = False, simulate=None, progress_desc: str = "train",
               one_node: bool = False, keep_optimizer_state: bool = False,
-              calibrated: dict[int, int] | None = None, pools: dict[int, str] | None = None,
-              on_start=None, stop=None) -> dict:
+              calibrated: dict[int, int] | None = None, on_start=None, stop=None) -> dict:
     """Train with ``cfg`` on validated host CSR ``X``, ``Y``; returns a dict with ``params``
     (host arrays), ``history`` (run-log records) and ``metrics`` (the last evaluation). The
     feature rows of ``X`` and of ``eval_set`` are normalised first (``cfg.normalize``).
@@ -90,11 +89,9 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``samples`` and ``train_time`` are where training ended; its ``eval_top1`` is each
     ``eval_set`` row's top label at the last evaluation (``None`` without one).
     ``calibrated``: CPU thread budgets by device index calibrated by an earlier run of the
-    same devices and data (an ensemble's first member), used instead of calibrating again,
-    with ``pools``, the thread pools those budgets go to
-    (:attr:`~xmc_engine.backends.cpu.CPUBackend.pool`); the result's ``calibrated`` and
-    ``pools`` hold this run's. ``on_start``, a function ``(loss, calibrated, speedups,
-    train_time)``, is called once the loss and the budgets are known,
+    same devices and data (an ensemble's first member), used instead of calibrating again;
+    the result's ``calibrated`` holds this run's. ``on_start``, a function ``(loss,
+    calibrated, speedups, train_time)``, is called once the loss and the budgets are known,
     before the trainer's device workers start (an ensemble starts its other members then), with
     the calibrations' measured speed-ups (:func:`build_trainer`'s ``on_budgets``) and the
     training seconds the run starts from (a continued probe fit's, a checkpoint's); it may
@@ -220,12 +217,11 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                       losses=list(TRAIN_LOSSES), note="before the loss probe")
         log.write("loss_probe", **probe)
     compile_kernels(cfg, devices, X, Y, log)
-    by_probe = bool(probe and probe.get("threads")  # the probe calibrated the run's device
-                    and _probe_device(devices[0]).threads == devices[0].threads)
     trainer = build_trainer(cfg, devices, X, Y, params, log, comm=comm,
                             mode="threads" if simulate is None else "simulated", cost=simulate,
-                            calibrated={0: probe["threads"]} if by_probe else calibrated,
-                            pools={0: probe["threads_pool"]} if by_probe else pools,
+                            calibrated={0: probe["threads"]} if probe and probe.get("threads")
+                            and _probe_device(devices[0]).threads == devices[0].threads
+                            else calibrated,
                             speedups={0: probe.get("threads_speedup")} if probe else None,
                             calibrated_by="the loss probe" if probe and probe.get("threads")
                             else "the ensemble's first member",
@@ -254,9 +250,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             if keep_optimizer_state else None,
             "samples": int(state["samples"]), "train_time": float(state["train_time"]),
             "eval_top1": evaluator.top1 if evaluator is not None else None,
-            "calibrated": _thread_budgets(trainer),
-            "pools": {i: r.backend.pool for i, r in enumerate(trainer.replicas)
-                      if r.backend.name == "cpu"}}
+            "calibrated": _thread_budgets(trainer)}
 
 
 def _started(on_start, told: dict, loss: str, budgets: dict, speedups: dict,
@@ -326,7 +320,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     lane_of: list = [None] * k  # the thread that trained each member
     # set when a member fails (or by the caller): the members training stop at a barrier
     stop = threading.Event() if stop is None else stop
-    first: dict = {"loss": cfg.loss, "calibrated": None, "pools": None}
+    first: dict = {"loss": cfg.loss, "calibrated": None}
     pool, futures, side = None, {}, {"lanes": 1, "before": 0.0}
 
     def train(j: int) -> dict:
@@ -340,7 +334,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             return fit_model(member, X, Y, eval_set,
                              log_dir=None if run_dir is None else run_dir / MEMBER_DIR.format(j),
                              progress_desc=f"{progress_desc} {j + 1}/{k}",
-                             calibrated=first["calibrated"], pools=first["pools"], stop=stop,
+                             calibrated=first["calibrated"], stop=stop,
                              on_start=started if j == 0 else None, **fit_kw)
 
     def failed(fut) -> None:
@@ -381,7 +375,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     with contextlib.ExitStack() as hold:  # BLAS's limit while members train side by side
         try:
             results[0] = train(0)
-            first.update(calibrated=results[0]["calibrated"], pools=results[0]["pools"])
+            first["calibrated"] = results[0]["calibrated"]
             for j in range(1, k):  # the members no lane has started train here, in turn
                 if j not in futures or futures[j].cancel():
                     results[j] = train(j)
@@ -560,9 +554,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
     was calibrated), ``threads_timed`` (False: the run was too short to repay timing the
     budgets and keeps one thread), ``threads_speedup`` (the speed-up of all the device's
-    threads over one that the timing measured; ``None`` where not timed), ``threads_pool``
-    (where the budget's threads go, :attr:`~xmc_engine.backends.cpu.CPUBackend.pool`;
-    ``None`` where none was calibrated) and ``together``
+    threads over one that the timing measured; ``None`` where not timed) and ``together``
     (the fits ran side by side), plus
     ``compile_seconds`` and ``compiled`` (both losses' kernels, compiled or loaded before the
     probe and outside its ``seconds``, and the number of Numba compilations that took;
@@ -582,8 +574,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
                     LOSS_PROBE_MIN_ROWS)
         return {"loss": "softmax", "p1": {}, "z": None, "rows": 0, "heldout": 0, "epochs": 0.0,
-                "seconds": 0.0, "threads": None, "threads_timed": None, "threads_pool": None,
-                "together": False,
+                "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
                 "compile_seconds": 0.0, "compiled": 0, "fit": None}
     # both losses' kernels first, outside the probe's seconds
     compile_s, compiled = 0.0, 0
@@ -655,7 +646,6 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                     "passes": epochs},
             "threads": None if cfg.threads is not None else threads,
             "threads_speedup": calibration.get("speedup"),  # None where not timed
-            "threads_pool": calibration.get("pool"),  # None where none was calibrated
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}
 
@@ -708,8 +698,7 @@ def calibrate_device(cfg: TrainConfig, X, Y, run_samples: float | None = None,
     ``cfg`` built for the purpose and thrown away, for a run of ``run_samples`` samples);
     ``None`` where it calibrates nothing (a given ``threads``, a GPU, a one-thread device).
     ``report`` (a dict), if given, receives ``timed``: whether the budgets were timed (False:
-    the run was too short to repay it and keeps one thread), ``speedup`` and ``pool`` (the
-    thread pool the budget goes to). ``X`` holds normalised rows."""
+    the run was too short to repay it and keeps one thread). ``X`` holds normalised rows."""
     from xmc_engine.devices import parse_devices
 
     device = parse_devices(cfg.devices)[0]
@@ -722,7 +711,6 @@ def calibrate_device(cfg: TrainConfig, X, Y, run_samples: float | None = None,
     if report is not None:
         report["timed"] = rep.threads_timed
         report["speedup"] = rep.threads_speedup
-        report["pool"] = rep.backend.pool
     return threads
 
 
@@ -881,8 +869,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
 
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                   assignment: str = "shared", mode: str = "threads", cost=None,
-                  calibrated: dict[int, int] | None = None, pools: dict[int, str] | None = None,
-                  calibrated_by: str = "the loss probe",
+                  calibrated: dict[int, int] | None = None, calibrated_by: str = "the loss probe",
                   run_samples: float | None = None, speedups: dict | None = None,
                   on_budgets=None):
     """The :class:`~xmc_engine.scheduler.Trainer` of ``cfg``: one
@@ -893,8 +880,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     trainer's (``"simulated"``: a virtual clock, see :func:`fit_model`'s ``simulate``).
     ``calibrated`` maps a device's index to a CPU thread budget already calibrated for it (by
     ``calibrated_by``: the loss probe, :func:`choose_loss`, or an ensemble's first member),
-    which is used instead of calibrating again, and ``pools`` to the thread pool that budget
-    goes to (``'both'`` where absent).
+    which is used instead of calibrating again.
     ``run_samples`` (the samples the run has left to train, if known) lets a run too short to
     repay the calibration keep one thread untimed. ``speedups`` maps a device's index to the
     speed-up of all its threads over one that ``calibrated`` budget's calibration measured
@@ -916,7 +902,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                 rep.calibrate_threads(cfg.batch_size, d.threads, run_samples)
                 measured[i] = rep.threads_speedup  # None where not timed
             else:
-                be.threads, be.pool = known, (pools or {}).get(i) or "both"
+                be.threads = known
                 measured[i] = (speedups or {}).get(i)
             notes[i] = ("not timed: the run is too short to repay timing the budgets"
                         if known is None and rep.threads_timed is False else
@@ -934,8 +920,8 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
     for i, note in notes.items():
         if log is not None:
             log.write("threads", device=str(devices[i]), threads=replicas[i].backend.threads,
-                      pool=replicas[i].backend.pool, note=note,
-                      speedup=None if measured.get(i) is None else round(float(measured[i]), 3))
+                      note=note, speedup=None if measured.get(i) is None
+                      else round(float(measured[i]), 3))
     # fit_model resolves "auto" and runs the plateau rule between epochs (its _PlateauWatch
     # rescales this schedule). A trainer built without it has no held-out rows: "auto" is the
     # optimizer's fixed decay here, and "plateau" no decay by the epoch (its scale stays 1).

@@ -94,21 +94,13 @@ class SchedulerBackend(Protocol):
         Entered once per worker thread for its lifetime (``thread_budget`` enters it); every
         method also enters it, which costs nothing when it is already current."""
 
-    def thread_budget(self, n: int | None = None,
-                      pool: str | None = None) -> AbstractContextManager:
+    def thread_budget(self, n: int | None = None) -> AbstractContextManager:
         """Context manager for a worker thread's lifetime: limits CPU threads to ``n`` (or
-        :attr:`threads`) for the thread pools of ``pool`` (CPU backends: ``'both'``,
-        ``'kernels'`` or ``'blas'``; default the backend's) and makes the backend current
-        (:meth:`activate`)."""
+        :attr:`threads`) and makes the backend current (:meth:`activate`)."""
 
     def kernel_threads(self, n: int) -> AbstractContextManager:
         """CPU backends: context manager limiting this thread's kernel threads (numba's, not
         BLAS's) to ``n``; cheap enough to enter at every merge."""
-
-    def release_thread_pool(self) -> bool:
-        """CPU backends whose budget gives its threads to their kernels alone: free the calling
-        thread's pool of kernel threads (the trainer's main thread, before its device workers
-        run a period); True where freed."""
 
     def synchronize(self) -> None:
         """Wait for all work queued on this backend's stream."""

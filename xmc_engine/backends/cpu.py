@@ -96,25 +96,6 @@ def numba_threads(n: int):
         numba.set_num_threads(old)
 
 
-#: Where a CPU budget of several threads goes (:attr:`CPUBackend.pool`): numba's kernels and
-#: BLAS both, numba's kernels only, BLAS only. On the 2-core machine two threads for both
-#: pools lost to one thread on every shared set, each pool alone won on most
-#: (``bench/bench_thread_pools.py``, ``bench/RESULTS.md``, "One pool at a time").
-POOLS = ("both", "kernels", "blas")
-
-
-def check_pool(pool: str) -> str:
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
-    return pool
-
-
-def pool_threads(n: int, pool: str) -> tuple[int, int]:
-    """``(numba's threads, BLAS's threads)`` of a budget of ``n`` threads for ``pool``."""
-    check_pool(pool)
-    return (n if pool != "blas" else 1), (n if pool != "kernels" else 1)
-
-
 _OMP_PAUSE: list = []  # [the libgomp functions found], once
 
 
@@ -159,11 +140,12 @@ def release_thread_pool() -> bool:
     parallel kernel on two threads, a device worker's two-thread imdb step took 0.46 ms
     against 0.10 ms on one thread; with the main thread's pool freed, 0.089 ms.
 
-    The trainer frees it only for a budget of numba's kernels alone
-    (:meth:`CPUBackend.release_thread_pool`): with the pool freed, libgomp's spinning workers
-    hold the cores that OpenBLAS's threads need, and a budget of two threads for both pools
-    trained the synthetic 10,000-label shape 2.5x slower than with the pool kept
-    (``bench/bench_thread_pools.py``, ``bench/RESULTS.md``, "One pool at a time")."""
+    The trainer does not call it: with the pool freed, libgomp's spinning workers hold the
+    cores that OpenBLAS's threads need, and a budget of two threads for both (the trainer's)
+    trained the synthetic 10,000-label shape 2.5x slower than with the pool kept. A thread
+    calibration that gave a device's threads to numba's kernels alone (this pool freed) or to
+    BLAS alone was tried and not kept (``bench/bench_thread_pools.py``,
+    ``bench/RESULTS.md``, "One pool at a time")."""
     fns = _omp_pause()
     # omp_pause_soft in each copy; -1 inside a parallel region
     return bool(fns) and all([fn(1) == 0 for fn in fns])
@@ -175,12 +157,8 @@ class CPUBackend:
     Parameters
     ----------
     threads : int, optional
-        Default thread budget of :meth:`thread_budget`; ``None`` means all of numba's threads.
-    pool : {'both', 'kernels', 'blas'}
-        Which thread pool a budget of several threads goes to (:data:`POOLS`): numba's kernels
-        and BLAS both (the default, and what a given ``threads`` means), numba's kernels only
-        (BLAS on one thread) or BLAS only (numba on one thread). The thread calibration
-        chooses it (:func:`xmc_engine.model.calibrate_threads`).
+        Default thread budget of :meth:`thread_budget` (numba threads and BLAS threads);
+        ``None`` means all of numba's threads.
 
     Notes
     -----
@@ -199,13 +177,12 @@ class CPUBackend:
     #: merge of a big ``W1`` is most of a merge's time on the host
     tracks_rows = True
 
-    def __init__(self, threads: int | None = None, pool: str = "both"):
+    def __init__(self, threads: int | None = None):
         self.threads = int(threads) if threads else numba.config.NUMBA_NUM_THREADS
-        self.pool = check_pool(pool)
         self._ws: dict[str, np.ndarray] = {}
 
     def __repr__(self):
-        return f"CPUBackend(threads={self.threads}, pool={self.pool!r})"
+        return f"CPUBackend(threads={self.threads})"
 
     # ------------------------------------------------------------------ arrays and plumbing
     @staticmethod
@@ -286,25 +263,17 @@ class CPUBackend:
         return nullcontext()
 
     @contextmanager
-    def thread_budget(self, n: int | None = None, pool: str | None = None):
-        """Limit numba threads (this thread only) and BLAS threads inside the block: ``n``
-        (default :attr:`threads`) for the pools of ``pool`` (default :attr:`pool`), one thread
-        for the other (:func:`pool_threads`).
+    def thread_budget(self, n: int | None = None):
+        """Limit numba threads (this thread only) and BLAS threads to ``n`` inside the block.
 
         numba's limit is per calling thread; OpenBLAS's limit (threadpoolctl) is process-wide,
         so concurrent CPU workers should agree on their budgets.
         """
         from threadpoolctl import threadpool_limits
 
-        kernels, blas = pool_threads(int(n or self.threads), pool or self.pool)
-        with self.kernel_threads(kernels), threadpool_limits(limits=blas, user_api="blas"):
+        n = int(n or self.threads)
+        with self.kernel_threads(n), threadpool_limits(limits=n, user_api="blas"):
             yield
-
-    def release_thread_pool(self) -> bool:
-        """Free the calling thread's OpenMP pool where this backend's budget gives its threads
-        to numba's kernels only (the trainer's main thread, before its device workers run a
-        period; :func:`release_thread_pool`); True where freed."""
-        return self.pool == "kernels" and self.threads > 1 and release_thread_pool()
 
     @staticmethod
     def kernel_threads(n: int):

@@ -135,7 +135,7 @@ class CUDABackend:
             self._local.active = False
 
     @contextmanager
-    def thread_budget(self, n: int | None = None, pool: str | None = None):
+    def thread_budget(self, n: int | None = None):
         """No CPU threads to limit: enters :meth:`activate` for the worker's lifetime."""
         with self.activate():
             yield
@@ -143,10 +143,6 @@ class CUDABackend:
     def kernel_threads(self, n: int):
         """No CPU kernel threads to limit."""
         return nullcontext()
-
-    def release_thread_pool(self) -> bool:
-        """No CPU kernel threads: nothing to free."""
-        return False
 
     def synchronize(self):
         """Wait for all work queued on this backend's stream."""

@@ -72,7 +72,6 @@ class HostBackend:
     xp = np
     device_id = None
     threads = None
-    pool = "both"
     tracks_rows = False
 
     def asarray(self, a, dtype=None):
@@ -96,15 +95,11 @@ class HostBackend:
     def activate(self):
         return contextlib.nullcontext()
 
-    def thread_budget(self, n: int | None = None, pool: str | None = None):
+    def thread_budget(self, n: int | None = None):
         return contextlib.nullcontext()
 
     def kernel_threads(self, n: int):
         return contextlib.nullcontext()
-
-    def release_thread_pool(self) -> bool:
-        """No kernel threads: nothing to free."""
-        return False
 
     def synchronize(self) -> None:
         """Nothing queued: NumPy returns when done."""

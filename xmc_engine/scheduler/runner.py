@@ -619,11 +619,6 @@ class Trainer:
     def _period_threads(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
         t0 = time.perf_counter()
-        # a device whose threads go to its kernels alone: the main thread's own pool of kernel
-        # threads would slow their parallel regions (CPUBackend.release_thread_pool)
-        for i in range(n):
-            if self.alive[i] and self.replicas[i].backend.release_thread_pool():
-                break  # the main thread has one pool: freed
         pending = {i for i in range(n) if self.alive[i]}
         for i in pending:
             self._inboxes[i].put(("period", lrs[i]))
