@@ -343,6 +343,7 @@ def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed(monke
     import numba
 
     import xmc_engine.devices as devices
+    from xmc_engine import model
     from xmc_engine.model import MLPReplica
 
     if numba.config.NUMBA_NUM_THREADS < 2:
@@ -355,6 +356,10 @@ def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed(monke
     clf = XMCClassifier(loss="softmax", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
     (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
     assert rec["threads"] == 1 and rec["note"].startswith("not timed")
+    monkeypatch.setattr(model, "CALIBRATE_MIN_STEP_S", 0.0)  # only the run's length decides
+    clf = XMCClassifier(loss="softmax", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
+    (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
+    assert rec["note"] == training._UNTIMED["run"]
     seen = []
     real = MLPReplica.calibrate_threads
 
@@ -363,6 +368,7 @@ def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed(monke
         return real(self, batch_size, max_threads, 1e9)  # a very long run: timed
 
     monkeypatch.setattr(MLPReplica, "calibrate_threads", told_long)
+    monkeypatch.setattr(model, "CALIBRATE_MIN_STEP_S", 0.0)  # this model's steps are tiny
     clf = XMCClassifier(loss="softmax", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
     (rec,) = [r for r in clf.history_ if r["event"] == "threads"]
     assert rec["note"].startswith("calibrated") and seen == [2400]  # 1 epoch of 2,400 rows

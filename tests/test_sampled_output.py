@@ -587,6 +587,7 @@ def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed():
     report = {}
     assert model.calibrate_threads(be, step, 2, run_steps=20, report=report) == 1
     assert calls == [1, 1] and report["timed"] is False  # the warm-up only
+    assert report["skipped"] == "run"
     assert 0.06 < report["one_thread_run_s"] < 0.2
     calls.clear()
     assert model.calibrate_threads(be, step, 2, run_steps=2000, report=report) == 2
@@ -595,9 +596,34 @@ def test_a_run_too_short_to_repay_the_calibration_keeps_one_thread_untimed():
     assert model.calibrate_threads(be, step, 2, report=report) == 2  # no run length: timed
     speedup = report.pop("speedup")  # one thread's 4 ms over two threads' 2 ms, about 2
     rounds = report.pop("rounds")  # each round's seconds per step, by budget
-    assert report == {"timed": True, "one_thread_run_s": None} and 1.3 < speedup < 3.0
+    assert report == {"timed": True, "skipped": None, "one_thread_run_s": None}
+    assert 1.3 < speedup < 3.0
     assert len(rounds) == 3 and all(set(r) == {1, 2} for r in rounds)
     assert min(r[1] for r in rounds) / min(r[2] for r in rounds) == pytest.approx(speedup)
+
+
+def test_steps_too_short_to_gain_from_threads_keep_one_thread_untimed(monkeypatch):
+    """A step of microseconds on one thread (under CALIBRATE_MIN_STEP_S) keeps one thread
+    after the two warm-up steps, however long the run; with the floor at 0 it is timed."""
+    import numba
+
+    from xmc_engine import model
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here: no budget to choose")
+    calls = []
+
+    def step():
+        calls.append(numba.get_num_threads())
+
+    report = {}
+    assert model.calibrate_threads(CPUBackend(threads=2), step, 2, run_steps=1e9,
+                                   report=report) == 1
+    assert calls == [1, 1] and report["timed"] is False and report["skipped"] == "step"
+    monkeypatch.setattr(model, "CALIBRATE_MIN_STEP_S", 0.0)
+    calls.clear()
+    model.calibrate_threads(CPUBackend(threads=2), step, 2, run_steps=1e9, report=report)
+    assert report["timed"] is True and 2 in calls
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])

@@ -232,11 +232,15 @@ class MLPReplica:
             self._proposal = LSHProposal(Y.shape[1], int(np.shape(params[-2])[0]), seed=seed)
         self._rng = np.random.default_rng(seed)
         #: was the thread budget timed (:meth:`calibrate_threads`)? False where the run was too
-        #: short to repay timing it; None where it was never calibrated
+        #: short to repay timing it or its steps too short to gain from threads; None where it
+        #: was never calibrated
         self.threads_timed: bool | None = None
         #: where timed, how many times as fast as one thread all the budget's threads ran the
         #: step (:func:`calibrate_threads`' ``speedup``); None elsewhere
         self.threads_speedup: float | None = None
+        #: why the budgets were not timed: 'step' (a step too short, CALIBRATE_MIN_STEP_S) or
+        #: 'run' (a run too short to repay the timing); None where timed or not calibrated
+        self.threads_skipped: str | None = None
         self._params = [backend.asarray(np.array(p, dtype=np.float32, copy=True)) for p in params]
         if label_major_w2(backend, output):
             self._params[-2] = np.asfortranarray(self._params[-2])
@@ -285,6 +289,7 @@ class MLPReplica:
                 be, lambda: self.train_batch(rows, 0.0), max_threads, report=report,
                 run_steps=None if run_samples is None else run_samples / batch_size)
             self.threads_timed = report["timed"]
+            self.threads_skipped = report["skipped"]
             self.threads_speedup = report.get("speedup")
         finally:
             self._rng, self._proposal = rng, proposal
@@ -679,6 +684,15 @@ def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -
 #: faster than one thread's (ties go to one thread: it leaves the other cores free and its
 #: workers do not spin-wait).
 THREADS_MARGIN = 0.95
+#: :func:`calibrate_threads` keeps one thread, untimed, where one thread's warm step takes less
+#: than this many seconds. On the 2-core machine two threads trained slower than one on every
+#: set whose step took under 0.6 ms (bibtex, delicious, rcv1sub1, imdb, debian_debtags:
+#: 0.27x-0.70x at 5 epochs) and faster only on those of 1.4 ms and more (debian_builddeps
+#: 1.15x, the synthetic 10,000-label shape 1.6x), while the timing cost 0.2-0.5 s of fits of
+#: about a second and, from one process state to the next, read two threads 0.1x-1.5x as fast
+#: on those small steps (``bench/RESULTS.md``, "Thread calibration", "Steps too short to
+#: time"). Not measured on more cores, where shorter steps may gain.
+CALIBRATE_MIN_STEP_S = 1e-3
 
 
 def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
@@ -699,11 +713,15 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     spin-wait, and fight over the cores) and two beat one on the large synthetic shapes; a
     many-core server gains more from threads: so it is measured, not assumed.
 
+    A step shorter than :data:`CALIBRATE_MIN_STEP_S` on one thread (its second warm-up step)
+    keeps one thread untimed.
+
     ``run_steps`` (the steps the budget will serve, if known) lets a short run skip the timing:
     once one thread's warm-up step is timed, a run that would save less than the calibration
     costs even if ``max_threads`` threads ran it ``max_threads`` times as fast keeps one thread
     (on a small shared dataset the calibration took longer than the whole training). ``report``
-    (a dict), if given, receives ``timed`` (False where it was skipped),
+    (a dict), if given, receives ``timed`` (False where it was skipped), ``skipped`` (why:
+    ``'step'``, a step too short, or ``'run'``, a run too short; ``None`` where timed),
     ``one_thread_run_s`` (the run's estimated seconds on one thread; ``None`` without
     ``run_steps``) and, where timed, ``speedup`` (one thread's best step time over
     ``max_threads`` threads') and ``rounds`` (per round, each budget's seconds per step).
@@ -717,7 +735,7 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     best = {n: float("inf") for n in budgets}
     steps = {n: 1 for n in budgets}  # per round, set from the first round's warm-up
     failure: list[BaseException] = []
-    outcome: dict = {"timed": True, "one_thread_run_s": None}  # what ``report`` receives
+    outcome: dict = {"timed": True, "skipped": None, "one_thread_run_s": None}  # for ``report``
 
     def too_short(first: float) -> bool:
         """Can the run not repay the calibration? ``first``: one thread's warm step."""
@@ -740,8 +758,9 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
                     first = time.perf_counter() - t0
                 if warm:
                     steps[n] = max(1, min(200, int(seconds / max(first, 1e-6))))
-                    if n == 1 and too_short(first):
+                    if n == 1 and (too_short(first) or first < CALIBRATE_MIN_STEP_S):
                         outcome["timed"] = False
+                        outcome["skipped"] = "step" if first < CALIBRATE_MIN_STEP_S else "run"
                         return
                 t0 = time.perf_counter()
                 for _ in range(steps[n]):
@@ -763,8 +782,9 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
             if failure:
                 raise failure[0]
             if not outcome["timed"]:
-                logger.debug("thread calibration skipped: the run takes about %.3g s on one "
-                             "thread", outcome["one_thread_run_s"])
+                logger.debug("thread calibration skipped (%s too short): the run takes about "
+                             "%s s on one thread", outcome["skipped"],
+                             outcome["one_thread_run_s"])
                 if report is not None:
                     report.update(outcome)
                 return 1

@@ -27,17 +27,18 @@ not know. The events the engine writes:
     a probe), ``rows``,
     ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``), ``threads`` (the CPU thread
     budget calibrated once for the probe's fits and the run; ``null`` where none was),
-    ``threads_timed`` (``false`` where the run was too short to repay timing the budgets and
-    kept one thread), ``threads_speedup`` (the timing's speed-up of all the threads over one;
-    ``null`` where not timed), ``together`` (the fits ran side by side, each on its share of the
-    device's threads) and ``continued``: ``null``, or, where the run continues the winning
-    fit (``continue_probe``), its ``samples`` and ``train_time``: the run starts there, so
+    ``threads_timed`` (``false`` where the run was too short to repay timing the budgets, or
+    its steps too short to gain from threads, and kept one thread), ``threads_speedup`` (the
+    timing's speed-up of all the threads over one; ``null`` where not timed), ``together``
+    (the fits ran side by side, each on its share of the device's threads) and ``continued``:
+    ``null``, or, where the run continues the winning fit (``continue_probe``), its
+    ``samples`` and ``train_time``: the run starts there, so
     those samples and seconds are in its ``eval`` records' ``samples`` and ``train_time`` (and
     in ``start``'s ``samples``) as well as in the probe's ``seconds``.
 ``threads``
     Before training, per CPU device with several threads and no ``threads`` given: ``device``,
-    ``threads`` (the budget it trains with), ``note`` (timed, not timed because the run is
-    too short, taken from the loss probe or from an ensemble's first member, or one thread
+    ``threads`` (the budget it trains with), ``note`` (timed, not timed because the run or its
+    steps are too short, taken from the loss probe or from an ensemble's first member, or one thread
     because an ensemble's members train side by side) and ``speedup`` (how many times as fast
     as one thread all the device's threads ran the step where timed, else ``null``).
 ``compile``

@@ -553,8 +553,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     margin of the softmax), ``rows``, ``heldout``,
     ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
     was calibrated), ``threads_timed`` (False: the run was too short to repay timing the
-    budgets and keeps one thread), ``threads_speedup`` (the speed-up of all the device's
-    threads over one that the timing measured; ``None`` where not timed) and ``together``
+    budgets, or its steps too short to gain from threads, and keeps one thread),
+    ``threads_speedup`` (the speed-up of all the device's threads over one that the timing
+    measured; ``None`` where not timed) and ``together``
     (the fits ran side by side), plus
     ``compile_seconds`` and ``compiled`` (both losses' kernels, compiled or loaded before the
     probe and outside its ``seconds``, and the number of Numba compilations that took;
@@ -867,6 +868,13 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
     return seconds
 
 
+#: The ``threads`` record's note where the budgets were not timed, by why
+#: (:attr:`~xmc_engine.model.MLPReplica.threads_skipped`).
+_UNTIMED = {"run": "not timed: the run is too short to repay timing the budgets",
+            "step": "not timed: its steps are too short to gain from threads "
+                    "(model.CALIBRATE_MIN_STEP_S)"}
+
+
 def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
                   assignment: str = "shared", mode: str = "threads", cost=None,
                   calibrated: dict[int, int] | None = None, calibrated_by: str = "the loss probe",
@@ -904,7 +912,7 @@ def build_trainer(cfg: TrainConfig, devices, X, Y, params, log, *, comm=None,
             else:
                 be.threads = known
                 measured[i] = (speedups or {}).get(i)
-            notes[i] = ("not timed: the run is too short to repay timing the budgets"
+            notes[i] = (_UNTIMED[rep.threads_skipped]
                         if known is None and rep.threads_timed is False else
                         "calibrated: the faster of 1 and all of the device's threads"
                         if known is None else f"by {calibrated_by} (its record says how)")
