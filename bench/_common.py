@@ -463,3 +463,19 @@ def read_json(path) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def compare_files(specs: list[str]) -> dict[str, list[dict]]:
+    """The result files of each ``--compare`` argument ``LABEL=GLOB``, read: ``{label: [the
+    JSON payload of every file the glob matches, in name order]}``. Exits with a message where
+    a label is missing or its glob matches nothing."""
+    import glob
+
+    out = {}
+    for spec in specs:
+        label, _, pattern = spec.partition("=")
+        files = sorted(glob.glob(pattern))
+        if not label or not files:
+            raise SystemExit(f"--compare {spec!r}: expected LABEL=GLOB matching result files")
+        out[label] = [json.loads(Path(f).read_text()) for f in files]
+    return out

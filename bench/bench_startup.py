@@ -24,8 +24,6 @@ Two checkouts, rounds interleaved (each ``--out`` a separate file), then the com
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import statistics
 import sys
 import time
@@ -94,16 +92,12 @@ def _med(runs, key):
 def compare(specs: list[str]) -> None:
     """Median over every run of each label's files, per dataset and device set, side by side."""
     labels = {}
-    for spec in specs:
-        label, _, pattern = spec.partition("=")
-        files = sorted(glob.glob(pattern))
-        if not label or not files:
-            raise SystemExit(f"--compare {spec!r}: expected LABEL=GLOB matching result files")
+    for label, payloads in _common.compare_files(specs).items():
         runs: dict = {}
-        for f in files:
-            for name, rs in json.loads(Path(f).read_text())["runs"].items():
+        for payload in payloads:
+            for name, rs in payload["runs"].items():
                 runs.setdefault(name, []).extend(rs)
-        labels[label] = (runs, len(files))
+        labels[label] = (runs, len(payloads))
     names = list(next(iter(labels.values()))[0])
     print("| data | devices | " + " | ".join(
         f"{lb} ({n} files): first / later period µs a sample, training s, fit s"

@@ -24,8 +24,6 @@ round), then the per-dataset medians side by side::
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 from pathlib import Path
@@ -103,14 +101,10 @@ def compare(specs: list[str]) -> int:
     """Per dataset, each ``NAME=GLOB``'s calibrated runs (every file the glob matches): the
     median training and ``fit`` wall seconds, and the budgets chosen."""
     sides = {}
-    for spec in specs:
-        name, _, pattern = spec.partition("=")
-        files = sorted(glob.glob(pattern))
-        if not name or not files:
-            raise SystemExit(f"--compare {spec!r}: want NAME=GLOB matching result files")
+    for name, payloads in _common.compare_files(specs).items():
         runs: dict[str, list] = {}
-        for f in files:
-            for row in json.loads(Path(f).read_text())["rows"]:
+        for payload in payloads:
+            for row in payload["rows"]:
                 runs.setdefault(row["dataset"], []).extend(row["runs"]["calibrated"])
         sides[name] = runs
     names = list(sides)

@@ -578,3 +578,25 @@ def test_thread_pools_benchmark_gives_the_budget_to_the_pools_it_names(monkeypat
     state["pools"] = (1, 1)
     with be.thread_budget(2):
         assert numba.get_num_threads() == 2 and blas() == {2}
+
+
+def test_threads_benchmark_compares_two_checkouts_calibrated_runs(tmp_path, capsys):
+    """``bench_threads.py --compare``: per dataset, each label's median training and fit
+    seconds over its files' calibrated runs, and the budgets chosen (with the pool where a
+    run names one)."""
+    import bench_threads
+
+    def payload(train, wall, threads, pool=None):
+        run = {"train_time": train, "wall_s": wall, "threads": threads, "pool": pool}
+        return {"rows": [{"dataset": "d", "runs": {"calibrated": [run]}}]}
+
+    for name, p in {"a_0": payload(1.0, 2.0, 1), "a_1": payload(3.0, 4.0, 2),
+                    "b_0": payload(0.5, 0.7, 2, "kernels")}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(p))
+    assert bench_threads.main(["--compare", f"a={tmp_path}/a_*.json",
+                               f"b={tmp_path}/b_*.json"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        "d: a train 2.00 s, fit 3.00 s (2 runs; [1, 2]); "
+        "b train 0.50 s, fit 0.70 s (1 runs; ['2 kernels'])")
+    with pytest.raises(SystemExit, match="LABEL=GLOB"):
+        bench_threads.main(["--compare", f"a={tmp_path}/none*.json"])
