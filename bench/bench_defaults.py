@@ -246,10 +246,8 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
     wall = time.perf_counter() - t0
     start = next(r for r in clf.history_ if r["event"] == "start")
     resolved = {k: start["config"][k] for k in ("optimizer", "batch_size", "hidden")}
-    calibrated = [r for r in clf.history_ if r["event"] == "threads"]
-    resolved.update(output=start["output"],
-                    threads=calibrated[0]["threads"] if calibrated else threads,
-                    pool=calibrated[0].get("pool") if calibrated else None)
+    calibrated = [r["threads"] for r in clf.history_ if r["event"] == "threads"]
+    resolved.update(output=start["output"], threads=calibrated[0] if calibrated else threads)
     # loss="auto"'s probe, its seconds outside train_time (the fit the run went on from is
     # inside): they go with each entry
     probe_s = _common.probe_seconds(clf.history_)

@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
 import bench_defaults  # noqa: E402
+import bench_threads  # noqa: E402
 
-DATASETS = ("bibtex", "delicious", "rcv1sub1", "imdb", "debian_debtags", "debian_builddeps",
-            "synth10k")
 #: arm -> (numba's threads, BLAS's threads) as a share of the cores: 1 = all of them
 POOLS = {"1 thread": (0, 0), "both": (1, 1), "kernels only": (1, 0), "BLAS only": (0, 1)}
 
@@ -44,7 +43,7 @@ def install(state: dict) -> None:
     from xmc_engine.scheduler import runner
 
     @contextlib.contextmanager
-    def thread_budget(self, n=None, pool=None):  # pool: the arm decides
+    def thread_budget(self, n=None):
         n = int(n or self.threads)
         kernels, blas = (n if share else 1 for share in state["pools"])
         with self.kernel_threads(kernels), threadpool_limits(limits=blas, user_api="blas"):
@@ -63,11 +62,7 @@ def install(state: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--datasets", nargs="+", default=list(DATASETS))
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-train", type=int, default=30_000)
-    p.add_argument("--out", default=str(_common.RESULTS_DIR / "thread_pools.json"))
+    bench_threads.add_run_args(p, 2, "thread_pools.json")
     args = p.parse_args(argv)
     cores = os.cpu_count() or 1
     if cores < 2:

@@ -39,13 +39,21 @@ DATASETS = ("bibtex", "delicious", "rcv1sub1", "imdb", "debian_debtags", "debian
             "synth10k")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(p, repeats: int, out_name: str) -> None:
+    """The arguments of a study that trains the defaults on one device under several thread
+    budgets (this one and ``bench_thread_pools.py``): ``--datasets`` (default
+    :data:`DATASETS`), ``--epochs``, ``--repeats``, ``--max-train`` and ``--out`` (default
+    ``bench/results/<out_name>``)."""
     p.add_argument("--datasets", nargs="+", default=list(DATASETS))
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=repeats)
     p.add_argument("--max-train", type=int, default=30_000)
-    p.add_argument("--out", default=str(_common.RESULTS_DIR / "threads.json"))
+    p.add_argument("--out", default=str(_common.RESULTS_DIR / out_name))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(p, 3, "threads.json")
     p.add_argument("--calibrated-only", action="store_true",
                    help="only the run whose budget the engine calibrates")
     p.add_argument("--seed", type=int, default=0, help="the first repeat's seed")
@@ -70,8 +78,7 @@ def main(argv=None) -> int:
                 r = bench_defaults.run_one(data, {}, args.seed + rep, [args.epochs], threads)
                 at = r["at"][str(args.epochs)]
                 runs[label].append({"train_time": at["train_time"],
-                                    "threads": r["resolved"]["threads"],
-                                    "pool": r["resolved"]["pool"], "P@1": at["P@1"],
+                                    "threads": r["resolved"]["threads"], "P@1": at["P@1"],
                                     "probe_s": at["probe_s"], "wall_s": r["wall_s"]})
         med = {k: float(np.median([r["train_time"] for r in v])) for k, v in runs.items()}
         wall = {k: float(np.median([r["wall_s"] for r in v])) for k, v in runs.items()}
@@ -91,8 +98,9 @@ def main(argv=None) -> int:
 
 
 def _budget(run: dict):
-    """A calibrated run's budget as printed: its threads, and its pool where it names one
-    (the engine at ``7cde9cc``-``e55e0fd``)."""
+    """A calibrated run's budget as printed: its threads, and its pool where the run names one
+    (only results of the one-pool engine, ``7cde9cc``-``e55e0fd``, as in
+    ``bench/results/threads_ab/after_*.json``)."""
     pool = run.get("pool")
     return run["threads"] if run["threads"] == 1 or pool is None else f"{run['threads']} {pool}"
 
