@@ -1,4 +1,5 @@
-"""A default switched on against off, paired by seed: ``continue_probe`` or ``keep_best``.
+"""A default switched on against off, paired by seed: ``continue_probe``, ``keep_best`` or
+``back_to_best``.
 
 Does a run lose anything by going on from the loss probe's winning fit
 (``continue_probe=True``, the default) rather than training the chosen loss again from the
@@ -14,6 +15,14 @@ only data of at least ``PLATEAU_MIN_ROWS`` training rows has the plateau rule's 
 
     python bench/bench_continue_probe.py --option keep_best --datasets imdb synth100k \\
         --epochs 5 10 --out bench/results/keep_best.json
+
+Does going on from the best epoch's model where a halving follows a clear dip
+(``back_to_best=True``, the default) beat going on from the last one? (``--option
+back_to_best``; it acts only with the plateau rule, as ``keep_best`` does.)
+
+    python bench/bench_continue_probe.py --option back_to_best --datasets imdb \\
+        synthetic:60000:5000:1000 synthetic:50000:20000:10000 synth100k --epochs 10 \\
+        --seeds 0 1 2 3 4 --out bench/results/back_to_best.json
 
 Each run is ``XMCClassifier(epochs=E, seed=s, <option>=on).fit(X, Y)``, nothing else
 set: the engine as a user gets it, with and without the option (``--devices`` and
@@ -41,7 +50,7 @@ import _common
 METRICS = ("P@1", "P@3", "P@5")
 
 
-OPTIONS = ("continue_probe", "keep_best")
+OPTIONS = ("continue_probe", "keep_best", "back_to_best")
 
 
 def run_one(X, Y, X_test, Y_test, epochs: float, seed: int, on: bool,
@@ -57,8 +66,12 @@ def run_one(X, Y, X_test, Y_test, epochs: float, seed: int, on: bool,
     probe = next((r for r in h if r["event"] == "loss_probe"), {})
     scores = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))  # outside the timings
     kept = next((r for r in h if r["event"] == "keep_best"), {})
+    back = [[r["epoch"], r["back_to"], r["z"]] for r in h
+            if r["event"] == "plateau" and r.get("back_to") is not None]
     return {"seed": seed, "epochs": epochs, option: on, "loss": clf.loss_, "wall_s": wall,
             "kept_epoch": kept.get("best_epoch") if kept.get("restored") else None,
+            "went_back": back,  # [epoch, back to epoch, margin] at each halving that did
+            "epochs_trained": final["epoch"],
             "compile_s": _common.event_seconds(h, "compile"),
             "probe_s": _common.probe_seconds(h), "train_time": final["train_time"],
             "continued": probe.get("continued"), **{k: float(scores[k]) for k in METRICS}}
@@ -124,7 +137,9 @@ def main(argv=None) -> int:
                           f"{r['loss']:<8} {r['wall_s']:>7.2f} {r['probe_s']:>6.2f} "
                           f"{r['train_time']:>6.2f} "
                           + " ".join(f"{r[k]:>7.4f}" for k in METRICS)
-                          + (f"  (epoch {r['kept_epoch']}'s model)" if r["kept_epoch"] else ""),
+                          + (f"  (epoch {r['kept_epoch']}'s model)" if r["kept_epoch"] else "")
+                          + "".join(f"  (after epoch {e}: back to {b}, z {z:.2f})"
+                                    for e, b, z in r["went_back"]),
                           flush=True)
     summary = summarise(rows, opt)
     print(f"\nmeans over seeds, {opt} on / off, and the mean paired difference "

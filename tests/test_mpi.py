@@ -261,6 +261,66 @@ def test_two_ranks_follow_rank_0s_plateau_rule(tmp_path):
     assert kept["z"] is not None and kept["restored"] == (kept["z"] > KEEP_BEST_Z)
 
 
+_BACK_TO_BEST_SCRIPT = """
+import hashlib, json, sys
+import numpy as np
+from xmc_engine import training
+from xmc_engine.distributed import world
+from xmc_engine.scheduler.runner import Trainer
+
+values = iter([0.5, 0.2, 0.6, 0.6])  # rank 0 reads these: after epochs 1-3, the last model
+
+
+def scripted(be, params, Xh, Yh, **kw):
+    hits = np.zeros(Xh.shape[0], dtype=bool)
+    hits[:round(next(values) * Xh.shape[0])] = True
+    return hits
+
+
+training.heldout_hits = scripted
+load = Trainer.load_model
+
+
+def logged(self, params):
+    load(self, params)
+    h = hashlib.sha256()
+    for p in self.central_params():
+        h.update(np.ascontiguousarray(self.replicas[0].backend.to_host(p)).tobytes())
+    with open(f"{sys.argv[1]}/load.{world().rank}.json", "w") as f:
+        json.dump({"central": h.hexdigest(), "best": hashlib.sha256(
+            b"".join(np.ascontiguousarray(p).tobytes() for p in params)).hexdigest()}, f)
+
+
+Trainer.load_model = logged
+from xmc_engine.cli import main
+
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@needs_mpi
+def test_two_ranks_go_back_to_the_best_model_together(tmp_path):
+    """``back_to_best`` across ranks: rank 0's held-out P@1 (scripted: 0.5, then 0.2) sends
+    every rank back to epoch 1's model at the halving, each from its own copy of it (equal on
+    every rank: the central model after a merge is), and the run goes on to its end."""
+    data = _tiny_xc(tmp_path / "train.txt")
+    out = tmp_path / "run"
+    script = tmp_path / "run_scripted.py"
+    script.write_text(_BACK_TO_BEST_SCRIPT)
+    p, _ = _run(2, [str(script), str(tmp_path), "train", "--data", str(data), "--algorithm",
+                    "adaptive", "--devices", "cpu", "--epochs", "4", "--batch-size", "32",
+                    "--lr", "0.5", "--loss", "softmax", "--lr-decay", "plateau", "--threads",
+                    "1", "--out", str(out)],
+                env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    plateau = [r for r in recs if r["event"] == "plateau"]
+    assert [r["back_to"] for r in plateau] == [None, 1, None]
+    loads = [json.loads((tmp_path / f"load.{rank}.json").read_text()) for rank in (0, 1)]
+    assert loads[0] == loads[1] and loads[0]["central"] == loads[0]["best"]
+    assert next(r for r in recs if r["event"] == "final")["status"] == "completed"
+
+
 @needs_mpi
 @pytest.mark.slow
 def test_two_ranks_train_an_ensemble_member_by_member(tmp_path):

@@ -335,3 +335,102 @@ def test_a_checkpoint_keeps_the_best_model_and_a_resume_can_return_it(small, tmp
     assert kept["restored"] and kept["best_epoch"] == 5
     for got, want in zip(m.params_, models[0], strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def _capture_loads(monkeypatch):
+    """Record, at every ``Trainer.load_model``, host copies of the central model and of each
+    replica's parameters just after it (and the policy, for its own state)."""
+    from xmc_engine.scheduler.runner import Trainer
+
+    seen = []
+    original = Trainer.load_model
+
+    def load(self, params):
+        original(self, params)
+        be = self.replicas[0].backend
+
+        def host(arrays):
+            return [np.array(be.to_host(p)) for p in arrays]
+
+        policy = self.policy
+        seen.append({"central": host(self.central_params()),
+                     "replicas": [host(r.params()) for r in self.replicas],
+                     "momentum": [host(getattr(policy, k)) for k in ("_z2", "_z_prev")
+                                  if getattr(policy, k, None) is not None],
+                     "norms": list(policy.trend.norms) if hasattr(policy, "trend") else None})
+
+    monkeypatch.setattr(Trainer, "load_model", load)
+    return seen
+
+
+@pytest.mark.parametrize("algorithm, devices, options", [
+    ("single", "cpu", {}), ("adaptive", "cpu,cpu@0.5", {}),
+    ("adaptive", "cpu,cpu@0.5", {"momentum": 0.5}), ("average", "cpu,cpu", {}),
+    ("easgd", "cpu,cpu", {}), ("crossbow", "cpu,cpu", {}), ("sync", "cpu,cpu", {})])
+def test_back_to_best_goes_on_from_the_best_epochs_model(small, monkeypatch, algorithm,
+                                                         devices, options):
+    """Held-out P@1 (60 rows) 0.30, 0.50 (epoch 2: the best), 0.25 (4.9 standard errors
+    behind: the rate halves and training goes on from epoch 2's model, on every replica, with
+    the policy's momentum and norm trend started afresh), then 0.55, 0.60: the run trains on
+    from there and ends with its last model."""
+    X, Y, _, _ = small
+    _, models = script_heldout(monkeypatch, [0.30, 0.50, 0.25, 0.55, 0.60])
+    loads = _capture_loads(monkeypatch)
+    m = XMCClassifier(epochs=5, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax", algorithm=algorithm, devices=devices,
+                      algorithm_params=options).fit(X, Y)
+    plateau = _records(m, "plateau")
+    assert [r["back_to"] for r in plateau] == [None, None, 2, None]
+    assert plateau[2]["lowered"] and plateau[2]["z"] > KEEP_BEST_Z
+    assert [r["lr_scale"] for r in plateau] == [1.0, 1.0, 0.5, 0.5]
+    load, = loads
+    for got in (load["central"], *load["replicas"]):
+        for a, want in zip(got, models[1], strict=True):
+            np.testing.assert_array_equal(a, want)
+    # the previous central model of the momentum is the loaded one: no momentum at once
+    assert len(load["momentum"]) == (algorithm == "crossbow" or "momentum" in options)
+    for before in load["momentum"]:
+        for a, want in zip(before, models[1], strict=True):
+            np.testing.assert_array_equal(a, want)
+    assert load["norms"] == ([] if algorithm == "adaptive" else None)  # the trend afresh
+    # epoch 4 trained from epoch 2's model at half the rate, and the run ends with its last
+    # model (the rule read 0.60 last, the best)
+    assert any(not np.array_equal(a, b) for a, b in zip(models[3], models[2], strict=True))
+    kept, = _records(m, "keep_best")
+    assert not kept["restored"]
+    for got, want in zip(m.params_, models[-1], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kw, values, why", [
+    ({}, [0.45, 0.40, 0.4333, 0.4], "the best is 1 of 60 rows ahead: within chance"),
+    (dict(back_to_best=False), [0.50, 0.25, 0.3, 0.3], "off"),
+    (dict(keep_best=False, back_to_best=False), [0.50, 0.25, 0.3, 0.3], "both off"),
+])
+def test_back_to_best_does_not_go_back(small, monkeypatch, kw, values, why):
+    X, Y, _, _ = small
+    script_heldout(monkeypatch, values)
+    loads = _capture_loads(monkeypatch)
+    m = XMCClassifier(epochs=4, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax", **kw).fit(X, Y)
+    assert not loads, why
+    plateau = _records(m, "plateau")
+    assert all(r.get("back_to") is None for r in plateau), why
+    assert ("z" in plateau[0]) == kw.get("back_to_best", True), why
+
+
+def test_going_back_before_the_plateau_stop_leaves_the_best_model_kept(small, monkeypatch):
+    """A run that goes back to its best epoch's model at every halving until the rule stops
+    it ends with that model, and ``keep_best`` has nothing to put back (its record reads the
+    model the run ended with: the best)."""
+    X, Y, _, _ = small
+    _, models = script_heldout(monkeypatch, [0.5] + [0.2] * 11)
+    loads = _capture_loads(monkeypatch)
+    m = XMCClassifier(epochs=12, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax").fit(X, Y)
+    assert _records(m, "final")[0]["status"] == "plateau_stop"
+    assert len(loads) == 6  # each of the six halvings went back (the sixth stops the run)
+    kept, = _records(m, "keep_best")
+    assert not kept["restored"] and kept["heldout_p1"] == pytest.approx(0.5)
+    for got, want in zip(m.params_, models[0], strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -734,6 +734,13 @@ class TrainConfig(ConfigMixin):
         log's ``keep_best`` record; the final evaluation is of that model). Without held-out
         rows there is nothing to choose by and the run ends with its last model. Measured:
         ``bench/RESULTS.md``, "Defaults", "The best epoch's model".
+    back_to_best : bool
+        With ``lr_decay="plateau"``: where an epoch lowers the rate and its model's held-out
+        P@1 is behind the best epoch's by more than :data:`KEEP_BEST_Z` standard errors,
+        training goes on from the best epoch's model (the central model and every replica;
+        the optimizers' state stays) at the lowered rate (the ``plateau`` record's
+        ``back_to``). Measured: ``bench/RESULTS.md``, "Defaults", "Going back to the best
+        epoch's model at a halving".
     label_chunk : int or None
         Labels per chunk of the output layer (``None``: the whole ``B x n_labels`` logits).
     optimizer : {'sgd', 'adagrad'}
@@ -808,6 +815,7 @@ class TrainConfig(ConfigMixin):
     lr_warmup_epochs: float | None = None
     lr_decay: float | str | None = "auto"
     keep_best: bool = True
+    back_to_best: bool = True
     label_chunk: int | None = None
     optimizer: str = "adagrad"
     loss: str = "auto"

@@ -124,6 +124,10 @@ class XMCClassifier:
         With the plateau schedule (held-out rows): the fitted model is that of the epoch with
         the best held-out P@1 where the last model is behind it by more than
         :data:`xmc_engine.config.KEEP_BEST_Z` standard errors; ``False`` keeps the last one.
+    back_to_best : bool, default True
+        With the plateau schedule: where an epoch lowers the rate and left the model that far
+        behind the best epoch's on the held-out rows, training goes on from the best epoch's
+        model at the lowered rate; ``False`` goes on from the last one.
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"adagrad", "sgd"}

@@ -56,7 +56,10 @@ not know. The events the engine writes:
     ``heldout_p1`` (the central model's P@1 on the held-out rows; ``null`` on MPI ranks other
     than 0), ``best_p1`` (the highest so far), ``lowered`` (whether the rate was just
     multiplied by ``PLATEAU_FACTOR``), ``lr_scale`` (the multiplier now in effect), ``seconds``
-    (the evaluation's time, counted in ``train_time``).
+    (the evaluation's time, counted in ``train_time``); with ``back_to_best`` (the default)
+    also ``z`` (the best epoch's held-out hits ahead of these, in standard errors of the
+    paired difference; ``null`` off rank 0) and ``back_to`` (the epoch whose model training
+    goes on from, or ``null``).
 ``merge``
     After each merge period (every algorithm; one device's "merge" is the end of a period of
     its own). ``epoch`` (the whole epochs before it), ``period`` (index within the epoch),

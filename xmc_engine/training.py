@@ -143,7 +143,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if decay == "plateau":
         X, Y, held = hold_out(X, Y, cfg.seed) if comm.is_root else (X, Y, None)
         n_samples = X.shape[0]
-        watch = _PlateauWatch(Plateau(), held, comm, keep_best=cfg.keep_best)
+        watch = _PlateauWatch(Plateau(), held, comm, keep_best=cfg.keep_best,
+                              back_to_best=cfg.back_to_best)
     probe = probe_fit = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
@@ -1014,11 +1015,15 @@ class _PlateauWatch:
     lower is better), the rule's multiplier sent from rank 0 to every node, and the trainer's
     schedule rescaled by it; a ``plateau`` record each time. With ``keep_best``
     (``TrainConfig.keep_best``) every node keeps a host copy of the central model of the best
-    epoch so far, and :meth:`finish` puts it back where the last model is clearly worse."""
+    epoch so far, and :meth:`finish` puts it back where the last model is clearly worse; with
+    ``back_to_best`` (``TrainConfig.back_to_best``) it keeps that copy too, and training goes
+    on from it at the halved rate where the model of an epoch that lowered the rate is
+    clearly worse."""
 
-    def __init__(self, rule: Plateau, heldout, comm, keep_best: bool = False):
+    def __init__(self, rule: Plateau, heldout, comm, keep_best: bool = False,
+                 back_to_best: bool = False):
         self.rule, self.heldout, self.comm = rule, heldout, comm
-        self.keep_best = keep_best
+        self.keep_best, self.back_to_best = keep_best, back_to_best
         self.best_params: list[np.ndarray] | None = None  # the best epoch's central model
         self.best_epoch: int | None = None
         self.best_hits: np.ndarray | None = None  # its held-out hits (rank 0's)
@@ -1053,16 +1058,39 @@ class _PlateauWatch:
         self.rule.scale = self._root_says(self.rule.scale)  # rank 0 decides for every node
         self.apply(trainer)
         # the rule keeps the rate exactly when the epoch improved: a new best on every node
-        if self.keep_best and self.rule.scale == scale:
+        keeps = self.keep_best or self.back_to_best
+        if keeps and self.rule.scale == scale:
             self._copy_best(trainer)
             self.best_epoch, self.best_hits = epoch, self.last_hits
+        z, back = self._margin(), False
+        if self.back_to_best and self.rule.scale < scale and self.best_params is not None:
+            from xmc_engine.config import KEEP_BEST_Z
+
+            back = bool(self._root_says(float(z is not None and z > KEEP_BEST_Z)))
+            if back:
+                trainer.load_model(self.best_params)
+                self.last_hits = self.best_hits  # what the model now trained has on them
         seconds = time.perf_counter() - t0
         log.write("plateau", epoch=epoch, heldout_p1=p1, best_p1=self.state()["plateau_best_p1"],
-                  lowered=lowered, lr_scale=self.rule.scale, seconds=seconds)
-        if lowered:
+                  lowered=lowered, lr_scale=self.rule.scale, seconds=seconds,
+                  **({"z": z, "back_to": self.best_epoch if back else None}
+                     if self.back_to_best else {}))
+        if back:
+            logger.info("epoch %d: held-out P@1 %.4f, %.1f standard errors below epoch %d's "
+                        "%.4f: training goes on from epoch %d's model at x%g of the rate", epoch,
+                        p1, z, self.best_epoch, 1.0 - self.rule.best, self.best_epoch,
+                        self.rule.scale)
+        elif lowered:
             logger.info("epoch %d: held-out P@1 %.4f not above %.4f: learning rate x%g", epoch,
                         p1, 1.0 - self.rule.best, self.rule.scale)
         return seconds
+
+    def _margin(self) -> float | None:
+        """How far the best epoch's held-out hits are ahead of the last ones read, in standard
+        errors of the paired difference (:func:`paired_z`; rank 0's, None elsewhere)."""
+        if self.best_hits is None or self.last_hits is None:
+            return None
+        return round(paired_z(self.best_hits, self.last_hits), 2)
 
     def _copy_best(self, trainer) -> None:
         """The central model into ``best_params``, into the arrays of the last copy where
@@ -1090,8 +1118,7 @@ class _PlateauWatch:
         hits = self.last_hits if self.best_params is not None else None
         p1 = float(hits.mean()) if hits is not None else None
         best = self.state()["plateau_best_p1"]
-        z = (round(paired_z(self.best_hits, hits), 2)
-             if self.best_hits is not None and hits is not None else None)
+        z = self._margin() if hits is not None else None
         restored = (bool(self._root_says(float(z is not None and z > KEEP_BEST_Z)))
                     and self.best_params is not None)
         if restored:

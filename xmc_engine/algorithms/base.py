@@ -146,6 +146,16 @@ class Policy:
         """The central (merged) model: list of arrays on the first device's backend."""
         return self.central
 
+    def load_model(self, replicas: Sequence, params: Sequence) -> None:
+        """Training goes on from ``params`` (host or device arrays shaped like the model): the
+        central model and every replica become them, and whatever the policy derived from
+        earlier central models starts afresh (between periods, in the main thread; the
+        plateau rule going back to its best epoch's model). The replicas' optimizer state
+        is theirs and stays."""
+        for dst, src in zip(self.central, params, strict=True):
+            self.backend.copy_into(dst, src)
+        self.broadcast(replicas, self.central)
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able scheduling state for checkpoints (not the model arrays)."""
         return {"name": self.name, "batch_sizes": self.batch_sizes()}

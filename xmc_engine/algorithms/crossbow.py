@@ -59,6 +59,11 @@ class Crossbow(ElasticPolicy):
     def alpha_for(self, n: int) -> float:
         return self.config.alpha if self.config.alpha > 0 else 1.0 / n
 
+    def load_model(self, replicas: Sequence, params: Sequence) -> None:
+        super().load_model(replicas, params)
+        for dst, src in zip(self._z_prev, self.central, strict=True):
+            self.backend.copy_into(dst, src)  # no momentum at the first merge after it
+
     def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         """SMA correction: learners toward ``z``; ``z <- z + Σ α (w_j − z) + μ (z − z_prev)``."""
         params, good, bad = self._split(replicas, ctx)

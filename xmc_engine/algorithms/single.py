@@ -43,3 +43,6 @@ class Single(Policy):
 
     def central_params(self) -> list:
         return self._replica.params()
+
+    def load_model(self, replicas: Sequence, params: Sequence) -> None:
+        self._replica.set_params(params)

@@ -111,3 +111,6 @@ class SyncSGD(Policy):
     def central_params(self) -> list:
         """A live replica's parameters (every live replica is identical after every step)."""
         return self._replicas[self._live].params()
+
+    def load_model(self, replicas: Sequence, params: Sequence) -> None:
+        self.broadcast(replicas, params)  # no central copy: every replica is the model

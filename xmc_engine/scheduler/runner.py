@@ -250,6 +250,12 @@ class Trainer:
         """The central model after the last merge (valid until the next merge)."""
         return self.policy.central_params()
 
+    def load_model(self, params) -> None:
+        """Training goes on from ``params`` (the model's arrays, host or device): the central
+        model and every replica become them (:meth:`Policy.load_model
+        <xmc_engine.algorithms.base.Policy.load_model>`); between epochs, from the driver."""
+        self.policy.load_model(self.replicas, params)
+
     def can_checkpoint(self) -> bool:
         """Whether :meth:`state_dict` can describe the run now: between two periods, with no
         rows of a failed device waiting in the queue."""
