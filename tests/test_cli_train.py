@@ -68,6 +68,24 @@ def test_a_run_that_kept_an_earlier_epochs_model_says_so(tmp_path, monkeypatch, 
             "errors behind; --no-keep-best keeps the last)") in out, out
 
 
+def test_a_run_that_went_back_to_an_earlier_epochs_model_says_so(tmp_path, monkeypatch,
+                                                                  capsys):
+    """Scripted held-out P@1 0.5 after epoch 1, 0.2 after epoch 2 (on 30 rows, 3.5 standard
+    errors behind: the rate halves and training goes on from epoch 1's model): the CLI says
+    so, and how to go on from the last model instead."""
+    from xmc_engine.cli import main
+
+    script_heldout(monkeypatch, [0.5, 0.2, 0.5])
+    data = write_tiny_xc(tmp_path / "data", n=400, n_train=300)
+    assert main(["train", "--data", str(data), "--hidden", "8", "--epochs", "3", "--threads",
+                 "1", "--loss", "softmax", "--lr-decay", "plateau", "--eval-every", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert ("back:  after epoch 2 training went on from epoch 1's model (3.5 standard errors "
+            "ahead) (--no-back-to-best goes on from the last)") in out, out
+    assert "kept:" not in out, out
+
+
 def test_train_evaluate_predict_plot(files, tmp_path):
     run = tmp_path / "run"
     out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 4, "--batch-size", 32,

@@ -119,6 +119,8 @@ LANES_MAX_SPEEDUP = 1.4
 #: statistic). Without a margin (the higher held-out P@1 wins), 10 epochs at the synthetic
 #: 100,000-label shape kept epoch 9's model by chance over 2,000 held-out rows, 0.004 test P@1
 #: below the last (``bench/RESULTS.md``, "Defaults", "The best epoch's model").
+#: ``TrainConfig.back_to_best`` goes back to the best epoch's model at a halving by the same
+#: margin.
 KEEP_BEST_Z = 2.0
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).

@@ -397,6 +397,13 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
               f"{','.join(map(str, ens['hidden']))}"
               + (f", trained {lanes} at a time" if lanes > 1 else "")
               + (f"; each alone P@1 {each}" if each else ""))
+    back = [r for r in model.history_
+            if r.get("event") == "plateau" and r.get("back_to") is not None]
+    if back:
+        print("back:  " + "; ".join(f"after epoch {r['epoch']} training went on from epoch "
+                                    f"{r['back_to']}'s model ({r['z']:.1f} standard errors "
+                                    f"ahead)" for r in back)
+              + " (--no-back-to-best goes on from the last)")
     kept = next((r for r in model.history_ if r.get("event") == "keep_best"), None)
     if kept is not None and kept["restored"]:
         print(f"kept:  epoch {kept['best_epoch']}'s model (held-out P@1 {kept['best_p1']:.4f}; the "
