@@ -179,10 +179,14 @@ def test_the_memory_plan_counts_the_plateau_rules_copy_and_workspace():
     assert items["held-out P@1 workspace (plateau)"] == 4 * HELDOUT_LOGITS
     copy = items["training rows apart from the plateau's held-out ones (a copy)"]
     assert copy == items["training data (CSR X, Y)"]
-    best = items["the best epoch's model (keep_best, P)"]
+    best = items["the best epoch's model (keep_best, back_to_best: P)"]
     assert best == items["host parameter copies (2 x P)"] // 2
-    off = plan_memory(TrainConfig(keep_best=False), n_samples=PLATEAU_MIN_ROWS, **shape)
-    assert not any("keep_best" in k for k in off.pools[0].items)
+    for one in (dict(keep_best=False), dict(back_to_best=False)):  # either keeps the copy
+        on = plan_memory(TrainConfig(**one), n_samples=PLATEAU_MIN_ROWS, **shape)
+        assert on.pools[0].items["the best epoch's model (keep_best, back_to_best: P)"] == best
+    off = plan_memory(TrainConfig(keep_best=False, back_to_best=False),
+                      n_samples=PLATEAU_MIN_ROWS, **shape)
+    assert not any("best" in k for k in off.pools[0].items)
     for cfg, n in ((TrainConfig(lr_decay=0.5), PLATEAU_MIN_ROWS),
                    (TrainConfig(), PLATEAU_MIN_ROWS - 1)):
         assert not any("plateau" in k for k in plan_memory(cfg, n_samples=n,

@@ -33,8 +33,8 @@ On device 0 (where the central model lives and evaluation runs):
 On the host, shared by every device: the data (CSR ``X`` and ``Y`` of the training set and of the
 held-out set: 4-byte values and indices, 8-byte ``indptr``), with ``normalize="l2"`` a second
 copy of the feature values (made only where some row's norm is not 1; counted always), with the
-plateau schedule a copy of the training rows it does not hold out (and with ``keep_best`` a
-copy of the parameters: the best epoch's model), and two
+plateau schedule a copy of the training rows it does not hold out (and with ``keep_best`` or
+``back_to_best`` a copy of the parameters: the best epoch's model), and two
 host copies of the parameters (the initial model, and the copy taken for checkpoints and the
 result); and the process itself (:data:`RUNTIME_BYTES`: the interpreter, the libraries and the
 compiled kernels, a constant measured on the development machine).
@@ -296,8 +296,8 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
         add(host, "training rows apart from the plateau's held-out ones (a copy)",
             _csr_bytes(n_samples, nnz) + _csr_bytes(n_samples, label_nnz))
         add(p0, "held-out P@1 workspace (plateau)", HELDOUT_LOGITS * F32)
-        if cfg.keep_best:
-            add(host, "the best epoch's model (keep_best, P)", P)
+        if cfg.keep_best or cfg.back_to_best:
+            add(host, "the best epoch's model (keep_best, back_to_best: P)", P)
     add(host, "host parameter copies (2 x P)", 2 * P)
     if cfg.ensemble > 1:  # the finished members, then their combination beside them
         k = cfg.ensemble
