@@ -52,38 +52,31 @@ def test_a_probed_run_says_it_went_on_from_the_winning_fit(tmp_path):
     assert start["event"] == "start" and start["samples"] > 0
 
 
-def test_a_run_that_kept_an_earlier_epochs_model_says_so(tmp_path, monkeypatch, capsys):
-    """With the plateau schedule, where the last epoch's held-out P@1 is below the best one's
-    (scripted: 0.5 after epoch 1, 0.4 after epoch 2, 0.3 for the last model), the CLI names
-    the epoch whose model it saved and how to keep the last one."""
+@pytest.mark.parametrize("values, says, not_says", [
+    # 0.4 after epoch 2 is 1.8 standard errors behind epoch 1's 0.5 on 30 rows: training goes
+    # on from the last model; the last model's 0.3 is 2.7 behind: the run ends with epoch 1's
+    ([0.5, 0.4, 0.3], "kept:  epoch 1's model (held-out P@1 0.5000; the last epoch's 0.3000, "
+                      "2.7 standard errors behind; --no-keep-best keeps the last)", "back:"),
+    # 0.2 after epoch 2 is 3.5 behind: the rate halves and training goes on from epoch 1's
+    # model; the last model is level with it
+    ([0.5, 0.2, 0.5], "back:  after epoch 2 training went on from epoch 1's model (3.5 "
+                      "standard errors ahead) (--no-back-to-best goes on from the last)",
+     "kept:"),
+])
+def test_a_run_that_used_an_earlier_epochs_model_says_so(tmp_path, monkeypatch, capsys, values,
+                                                         says, not_says):
+    """With the plateau schedule and scripted held-out P@1s (after epochs 1, 2, and for the last
+    model), the CLI names the earlier epoch whose model the run ended with (``keep_best``) or
+    went on from (``back_to_best``), and the flag that turns it off."""
     from xmc_engine.cli import main
 
-    script_heldout(monkeypatch, [0.5, 0.4, 0.3])
+    script_heldout(monkeypatch, values)
     data = write_tiny_xc(tmp_path / "data", n=400, n_train=300)
     assert main(["train", "--data", str(data), "--hidden", "8", "--epochs", "3", "--threads",
                  "1", "--loss", "softmax", "--lr-decay", "plateau", "--eval-every", "0",
                  "--out", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert ("kept:  epoch 1's model (held-out P@1 0.5000; the last epoch's 0.3000, 2.7 standard "
-            "errors behind; --no-keep-best keeps the last)") in out, out
-
-
-def test_a_run_that_went_back_to_an_earlier_epochs_model_says_so(tmp_path, monkeypatch,
-                                                                  capsys):
-    """Scripted held-out P@1 0.5 after epoch 1, 0.2 after epoch 2 (on 30 rows, 3.5 standard
-    errors behind: the rate halves and training goes on from epoch 1's model): the CLI says
-    so, and how to go on from the last model instead."""
-    from xmc_engine.cli import main
-
-    script_heldout(monkeypatch, [0.5, 0.2, 0.5])
-    data = write_tiny_xc(tmp_path / "data", n=400, n_train=300)
-    assert main(["train", "--data", str(data), "--hidden", "8", "--epochs", "3", "--threads",
-                 "1", "--loss", "softmax", "--lr-decay", "plateau", "--eval-every", "0",
-                 "--out", str(tmp_path / "run")]) == 0
-    out = capsys.readouterr().out
-    assert ("back:  after epoch 2 training went on from epoch 1's model (3.5 standard errors "
-            "ahead) (--no-back-to-best goes on from the last)") in out, out
-    assert "kept:" not in out, out
+    assert says in out and not_says not in out, out
 
 
 def test_train_evaluate_predict_plot(files, tmp_path):
