@@ -382,9 +382,10 @@ def test_gpu_check_softmax_comparison_runs_on_the_stand_in(ledger):
 
 
 def test_keep_best_puts_the_best_epochs_model_back_on_the_device(stand_in_cuda, monkeypatch):
-    """``keep_best`` on a CUDA device: the best epoch's host copy is written back into the
-    device's central model (scripted held-out P@1: 0.5 after epoch 1, then 0.2, 0.1), and
-    every access is ordered."""
+    """``keep_best`` and ``back_to_best`` on a CUDA device: the best epoch's host copy is
+    written back into the device's model (scripted held-out P@1: 0.5 after epoch 1, then 0.2,
+    where training goes on from epoch 1's model, and 0.1 for the last model, which the run
+    ends without), and every access is ordered."""
     from tests._helpers import script_heldout
     from tests.test_estimator import tiny_data
     from xmc_engine import XMCClassifier
@@ -393,6 +394,7 @@ def test_keep_best_puts_the_best_epochs_model_back_on_the_device(stand_in_cuda, 
     _, models = script_heldout(monkeypatch, [0.5, 0.2, 0.1])
     est = XMCClassifier(devices="cuda:0", lr_decay="plateau", loss="softmax",
                         **{**FIT, "epochs": 3}).fit(X, Y)
+    assert [r["back_to"] for r in est.history_ if r["event"] == "plateau"] == [None, 1]
     kept, = [r for r in est.history_ if r["event"] == "keep_best"]
     assert kept["restored"] and kept["best_epoch"] == 1
     for got, want in zip(est.params_, models[0], strict=True):
