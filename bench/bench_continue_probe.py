@@ -18,7 +18,8 @@ only data of at least ``PLATEAU_MIN_ROWS`` training rows has the plateau rule's 
 
 Does going on from the best epoch's model where a halving follows a clear dip
 (``back_to_best=True``, the default) beat going on from the last one? (``--option
-back_to_best``; it acts only with the plateau rule, as ``keep_best`` does.)
+back_to_best``; it acts only with the plateau rule, as ``keep_best`` does; ``--back-to-best-z``
+sets the margin of the runs with it on.)
 
     python bench/bench_continue_probe.py --option back_to_best --datasets imdb \\
         synthetic:60000:5000:1000 synthetic:50000:20000:10000 synth100k --epochs 10 \\
@@ -110,6 +111,12 @@ def main(argv=None) -> int:
                    help="the default compared on and off (default: continue_probe)")
     p.add_argument("--epochs", type=float, nargs="+", default=[5])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--back-to-best-z", type=float, default=None,
+                   help="with --option back_to_best: the margin of the runs with it on "
+                        "(default: the engine's, xmc_engine.config.BACK_TO_BEST_Z)")
+    p.add_argument("--back-to-best-stale-z", type=float, default=None,
+                   help="with --option back_to_best: the margin where the best epoch is two or "
+                        "more epochs old (default: xmc_engine.config.BACK_TO_BEST_STALE_Z)")
     _common.add_device_args(p)
     p.add_argument("--out", default=None,
                    help="results file (default: bench/results/<option>.json)")
@@ -117,6 +124,14 @@ def main(argv=None) -> int:
     opt = args.option
     out = args.out or str(_common.RESULTS_DIR / f"{opt}.json")
     params = _common.device_params(args)
+    from xmc_engine import config
+
+    for name in ("back_to_best_z", "back_to_best_stale_z"):
+        value = getattr(args, name)
+        if value is not None:
+            if opt != "back_to_best":
+                p.error(f"--{name.replace('_', '-')} goes with --option back_to_best")
+            setattr(config, name.upper(), value)  # read at each halving
 
     import bench_defaults
 
@@ -154,7 +169,10 @@ def main(argv=None) -> int:
             cells.append(f"{c['on']:.4f} / {c['off']:.4f} {m:+.4f}+-{se:.4f}")
         print(f"{line['dataset']:<18} {line['epochs']:>4g} {line['seeds']:>5} "
               + " ".join(f"{x:>30}" for x in cells))
-    _common.write_result(out, {**meta, "benchmark": opt, "epochs": args.epochs,
+    margin = ({"back_to_best_z": config.BACK_TO_BEST_Z,
+               "back_to_best_stale_z": config.BACK_TO_BEST_STALE_Z}
+              if opt == "back_to_best" else {})
+    _common.write_result(out, {**meta, "benchmark": opt, **margin, "epochs": args.epochs,
                                "seeds": args.seeds, "params": params, "rows": rows,
                                "summary": summary})
     print(f"wrote {out}")

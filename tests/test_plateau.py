@@ -438,3 +438,20 @@ def test_going_back_before_the_plateau_stop_leaves_the_best_model_kept(small, mo
     assert not kept["restored"] and kept["heldout_p1"] == pytest.approx(0.5)
     for got, want in zip(m.params_, models[0], strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_back_to_best_takes_a_smaller_margin_once_the_best_epoch_is_two_epochs_old(
+        small, monkeypatch):
+    """Held-out P@1 (60 rows) 0.50 after epoch 1, then 0.45 (1.8 standard errors behind) after
+    epochs 2 and 3: one epoch after the best that is within :data:`BACK_TO_BEST_Z` and training
+    goes on from the last model; two epochs after it the margin is
+    :data:`BACK_TO_BEST_STALE_Z` and training goes back to epoch 1's model."""
+    from xmc_engine.config import BACK_TO_BEST_STALE_Z, BACK_TO_BEST_Z
+
+    X, Y, _, _ = small
+    script_heldout(monkeypatch, [0.50, 0.45, 0.45, 0.55])
+    m = XMCClassifier(epochs=4, threads=1, eval_every=0, lr_decay="plateau", lr=0.05,
+                      loss="softmax").fit(X, Y)
+    plateau = _records(m, "plateau")
+    assert [r["back_to"] for r in plateau] == [None, None, 1]
+    assert BACK_TO_BEST_STALE_Z < plateau[1]["z"] == plateau[2]["z"] < BACK_TO_BEST_Z

@@ -32,6 +32,8 @@ __all__ = [
     "ALGORITHMS",
     "AUTO_WEIGHTS_LABELS",
     "AUTO_WEIGHTS_LOSSES",
+    "BACK_TO_BEST_STALE_Z",
+    "BACK_TO_BEST_Z",
     "BATCH_RULES",
     "DEFAULT_LR",
     "DEFAULT_LR_BCE",
@@ -119,9 +121,20 @@ LANES_MAX_SPEEDUP = 1.4
 #: statistic). Without a margin (the higher held-out P@1 wins), 10 epochs at the synthetic
 #: 100,000-label shape kept epoch 9's model by chance over 2,000 held-out rows, 0.004 test P@1
 #: below the last (``bench/RESULTS.md``, "Defaults", "The best epoch's model").
-#: ``TrainConfig.back_to_best`` goes back to the best epoch's model at a halving by the same
-#: margin.
 KEEP_BEST_Z = 2.0
+#: ``TrainConfig.back_to_best``: at a halving, training goes on from the best epoch's model
+#: where its held-out hits are ahead of those just read by more than this many standard errors
+#: of the paired difference (the same statistic as :data:`KEEP_BEST_Z`), or by more than
+#: :data:`BACK_TO_BEST_STALE_Z` where the best epoch is at least two epochs old (the held-out
+#: P@1 has not risen for two epochs). Chosen by ``bench/bench_continue_probe.py --option
+#: back_to_best`` (``bench/RESULTS.md``, "Defaults", "Going back to the best epoch's model at a
+#: halving"): a margin of 1 throughout gained imdb 0.002-0.004 P@1 on one device and 0.0065
+#: with ``adaptive``, but went back on three synthetic shapes whose held-out P@1 was still
+#: rising (a dip of one epoch, late) and cost them up to 0.0024; with 1 only for a best epoch
+#: two or more epochs old, imdb kept those gains (+0.0024 / +0.0042 at 5 / 10 epochs on one
+#: device, +0.0100 with ``adaptive``, ten seeds) and it never acted on the synthetic shapes.
+BACK_TO_BEST_Z = 2.0
+BACK_TO_BEST_STALE_Z = 1.0
 #: Output-layer modes of training (:class:`TrainConfig` ``output``); inference is always exact.
 #: ``"auto"`` picks one of the first two from the data (:meth:`TrainConfig.output_for`).
 OUTPUTS = ("exact", "sampled", "auto")
@@ -738,7 +751,8 @@ class TrainConfig(ConfigMixin):
         ``bench/RESULTS.md``, "Defaults", "The best epoch's model".
     back_to_best : bool
         With ``lr_decay="plateau"``: where an epoch lowers the rate and its model's held-out
-        P@1 is behind the best epoch's by more than :data:`KEEP_BEST_Z` standard errors,
+        P@1 is behind the best epoch's by more than :data:`BACK_TO_BEST_Z` standard errors
+        (:data:`BACK_TO_BEST_STALE_Z` once the best epoch is two or more epochs old),
         training goes on from the best epoch's model (the central model and every replica;
         the optimizers' state stays) at the lowered rate (the ``plateau`` record's
         ``back_to``). Measured: ``bench/RESULTS.md``, "Defaults", "Going back to the best

@@ -125,9 +125,11 @@ class XMCClassifier:
         the best held-out P@1 where the last model is behind it by more than
         :data:`xmc_engine.config.KEEP_BEST_Z` standard errors; ``False`` keeps the last one.
     back_to_best : bool, default True
-        With the plateau schedule: where an epoch lowers the rate and left the model that far
-        behind the best epoch's on the held-out rows, training goes on from the best epoch's
-        model at the lowered rate; ``False`` goes on from the last one.
+        With the plateau schedule: where an epoch lowers the rate and left the model behind
+        the best epoch's on the held-out rows by more than
+        :data:`xmc_engine.config.BACK_TO_BEST_Z` standard errors (``BACK_TO_BEST_STALE_Z``
+        once the best epoch is two or more epochs old), training goes on from the best
+        epoch's model at the lowered rate; ``False`` goes on from the last one.
     label_chunk : int or None
         Output-layer label chunk; ``None`` keeps the ``B x n_labels`` logits in memory.
     optimizer : {"adagrad", "sgd"}

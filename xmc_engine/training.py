@@ -1064,9 +1064,11 @@ class _PlateauWatch:
             self.best_epoch, self.best_hits = epoch, self.last_hits
         z, back = self._margin(), False
         if self.back_to_best and self.rule.scale < scale and self.best_params is not None:
-            from xmc_engine.config import KEEP_BEST_Z
+            from xmc_engine import config  # read at the call: a bench may set the margin
 
-            back = bool(self._root_says(float(z is not None and z > KEEP_BEST_Z)))
+            stale = self.best_epoch is not None and epoch - self.best_epoch >= 2
+            margin = config.BACK_TO_BEST_STALE_Z if stale else config.BACK_TO_BEST_Z
+            back = bool(self._root_says(float(z is not None and z > margin)))
             if back:
                 trainer.load_model(self.best_params)
                 self.last_hits = self.best_hits  # what the model now trained has on them

@@ -43,9 +43,9 @@ _CONFIG_OPTIONS = {
                   "epoch with the best held-out P@1 where the last one is clearly (2 standard "
                   "errors) behind it (default), or always with the last (--no-keep-best)"),
     "back_to_best": ("--back-to-best", bool, "with the plateau schedule: where an epoch "
-                     "that lowers the rate left the model clearly (2 standard errors) behind "
-                     "the best epoch's, go on from the best epoch's model (default), or from "
-                     "the last (--no-back-to-best)"),
+                     "that lowers the rate left the model clearly behind the best epoch's (2 "
+                     "standard errors; 1 once the best is two epochs old), go on from the best "
+                     "epoch's model (default), or from the last (--no-back-to-best)"),
     "label_chunk": ("--label-chunk", int, "output-layer label chunk (default: whole)"),
     "optimizer": ("--optimizer", str, "adagrad (default) or sgd (the paper's)"),
     "loss": ("--loss", str, "training loss: auto (default: a short probe of both on part of "
