@@ -735,7 +735,8 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
     best = {n: float("inf") for n in budgets}
     steps = {n: 1 for n in budgets}  # per round, set from the first round's warm-up
     failure: list[BaseException] = []
-    outcome: dict = {"timed": True, "skipped": None, "one_thread_run_s": None}  # for ``report``
+    outcome: dict = {"timed": True, "skipped": None, "one_thread_run_s": None,  # for ``report``
+                     "rounds": []}
 
     def too_short(first: float) -> bool:
         """Can the run not repay the calibration? ``first``: one thread's warm step."""
@@ -771,7 +772,6 @@ def calibrate_threads(be, step, max_threads: int, *, rounds: int = 3,
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(e)
 
-    outcome["rounds"] = []
     for r in range(rounds):
         outcome["rounds"].append({})
         for n in budgets:

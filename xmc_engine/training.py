@@ -1062,7 +1062,8 @@ class _PlateauWatch:
         if keeps and self.rule.scale == scale:
             self._copy_best(trainer)
             self.best_epoch, self.best_hits = epoch, self.last_hits
-        z, back = self._margin(), False
+        z = self._margin() if self.back_to_best else None  # logged with back_to_best only
+        back = False
         if self.back_to_best and self.rule.scale < scale and self.best_params is not None:
             from xmc_engine import config  # read at the call: a bench may set the margin
 

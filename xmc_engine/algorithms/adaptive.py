@@ -180,16 +180,14 @@ class AdaptiveSGD(Policy):
         if mode == "average":
             weighted_merge(accs, p, self._acc, self.backend, check=False)
         for acc in accs:
-            for dst, src in zip(acc, self._acc, strict=True):
-                self.backend.copy_into(dst, src)
+            self.copy_params_into(acc, self._acc)
 
     def load_model(self, replicas: Sequence, params: Sequence) -> None:
         """As the base policy's; the momentum and the norm trend start afresh from it, as at
         the start (no momentum and no boost at the first merges after it)."""
         super().load_model(replicas, params)
         if self.config.momentum > 0:  # z_{t-1} is the central model; z_{t-2} becomes it too
-            for dst, src in zip(self._z2, self.central, strict=True):
-                self.backend.copy_into(dst, src)
+            self.copy_params_into(self._z2, self.central)
         self._sq_w1 = None
         self.trend.norms = []
 

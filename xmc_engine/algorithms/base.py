@@ -106,9 +106,13 @@ class Policy:
         """A copy of ``params`` on this policy's backend, made on its stream (the central
         model's storage; never on a GPU's null stream)."""
         out = self.empty_params(params)
+        self.copy_params_into(out, params)
+        return out
+
+    def copy_params_into(self, out: Sequence, params: Sequence) -> None:
+        """Copy ``params`` into the arrays ``out`` (shaped alike), on this policy's stream."""
         for dst, src in zip(out, params, strict=True):
             self.backend.copy_into(dst, src)
-        return out
 
     def empty_params(self, params: Sequence) -> list:
         """Uninitialised arrays shaped (and ordered in memory) like ``params`` on this
@@ -152,8 +156,7 @@ class Policy:
         earlier central models starts afresh (between periods, in the main thread; the
         plateau rule going back to its best epoch's model). The replicas' optimizer state
         is theirs and stays."""
-        for dst, src in zip(self.central, params, strict=True):
-            self.backend.copy_into(dst, src)
+        self.copy_params_into(self.central, params)
         self.broadcast(replicas, self.central)
 
     def state_dict(self) -> dict[str, Any]:

@@ -61,8 +61,7 @@ class Crossbow(ElasticPolicy):
 
     def load_model(self, replicas: Sequence, params: Sequence) -> None:
         super().load_model(replicas, params)
-        for dst, src in zip(self._z_prev, self.central, strict=True):
-            self.backend.copy_into(dst, src)  # no momentum at the first merge after it
+        self.copy_params_into(self._z_prev, self.central)  # no momentum at the next merge
 
     def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         """SMA correction: learners toward ``z``; ``z <- z + Σ α (w_j − z) + μ (z − z_prev)``."""
