@@ -70,8 +70,7 @@ def _fit_result(eval_set, hit):
 def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
         monkeypatch, hits, chosen, z):
     monkeypatch.setattr(config, "LOSS_PROBE_HELDOUT_SHARE", 0.1)  # 500 of the 5,000 rows
-    monkeypatch.setattr(config, "LOSS_PROBE_ROWS", 900)
-    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 2700)  # 3 epochs of the 900 rows
+    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 2100)  # 2 whole periods of 1,024
     seen = {}
 
     def fake_fit(cfg, X, Y, eval_set, **kw):
@@ -85,20 +84,24 @@ def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
     monkeypatch.setattr(training, "_host_holds", lambda *a: False)  # the fits in turn
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto", devices="cpu,cpu@0.5", algorithm="adaptive", epochs=7,
-                      max_train_seconds=30.0)
+                      max_train_seconds=30.0, seed=3)
     rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
     p1 = {loss: (h.stop - h.start) / 500 for loss, h in hits.items()}
     assert rec["loss"] == chosen and rec["p1"] == p1 and rec["z"] == pytest.approx(z, abs=0.01)
     assert rec["threads"] == 2 and rec["together"] is False  # calibrated once, passed on
-    assert (rec["rows"], rec["heldout"], rec["epochs"]) == (900, 500, 3.0)  # the share held out
+    assert (rec["rows"], rec["heldout"], rec["epochs"]) == (2048, 500, 0.4096)
     assert set(seen) == set(config.TRAIN_LOSSES)
     (c1, rows1, held1), (c2, rows2, held2) = seen["softmax"], seen["bce"]
-    np.testing.assert_array_equal(rows1, rows2)  # both losses see the same rows
+    np.testing.assert_array_equal(rows1, np.arange(5000))  # the run's rows, as they are
+    np.testing.assert_array_equal(rows2, np.arange(5000))
     np.testing.assert_array_equal(held1, held2)
-    assert len(rows1) == 900 and len(held1) == 500 and not set(rows1) & set(held1)
-    for c in (c1, c2):  # on the first device alone, everything else as given
-        assert (c.epochs, c.algorithm, c.devices, c.max_train_seconds) == (3.0, "single",
-                                                                           "cpu", None)
+    # held out: the 500 rows the run's first epoch trains after the probe's 2,048
+    order = training.epoch_permutation(5000, 3, 0)
+    np.testing.assert_array_equal(held1, np.sort(order[2048:2548]))
+    for c in (c1, c2):  # on the first device alone, everything else as given; 2,048 samples
+        assert (c.epochs * 5000, c.algorithm, c.devices, c.max_train_seconds) == (
+            pytest.approx(2048), "single", "cpu", None)
+        assert c.algorithm_params.merge_period == 1024 and c.normalize == "none"
         assert c.hidden == cfg.hidden and c.seed == cfg.seed
     assert (c1.threads, c2.threads) == (2, 2)  # one calibration for both fits
 
@@ -411,9 +414,10 @@ def spy(monkeypatch):
 
 def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(spy):
     """``continue_probe`` (the default): the run starts from the winning probe fit's model and
-    Adagrad state, counts its samples and training time as its own, trains the rows the probe
-    held out first and then the rest of its epochs: ``epochs x rows`` samples in all, not the
-    probe's on top."""
+    Adagrad state, counts its samples and training time as its own and goes on with the rest
+    of its first epoch: ``epochs x rows`` samples in all, not the probe's on top. The fit was
+    the start of the run itself, so on one device the continued run is the run of the chosen
+    loss from the initialisation, to the bit."""
     X, Y = _synthetic()
     kw = dict(hidden=8, threads=1, seed=0, eval_every=0)
     clf = XMCClassifier(epochs=12, **kw).fit(X, Y)
@@ -422,38 +426,33 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(spy):
     start = next(r for r in clf.history_ if r["event"] == "start")
     final = clf.history_[-1]
     n = X.shape[0]
-    assert fit["loss"] == clf.loss_ and 19_000 <= fit["samples"] <= 21_000  # 20,000 probed
-    assert probe["continued"] == {"samples": fit["samples"], "train_time": fit["train_time"]}
-    assert (start["samples"], start["epoch"]) == (fit["samples"], fit["samples"] // n)
+    # 2,400 rows, 240 held out: two periods of 1,024 rows leave them and a batch
+    assert fit["loss"] == clf.loss_ and fit["samples"] == probe["rows"] == 2048
+    assert probe["heldout"] == 240
+    assert probe["continued"] == {"samples": 2048, "train_time": fit["train_time"]}
+    assert (start["samples"], start["epoch"]) == (2048, 0)
     assert final["event"] == "final" and final["samples"] == 12 * n  # the rest, no more
     assert final["train_time"] > fit["train_time"]  # the fit's seconds are the run's too
     (begun,) = spy["starts"]
     (_, state), position = begun["replicas"][0], begun["position"]
     for got, want in zip(state, fit["optimizer_state"], strict=True):  # where the fit ended
         np.testing.assert_array_equal(got, want)
-    # the rows the probe held out come first, once per pass the fit made over its own rows
-    # (9: 20,000 samples over 2,160 rows), as many as the open epoch has left
-    held, passes = np.sort(fit["untrained_rows"]), round(fit["passes"])
-    cursor = fit["samples"] - start["epoch"] * n
-    assert len(held) == 240 and passes == 9
-    assert position["cursor"] == position["first"]["at"] == cursor
-    first = np.array(position["first"]["rows"])
-    assert len(first) == min(passes * len(held), n - cursor) > len(held)
-    for k in range(0, len(first), len(held)):  # each pass a permutation of the held-out rows
-        each = first[k:k + len(held)]
-        assert len(np.unique(each)) == len(each) and np.isin(each, held).all()
-    np.testing.assert_array_equal(np.sort(first[:len(held)]), held)
+    assert position == {"epoch": 0, "cursor": 2048, "period": -1}  # the epoch's next rows
+    fixed = XMCClassifier(epochs=12, loss=clf.loss_, **kw).fit(X, Y)  # no probe
+    assert not any(r["event"] == "loss_probe" for r in fixed.history_)
+    for got, want in zip(clf.params_, fixed.params_, strict=True):
+        np.testing.assert_array_equal(got, want)
     # a run with no time left trains nothing more: its model is the fit's
     clf = XMCClassifier(epochs=12, max_train_seconds=1e-9, **kw).fit(X, Y)
     for got, want in zip(clf.params_, spy["fits"][1]["params"], strict=True):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("kw", [dict(continue_probe=False), dict(epochs=5)],
+@pytest.mark.parametrize("kw", [dict(continue_probe=False), dict(epochs=0.5)],
                          ids=["off", "shorter-than-the-probe"])
 def test_runs_that_start_from_the_initialisation(kw):
     """No continuation when it is switched off or when the probe trained more samples than
-    the run asks (5 epochs of 2,400 rows against 20,000)."""
+    the run asks (half an epoch of 2,400 rows against 2,048)."""
     X, Y = _synthetic()
     clf = XMCClassifier(**{"epochs": 12, "hidden": 8, "threads": 1, "seed": 0,
                            "eval_every": 0, **kw}).fit(X, Y)
@@ -461,49 +460,49 @@ def test_runs_that_start_from_the_initialisation(kw):
     start = next(r for r in clf.history_ if r["event"] == "start")
     assert probe["rows"] > 0 and probe["continued"] is None
     assert start["samples"] == 0
-    assert clf.history_[-1]["samples"] == kw.get("epochs", 12) * X.shape[0]
+    # (half an epoch, 1,200 rows, ends at the first barrier after it: two periods of 1,024)
+    assert clf.history_[-1]["samples"] == (12 * X.shape[0] if "continue_probe" in kw else 2048)
 
 
-def test_a_run_stopped_among_the_held_out_rows_resumes_as_if_uninterrupted(tmp_path):
-    """A continued run checkpointed while it trains the probe's held-out rows (the queue's
-    ``first`` rows) and resumed ends with the model of the run that never stopped."""
-    X, Y = _synthetic()
+def test_a_continued_run_stopped_in_its_first_epoch_resumes_as_if_uninterrupted(tmp_path):
+    """A continued run checkpointed in the rest of the first epoch (after the probe's rows) and
+    resumed ends with the model of the run that never stopped. (3,400 rows: the probe's
+    2,048 leave two periods of the first epoch, 1,024 rows and the last 328.)"""
+    X, Y = _synthetic(3400)
     kw = dict(hidden=8, threads=1, seed=0, eval_every=0)
     full = XMCClassifier(epochs=12, **kw).fit(X, Y)
     probe = next(r for r in full.history_ if r["event"] == "loss_probe")
     start = probe["continued"]["samples"]
     n = X.shape[0]
-    end_first = start + n - start % n  # the first rows fill the rest of the open epoch
     run = tmp_path / "run"
-    part = XMCClassifier(epochs=(start + 500) / n, log_dir=str(run), checkpoint_every=100,
+    part = XMCClassifier(epochs=(start + 200) / n, log_dir=str(run), checkpoint_every=100,
                          **kw).fit(X, Y)
     ckpt = [r["samples"] for r in part.history_ if r["event"] == "checkpoint"]
-    assert ckpt and start < ckpt[-1] < end_first  # stopped among them (at a period's end)
+    assert start == 2048 and ckpt[-1] == 3072  # stopped in the first epoch, at a period's end
     resumed = XMCClassifier(epochs=12, log_dir=str(run), checkpoint_every=100, **kw)
     resumed.fit(X, Y, resume=True)
     for a, b in zip(full.params_, resumed.params_, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_on_a_large_set_the_rest_of_the_first_epoch_is_the_rows_the_probe_left(monkeypatch,
-                                                                               spy):
-    """Where the probe trains on a part of the rows (``LOSS_PROBE_ROWS``, here 900 of 2,400,
-    one pass), the run's first epoch goes on with every row that part left out, each once:
-    the probe's and the run's rows together make one epoch."""
-    monkeypatch.setattr(config, "LOSS_PROBE_ROWS", 900)
-    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 900)
+@pytest.mark.parametrize("cap, rows", [(1100, 1024), (1000, 960)],
+                         ids=["whole-periods", "one-shorter-period"])
+def test_the_probe_trains_whole_periods_of_the_first_epoch_and_the_run_the_rest(
+        monkeypatch, spy, cap, rows):
+    """The probe's fits train at most ``LOSS_PROBE_SAMPLES`` rows of the run's first epoch, in
+    whole periods of one device (1,024 rows) where that leaves any; else in one period of
+    whole batches. The run goes on with the rest of that epoch, each row once."""
+    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", cap)
     X, Y = _synthetic()
     n = X.shape[0]
     clf = XMCClassifier(epochs=3, hidden=8, threads=1, seed=0, eval_every=0).fit(X, Y)
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
-    assert (probe["rows"], probe["heldout"]) == (900, int(n * config.LOSS_PROBE_HELDOUT_SHARE))
-    assert probe["continued"]["samples"] == 900
+    assert (probe["rows"], probe["heldout"]) == (rows, int(n * config.LOSS_PROBE_HELDOUT_SHARE))
+    assert probe["continued"]["samples"] == rows == spy["fits"][0]["samples"]
     (begun,) = spy["starts"]
-    pos = begun["position"]
-    assert (pos["epoch"], pos["cursor"], pos["first"]["at"]) == (0, 900, 900)
-    first = np.array(pos["first"]["rows"])
-    assert len(first) == n - 900 == len(np.unique(first))  # the rest of epoch 0, each once
+    assert begun["position"] == {"epoch": 0, "cursor": rows, "period": -1}
     assert clf.history_[-1]["samples"] == 3 * n
+    assert clf.history_[-1]["epoch"] == 3
 
 
 @pytest.mark.parametrize("algorithm", ["adaptive", "sync", "average", "easgd", "crossbow"])

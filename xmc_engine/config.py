@@ -46,7 +46,6 @@ __all__ = [
     "LOSS_PROBE_HELDOUT",
     "LOSS_PROBE_HELDOUT_SHARE",
     "LOSS_PROBE_MIN_ROWS",
-    "LOSS_PROBE_ROWS",
     "LOSS_PROBE_SAMPLES",
     "LOSS_PROBE_SOFTMAX_Z",
     "OPTIMIZERS",
@@ -75,27 +74,25 @@ TRAIN_LOSSES = ("softmax", "bce")
 #: :class:`TrainConfig` ``loss`` values: a training loss, or ``"auto"`` (a short probe picks
 #: one, :func:`xmc_engine.training.choose_loss`).
 LOSSES = (*TRAIN_LOSSES, "auto")
-#: ``loss="auto"``'s probe (:func:`xmc_engine.training.choose_loss`): each loss trains on up
-#: to ``LOSS_PROBE_ROWS`` training rows for ``LOSS_PROBE_SAMPLES`` samples (at least one
-#: epoch of them: several on a small set) and is scored by P@1 on up to
-#: ``LOSS_PROBE_HELDOUT`` others (``LOSS_PROBE_HELDOUT_SHARE`` of the rows at most); below
-#: ``LOSS_PROBE_MIN_ROWS`` rows there is no probe and the softmax trains. Chosen on the shared
-#: sets (``bench/RESULTS.md``,
-#: "Defaults", the training loss): with one epoch over 10,000 rows the probe picked the softmax
-#: on stackex_cs (2 seeds of 2), rcv1sub1 and stackex_cooking (1 of 2), where the logistic loss
-#: is ahead after 5 epochs; with 20,000 samples a check of the probe alone picked the logistic
-#: loss on them in 3 or 4 of 4 seeds.
-LOSS_PROBE_ROWS = 20_000
+#: ``loss="auto"``'s probe (:func:`xmc_engine.training.choose_loss`): each loss trains the
+#: first ``LOSS_PROBE_SAMPLES`` rows of the run's own first epoch (fewer on a small set, where
+#: ``LOSS_PROBE_HELDOUT`` rows and a batch must remain) and is scored by P@1 on the
+#: ``LOSS_PROBE_HELDOUT`` rows that epoch trains next (``LOSS_PROBE_HELDOUT_SHARE`` of the rows
+#: at most); below ``LOSS_PROBE_MIN_ROWS`` rows there is no probe and the softmax trains.
+#: 20,000 samples were chosen on the shared sets (``bench/RESULTS.md``, "Defaults", the
+#: training loss): with one epoch over 10,000 rows the probe of the time (before
+#: ``LOSS_PROBE_SOFTMAX_Z``) picked the softmax on stackex_cs, rcv1sub1 and stackex_cooking,
+#: where the logistic loss is ahead after 5 epochs. The first epoch's start since
+#: ``bench/RESULTS.md``, "The probe trains the start of the run's first epoch".
 LOSS_PROBE_SAMPLES = 20_000
 LOSS_PROBE_HELDOUT = 2_000
 LOSS_PROBE_MIN_ROWS = 2_000
-#: The largest share of the training rows the probe holds out. Those rows are trained last
-#: where the run continues the probe's fit (``continue_probe``); fewer of them leave the
-#: softmax's lead less room to show. 0.05 against 0.1 (``bench/bench_probe_heldout.py``,
-#: ``bench/RESULTS.md``, "Defaults", "How many rows the probe holds out"): mean P@1 +0.0021
-#: on the six shared sets under 20,000 rows (rcv1sub1 +0.0092), P@3 -0.0006; but on 3,000
-#: synthetic rows where the softmax is ahead its margin fell from 2.38 to 0.33 standard
-#: errors and the probe picked the logistic loss. Not taken.
+#: The largest share of the training rows the probe holds out: on a set of under
+#: ``LOSS_PROBE_SAMPLES`` rows it is what the fits do not train of the first epoch. 0.05
+#: against 0.1 (``bench/bench_probe_heldout.py``, ``bench/RESULTS.md``, "Defaults", "How many
+#: rows the probe holds out", with the probe of the time, whose held-out rows the run trained
+#: last): on 3,000 synthetic rows where the softmax is ahead its margin fell from 2.38 to 0.33
+#: standard errors and the probe picked the logistic loss. Not taken.
 LOSS_PROBE_HELDOUT_SHARE = 0.1
 #: The probe keeps the logistic loss unless the softmax is ahead of it on the held-out rows by
 #: more than ``LOSS_PROBE_SOFTMAX_Z`` standard errors of the paired difference in P@1 (per row:
@@ -773,7 +770,7 @@ class TrainConfig(ConfigMixin):
         default Adagrad rate is 0.1, :data:`DEFAULT_LR_BCE`) is ahead on seven of the nine
         shared sets, the softmax far ahead on the synthetic shapes. ``"auto"``, the default:
         a short probe of each loss on part of the training rows picks the one with the higher
-        held-out P@1 (:func:`xmc_engine.training.choose_loss`, :data:`LOSS_PROBE_ROWS`; the run
+        held-out P@1 (:func:`xmc_engine.training.choose_loss`, :data:`LOSS_PROBE_SAMPLES`; the run
         log's ``loss_probe`` record says what it saw, ``start`` which loss trained); chosen by
         ``bench/bench_defaults.py --loss-auto-study`` (README, "Defaults").
     continue_probe : bool
@@ -781,10 +778,11 @@ class TrainConfig(ConfigMixin):
         instead of training the chosen loss again from the start, where that fit trained no
         more samples than the run asks. Every device's replica starts with the fit's model
         and Adagrad state, and the run counts its samples and training time as its own (the
-        fit's seconds count against ``max_train_seconds``); the rows the fit did not train on
-        (the probe's held-out rows, and on a large set those beyond its part) are trained
-        first, as often as the fit passed over its own (:func:`xmc_engine.training.
-        choose_loss`; the ``loss_probe`` record's ``continued``). ``False``: every run starts
+        fit's seconds count against ``max_train_seconds``). The fit trained the first rows of
+        the run's own first epoch, so the run goes on with the rest of that epoch: on one
+        device it is the run of the chosen loss from the initialisation, without training
+        its first rows twice (:func:`xmc_engine.training.choose_loss`; the ``loss_probe``
+        record's ``continued``). ``False``: every run starts
         from the initialisation (to compare runs from the same start). Measured: README,
         "Defaults".
     output : {'exact', 'sampled', 'auto'}

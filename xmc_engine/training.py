@@ -32,6 +32,7 @@ from xmc_engine.model import (
     predict_topk,
 )
 from xmc_engine.scheduler.controller import Plateau
+from xmc_engine.scheduler.queue import epoch_permutation
 from xmc_engine.validation import normalize_rows
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         probe["continued"] = None
         if (probe_fit is not None and found is None and cfg.continue_probe
                 and comm.size == 1 and probe_fit["samples"] <= cfg.epochs * n_samples):
-            params, state, extra = _continue_fit(probe_fit, n_samples, cfg.seed, len(devices))
+            params, state, extra = _continue_fit(probe_fit, len(devices))
             probe["continued"] = {"samples": state["samples"], "train_time": state["train_time"]}
             logger.info("loss='auto': the run continues the probe's %s fit (%d samples)",
                         cfg.loss, state["samples"])
@@ -487,31 +488,19 @@ def _member_lanes(cfg: TrainConfig, calibrated: dict, speedups: dict, X, Y, eval
     return lanes
 
 
-def _continue_fit(fit: dict, n_samples: int, seed: int,
-                  n_replicas: int) -> tuple[list, dict, dict]:
-    """``(params, state, extra)`` that start a run of ``n_samples`` training rows where the
-    probe's winning ``fit`` (:func:`choose_loss`'s, on a part of those rows) stopped, as a
-    resumed checkpoint would: its model and Adagrad state (each of ``n_replicas`` replicas
-    starts with both), its samples and its training time. The run's epoch ``e = samples //
-    n_samples`` continues at row ``samples - e n_samples`` of the run's own order of that
-    epoch, with the rate of epoch ``e``. The rows the fit did not train on (those the probe
-    held out, and on a large set the rows beyond its
-    :data:`~xmc_engine.config.LOSS_PROBE_ROWS`) come first, as many times (each time
-    shuffled, drawn with ``seed``) as the fit passed over its own rows, rounded, so that they
-    are not trained less than the others (on a large set: the rest of the first epoch;
-    :meth:`~xmc_engine.scheduler.queue.BatchQueue.put_first`, as many as the open epoch has
-    left; they count as the run's samples)."""
+def _continue_fit(fit: dict, n_replicas: int) -> tuple[list, dict, dict]:
+    """``(params, state, extra)`` that start a run where the probe's winning ``fit``
+    (:func:`choose_loss`'s) stopped, as a resumed checkpoint would: its model and Adagrad state
+    (each of ``n_replicas`` replicas starts with both), its samples and its training time. The
+    fit trained the first ``samples`` rows of the run's own first epoch (the order of
+    :func:`~xmc_engine.scheduler.queue.epoch_permutation` with the run's seed), so the queue
+    goes on at that row of that epoch: on one device the continued run is the run of the
+    chosen loss from the initialisation."""
     samples = int(fit["samples"])
-    epoch, cursor = divmod(samples, n_samples)
-    state = {"epoch": epoch, "samples": samples, "train_time": float(fit["train_time"])}
+    state = {"epoch": 0, "samples": samples, "train_time": float(fit["train_time"])}
     extra = {f"opt.{r}.{i}": a for r in range(n_replicas)
              for i, a in enumerate(fit["optimizer_state"] or [])}
-    rng = np.random.default_rng([seed, 0xF125])
-    untrained = np.asarray(fit["untrained_rows"], dtype=np.int64)
-    first = [rng.permutation(untrained) for _ in range(max(1, round(fit["passes"])))]
-    extra[_STATE_KEY] = _json_bytes({"queue": {
-        "epoch": epoch, "cursor": cursor, "period": -1,
-        "first": {"at": cursor, "rows": np.concatenate(first).tolist()}}})
+    extra[_STATE_KEY] = _json_bytes({"queue": {"epoch": 0, "cursor": samples, "period": -1}})
     return fit["params"], state, extra
 
 
@@ -534,13 +523,14 @@ def _checkpoint_to_resume(ckpts, run_dir):
 def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     """``loss="auto"``: which loss this data wants, by a short probe. Below
     :data:`~xmc_engine.config.LOSS_PROBE_MIN_ROWS` training rows the softmax (the held-out
-    rows would be too few to tell the losses apart). Otherwise up to
-    :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT` rows (at most
-    :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT_SHARE` of them) are held out, and each
-    loss of :data:`~xmc_engine.config.TRAIN_LOSSES` trains over up to
-    :data:`~xmc_engine.config.LOSS_PROBE_ROWS` of the others, on ``device`` alone with every
-    other setting of ``cfg``, for :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` samples (one
-    epoch at least); the logistic loss wins unless the softmax's held-out P@1 is ahead by more
+    rows would be too few to tell the losses apart). Otherwise each loss of
+    :data:`~xmc_engine.config.TRAIN_LOSSES` trains, on ``device`` alone with every other
+    setting of ``cfg``, the start of the run's own first epoch (the run's seed, initialisation
+    and row order): :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` rows, fewer on a small set,
+    where the :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT` rows that come next in that epoch
+    (at most :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT_SHARE` of the set) must remain; the
+    fits are scored on those next rows, which neither has seen. The logistic loss wins unless
+    the softmax's held-out P@1 is ahead by more
     than :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` standard errors (:func:`pick_loss`).
     The losing fit is thrown away; the winner's (:func:`fit_model`'s result) is returned as
     ``fit``, which :func:`fit_model` continues where ``cfg.continue_probe`` allows (the
@@ -551,10 +541,11 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     planner says the host holds a fit per loss, the fits run side by side, each on one thread
     where one thread won the calibration, else on its share of the device's threads. Returns
     the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``z`` (:func:`pick_loss`'s
-    margin of the softmax), ``rows``, ``heldout``,
-    ``epochs``, ``seconds``, ``threads`` (the calibrated budget, the run's; ``None`` where none
-    was calibrated), ``threads_timed`` (False: the run was too short to repay timing the
-    budgets, or its steps too short to gain from threads, and keeps one thread),
+    margin of the softmax), ``rows`` (the samples each fit trained), ``heldout``, ``epochs``
+    (``rows`` over the set's), ``seconds``, ``threads`` (the calibrated budget, the run's;
+    ``None`` where none was calibrated), ``threads_timed`` (False: the run was too short to
+    repay timing the budgets, or its steps too short to gain from threads, and keeps one
+    thread),
     ``threads_speedup`` (the speed-up of all the device's threads over one that the timing
     measured; ``None`` where not timed) and ``together``
     (the fits ran side by side), plus
@@ -566,9 +557,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         LOSS_PROBE_HELDOUT,
         LOSS_PROBE_HELDOUT_SHARE,
         LOSS_PROBE_MIN_ROWS,
-        LOSS_PROBE_ROWS,
         LOSS_PROBE_SAMPLES,
         TRAIN_LOSSES,
+        SingleConfig,
     )
 
     n = X.shape[0]
@@ -586,37 +577,47 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                                      report=report)
         compiled += report["compiled"]
     t0 = time.perf_counter()
-    order = np.random.default_rng([cfg.seed, 0x1055]).permutation(n)
-    held = np.sort(order[:min(LOSS_PROBE_HELDOUT, int(n * LOSS_PROBE_HELDOUT_SHARE))])
-    rows = np.sort(order[len(held):len(held) + LOSS_PROBE_ROWS])
+    # the run's own first epoch: each fit trains its first `samples` rows (whole batches) and
+    # is scored on the rows that come next, which it has not seen
+    # (a fit stops at a barrier of one device's period: the probe's `samples` is a whole number
+    # of periods, as in the run of one device, and leaves the held-out rows and a batch
+    # untouched; on a small set with a large batch the probe's one period is its samples)
+    order = epoch_permutation(n, cfg.seed, 0)
+    n_held = min(LOSS_PROBE_HELDOUT, int(n * LOSS_PROBE_HELDOUT_SHARE))
+    room = min(LOSS_PROBE_SAMPLES, n - n_held - cfg.batch_size)
+    period = SingleConfig().merge_period
+    samples = room // period * period
+    if samples == 0:
+        samples = period = max(1, room // cfg.batch_size) * cfg.batch_size
+    held = np.sort(order[samples:samples + n_held])
     per_row = float(Y.nnz) / n  # the output layer the run itself will train
-    epochs = max(1.0, LOSS_PROBE_SAMPLES / len(rows))  # a small set: several epochs
+    epochs = samples / n
     base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
-                               ensemble=1,
+                               ensemble=1, normalize="none",  # X's rows are the run's already
                                lr_decay=None if isinstance(cfg.lr_decay, str) else cfg.lr_decay,
-                               devices=str(device), algorithm="single", algorithm_params={},
+                               devices=str(device), algorithm="single",
+                               algorithm_params={"merge_period": period},
                                output=cfg.output_for(Y.shape[1], per_row))
-    logger.info("loss='auto': training each loss for %.3g epochs on %d rows, %d held out ...",
-                epochs, len(rows), len(held))
-    probe_X, probe_Y, heldout = X[rows], Y[rows], (X[held], Y[held])
+    logger.info("loss='auto': training each loss on the first %d rows of the first epoch, "
+                "%d next ones held out ...", samples, len(held))
+    heldout = (X[held], Y[held])
     threads, calibration = cfg.threads, {"timed": None}
     if threads is None:  # calibrated once, here: both fits and the run reuse the budget
         # the samples the budget serves: a probe fit's and the run's (a short run keeps one
         # thread untimed: the timing would cost more than it could save)
-        threads = calibrate_device(dataclasses.replace(base, loss=TRAIN_LOSSES[0]), probe_X,
-                                   probe_Y, run_samples=epochs * len(rows) + cfg.epochs * n,
-                                   report=calibration)
+        threads = calibrate_device(dataclasses.replace(base, loss=TRAIN_LOSSES[0]), X, Y,
+                                   run_samples=samples + cfg.epochs * n, report=calibration)
     # a core per loss: the fits run side by side, each on one thread where one thread won the
     # calibration, else on its share of the device's threads (1.2-2x sooner than in turn, the
     # same models: bench/RESULTS.md, "The loss probe's cost")
     cores = _probe_device(device).threads
     together = (cfg.threads is None and threads is not None and cores >= len(TRAIN_LOSSES)
-                and _host_holds(len(TRAIN_LOSSES), base, probe_X, probe_Y, heldout))
+                and _host_holds(len(TRAIN_LOSSES), base, X, Y, heldout))
     fit_threads = (1 if threads == 1 else cores // len(TRAIN_LOSSES)) if together else threads
 
     def fit(loss):
-        return fit_model(dataclasses.replace(base, loss=loss, threads=fit_threads), probe_X,
-                         probe_Y, heldout, progress_desc=f"probe {loss}", one_node=True,
+        return fit_model(dataclasses.replace(base, loss=loss, threads=fit_threads), X, Y,
+                         heldout, progress_desc=f"probe {loss}", one_node=True,
                          keep_optimizer_state=True)
 
     if together:
@@ -642,10 +643,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                 "training with %s", ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), z,
                 seconds, best)
     winner = results[TRAIN_LOSSES.index(best)]
-    return {"loss": best, "p1": p1, "z": z, "rows": int(len(rows)), "heldout": int(len(held)),
-            "epochs": epochs, "seconds": seconds,
-            "fit": {**winner, "untrained_rows": np.setdiff1d(np.arange(n), rows),
-                    "passes": epochs},
+    return {"loss": best, "p1": p1, "z": z, "rows": samples, "heldout": int(len(held)),
+            "epochs": round(epochs, 4), "seconds": seconds, "fit": winner,
             "threads": None if cfg.threads is not None else threads,
             "threads_speedup": calibration.get("speedup"),  # None where not timed
             "threads_timed": calibration["timed"], "together": together,

@@ -129,9 +129,11 @@ class BatchQueue:
     def put_first(self, rows) -> None:
         """Serve ``rows`` (row indices, repeats allowed) next in the open epoch, in place of
         the rows its order would serve next; the epoch keeps its length, so as many rows of the
-        end of its order go untrained in this epoch (a run continued from the loss probe's fit
-        trains the rows that fit left first: :func:`xmc_engine.training._continue_fit`).
-        Between periods only; :meth:`position` keeps them, so a resumed run serves the same rows."""
+        end of its order go untrained in this epoch. Between periods only; :meth:`position`
+        keeps them, so a resumed run serves the same rows (:meth:`seek`: the checkpoints of
+        runs continued from a loss probe of engines before ``bench/RESULTS.md``'s "The probe
+        trains the start of the run's first epoch", which trained the rows their probe's fit
+        left first)."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or rows.max() >= self.n_samples):
             raise ValueError(f"put_first: rows must be in [0, {self.n_samples})")
