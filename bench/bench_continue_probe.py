@@ -36,6 +36,13 @@ and the test set's P@1 / P@3 / P@5 (computed after the timings); per dataset the
 the mean paired difference (on - off) with its standard error over the seeds, of the metrics
 and of ``fit_s``, the wall time of ``fit`` less its compiling.
 
+Two engines (two commits, each run with the same command in its own checkout) are
+compared run by run with ``--compare BEFORE.json AFTER.json``: per dataset and setting the
+mean paired difference (after - before) over the seeds.
+
+    python bench/bench_continue_probe.py --compare bench/results/probe_start/before_5049d04.json \
+        bench/results/probe_start/after.json
+
 Names are those ``xmc-engine train --data`` takes (a shared dataset, ``synthetic``, a file),
 or a synthetic shape of ``bench_defaults.py`` (``synth1k``, ``synth10k``, ``synth100k``).
 """
@@ -104,6 +111,48 @@ def summarise(rows: list[dict], option: str = "continue_probe") -> list[dict]:
     return out
 
 
+def compare(before: dict, after: dict, option: str) -> list[dict]:
+    """Two results files of this benchmark (two commits' engines, the same command), paired run
+    by run: per dataset, epochs and setting of ``option`` (on / off), the means before and
+    after and the mean paired difference (after - before) over the seeds both files have."""
+    def key(r):
+        return r["dataset"], r.get("epochs"), r[option], r["seed"]
+
+    old = {key(r): r for r in before["rows"]}
+    out = []
+    groups = dict.fromkeys(k[:3] for k in map(key, after["rows"]) if k in old)
+    for name, epochs, on in groups:
+        new = [r for r in after["rows"] if key(r)[:3] == (name, epochs, on) and key(r) in old]
+        line = {"dataset": name, "epochs": epochs, option: on, "seeds": len(new),
+                "loss_before": sorted({old[key(r)]["loss"] for r in new}),
+                "loss_after": sorted({r["loss"] for r in new}),
+                "loss_changed": sum(r["loss"] != old[key(r)]["loss"] for r in new)}
+        for k in (*METRICS, "fit_s"):
+            a = [_value(r, k) for r in new]
+            b = [_value(old[key(r)], k) for r in new]
+            line[k] = {"before": sum(b) / len(b), "after": sum(a) / len(a),
+                       "diff": _common.mean_se([x - y for x, y in zip(a, b, strict=True)])}
+        out.append(line)
+    return out
+
+
+def print_compare(lines: list[dict], option: str, before: dict, after: dict) -> None:
+    print(f"before: {before.get('git_commit')}, after: {after.get('git_commit')}; means over "
+          "the seeds, before / after, and the mean paired difference (after - before) +- its "
+          "standard error")
+    print(f"{'data':<18} {'ep':>4} {option[:5]:<5} {'seeds':>5} "
+          + " ".join(f"{k:>30}" for k in (*METRICS, "fit_s")))
+    for line in lines:
+        cells = [f"{line[k]['before']:.4f} / {line[k]['after']:.4f} "
+                 f"{line[k]['diff'][0]:+.4f}+-{line[k]['diff'][1]:.4f}"
+                 for k in (*METRICS, "fit_s")]
+        print(f"{line['dataset']:<18} {line['epochs']:>4g} "
+              f"{'on' if line[option] else 'off':<5} {line['seeds']:>5} "
+              + " ".join(f"{x:>30}" for x in cells)
+              + f"  loss {'/'.join(line['loss_before'])} -> {'/'.join(line['loss_after'])}"
+              + f" ({line['loss_changed']} changed)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--datasets", nargs="+", default=["bibtex", "corel5k", "delicious"])
@@ -120,8 +169,17 @@ def main(argv=None) -> int:
     _common.add_device_args(p)
     p.add_argument("--out", default=None,
                    help="results file (default: bench/results/<option>.json)")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                   help="train nothing: pair the runs of two results files of this benchmark "
+                        "(two commits, the same command) by dataset, epochs, setting and seed")
     args = p.parse_args(argv)
     opt = args.option
+    if args.compare:
+        before, after = (_common.read_json(f) for f in args.compare)
+        if before is None or after is None:
+            p.error(f"--compare: cannot read {args.compare}")
+        print_compare(compare(before, after, opt), opt, before, after)
+        return 0
     out = args.out or str(_common.RESULTS_DIR / f"{opt}.json")
     params = _common.device_params(args)
     from xmc_engine import config

@@ -600,3 +600,31 @@ def test_threads_benchmark_compares_two_checkouts_calibrated_runs(tmp_path, caps
         "b train 0.50 s, fit 0.70 s (1 runs; ['2 kernels'])")
     with pytest.raises(SystemExit, match="LABEL=GLOB"):
         bench_threads.main(["--compare", f"a={tmp_path}/none*.json"])
+
+
+def test_continue_probe_bench_pairs_two_commits_runs_by_dataset_setting_and_seed(capsys):
+    """bench_continue_probe.py --compare: the runs of two results files are paired by dataset,
+    epochs, setting and seed (a seed only one file has is left out), and the differences are
+    after - before, ``fit_s`` without the compile seconds."""
+    import bench_continue_probe as bench
+
+    def row(seed, on, p1, loss="bce", wall=1.0):
+        return {"dataset": "d", "epochs": 5, "continue_probe": on, "seed": seed, "loss": loss,
+                "P@1": p1, "P@3": 0.3, "P@5": 0.2, "wall_s": wall, "compile_s": 0.25}
+
+    before = {"git_commit": "a", "rows": [row(0, True, 0.50), row(1, True, 0.60),
+                                          row(0, False, 0.52), row(2, True, 0.9)]}
+    after = {"git_commit": "b", "rows": [row(0, True, 0.53, wall=0.5),
+                                         row(1, True, 0.61, "softmax", wall=0.75),
+                                         row(0, False, 0.52)]}
+    on, off = bench.compare(before, after, "continue_probe")
+    assert (on["continue_probe"], on["seeds"], off["seeds"]) == (True, 2, 1)
+    assert on["P@1"]["before"] == pytest.approx(0.55) and on["P@1"]["after"] == pytest.approx(0.57)
+    assert on["P@1"]["diff"][0] == pytest.approx(0.02)  # +0.03 and +0.01
+    assert on["fit_s"]["diff"][0] == pytest.approx(-0.375)  # 0.25 and 0.5 less, compile out
+    assert (on["loss_before"], on["loss_after"], on["loss_changed"]) == (["bce"],
+                                                                          ["bce", "softmax"], 1)
+    assert off["P@1"]["diff"][0] == 0.0
+    bench.print_compare([on, off], "continue_probe", before, after)
+    out = capsys.readouterr().out
+    assert "before: a, after: b" in out and "(1 changed)" in out
