@@ -1,6 +1,9 @@
 """How many rows should ``loss="auto"``'s probe hold out? The held-out rows score the two
-losses, and where the run goes on from the winning fit (``continue_probe``) they are the rows
-trained last; fewer of them cost the continuation less and make the probe's score noisier.
+losses; fewer of them make the probe's score noisier, and on a set of under
+``LOSS_PROBE_SAMPLES`` rows leave its fits more of the first epoch to train. (Measured at
+``901da37``, when the fits trained a sample of their own and the continued run trained the
+held-out rows first; since ``887ff5b`` the fits train the start of the run's first epoch and
+the held-out rows are the ones it trains next.)
 
     python bench/bench_probe_heldout.py --datasets bibtex corel5k stackex_cooking stackex_cs \\
         delicious rcv1sub1 debian_debtags debian_builddeps synth1k --shares 0.1 0.05 \\

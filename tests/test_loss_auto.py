@@ -23,9 +23,14 @@ def test_auto_is_a_loss_of_the_config_and_unknown_names_list_it():
         TrainConfig(loss="hinge")
 
 
-def test_too_few_rows_train_the_softmax_without_a_probe():
-    X, Y = tiny_data(n=600)  # < LOSS_PROBE_MIN_ROWS
-    clf = XMCClassifier(loss="auto", hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
+@pytest.mark.parametrize("rows, batch", [(600, 64), (2400, 1100)],
+                         ids=["below-the-minimum", "a-batch-larger-than-what-is-left"])
+def test_too_few_rows_train_the_softmax_without_a_probe(rows, batch):
+    """Below ``LOSS_PROBE_MIN_ROWS`` rows, or where 240 held-out rows and a batch of 1,100
+    leave less than a batch of the 2,400 to train on, no probe."""
+    X, Y = tiny_data(n=rows)
+    clf = XMCClassifier(loss="auto", hidden=8, epochs=1, seed=0, eval_every=0,
+                        batch_size=batch).fit(X, Y)
     assert clf.loss_ == "softmax"
     probe = [r for r in clf.history_ if r["event"] == "loss_probe"]
     assert len(probe) == 1 and probe[0]["rows"] == 0 and probe[0]["p1"] == {}

@@ -522,8 +522,9 @@ def _checkpoint_to_resume(ckpts, run_dir):
 
 def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     """``loss="auto"``: which loss this data wants, by a short probe. Below
-    :data:`~xmc_engine.config.LOSS_PROBE_MIN_ROWS` training rows the softmax (the held-out
-    rows would be too few to tell the losses apart). Otherwise each loss of
+    :data:`~xmc_engine.config.LOSS_PROBE_MIN_ROWS` training rows, or where the held-out rows
+    and a batch leave less than a batch to train on, the softmax (the held-out rows would be
+    too few to tell the losses apart). Otherwise each loss of
     :data:`~xmc_engine.config.TRAIN_LOSSES` trains, on ``device`` alone with every other
     setting of ``cfg``, the start of the run's own first epoch (the run's seed, initialisation
     and row order): :data:`~xmc_engine.config.LOSS_PROBE_SAMPLES` rows, fewer on a small set,
@@ -563,9 +564,17 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     )
 
     n = X.shape[0]
-    if n < LOSS_PROBE_MIN_ROWS:
-        logger.info("loss='auto': %d training rows, too few for the probe (%d): softmax", n,
-                    LOSS_PROBE_MIN_ROWS)
+    # The fits train the first `samples` rows of the run's own first epoch and are scored on
+    # the `n_held` rows that come next, which they have not seen. A fit stops at a barrier of
+    # one device's period, so `samples` is a whole number of periods, as in the run of one
+    # device, that leaves the held-out rows and a batch; on a small set with a large batch the
+    # probe's one period is its samples, whole batches.
+    n_held = min(LOSS_PROBE_HELDOUT, int(n * LOSS_PROBE_HELDOUT_SHARE))
+    room = min(LOSS_PROBE_SAMPLES, n - n_held - cfg.batch_size)
+    if n < LOSS_PROBE_MIN_ROWS or room < cfg.batch_size:
+        logger.info("loss='auto': %d training rows, too few for the probe (%d, and a batch of "
+                    "%d to train on besides %d held out): softmax", n, LOSS_PROBE_MIN_ROWS,
+                    cfg.batch_size, n_held)
         return {"loss": "softmax", "p1": {}, "z": None, "rows": 0, "heldout": 0, "epochs": 0.0,
                 "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
                 "compile_seconds": 0.0, "compiled": 0, "fit": None}
@@ -577,19 +586,11 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                                      report=report)
         compiled += report["compiled"]
     t0 = time.perf_counter()
-    # the run's own first epoch: each fit trains its first `samples` rows (whole batches) and
-    # is scored on the rows that come next, which it has not seen
-    # (a fit stops at a barrier of one device's period: the probe's `samples` is a whole number
-    # of periods, as in the run of one device, and leaves the held-out rows and a batch
-    # untouched; on a small set with a large batch the probe's one period is its samples)
-    order = epoch_permutation(n, cfg.seed, 0)
-    n_held = min(LOSS_PROBE_HELDOUT, int(n * LOSS_PROBE_HELDOUT_SHARE))
-    room = min(LOSS_PROBE_SAMPLES, n - n_held - cfg.batch_size)
     period = SingleConfig().merge_period
     samples = room // period * period
     if samples == 0:
-        samples = period = max(1, room // cfg.batch_size) * cfg.batch_size
-    held = np.sort(order[samples:samples + n_held])
+        samples = period = room // cfg.batch_size * cfg.batch_size
+    held = np.sort(epoch_permutation(n, cfg.seed, 0)[samples:samples + n_held])
     per_row = float(Y.nnz) / n  # the output layer the run itself will train
     epochs = samples / n
     base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
