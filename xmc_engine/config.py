@@ -769,10 +769,12 @@ class TrainConfig(ConfigMixin):
         either way; ``predict_proba`` gives the softmax or the sigmoids. ``"bce"`` (whose
         default Adagrad rate is 0.1, :data:`DEFAULT_LR_BCE`) is ahead on seven of the nine
         shared sets, the softmax far ahead on the synthetic shapes. ``"auto"``, the default:
-        a short probe of each loss on part of the training rows picks the one with the higher
-        held-out P@1 (:func:`xmc_engine.training.choose_loss`, :data:`LOSS_PROBE_SAMPLES`; the run
-        log's ``loss_probe`` record says what it saw, ``start`` which loss trained); chosen by
-        ``bench/bench_defaults.py --loss-auto-study`` (README, "Defaults").
+        a short probe of each loss on the start of the run's first epoch picks one by P@1 on
+        the rows that come next: the logistic loss unless the softmax is clearly ahead
+        (:func:`xmc_engine.training.choose_loss`, :data:`LOSS_PROBE_SOFTMAX_Z`; the run log's
+        ``loss_probe`` record says what it saw, ``start`` which loss trained); chosen by
+        ``bench/bench_defaults.py --loss-auto-study`` and ``bench/bench_loss_rule.py``
+        (README, "Defaults").
     continue_probe : bool
         With ``loss="auto"`` in one process: the run continues the probe's winning fit
         instead of training the chosen loss again from the start, where that fit trained no
