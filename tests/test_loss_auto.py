@@ -521,6 +521,8 @@ def test_every_device_goes_on_from_the_winning_fit(spy, algorithm):
     replicas = begun["replicas"]
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     assert probe["continued"]["samples"] == fit["samples"]
+    # the devices share the rest of the first epoch, from the row where the fit stopped
+    assert begun["position"] == {"epoch": 0, "cursor": fit["samples"], "period": -1}
     assert len(replicas) == 2
     for got, want in zip(begun["central"], fit["params"], strict=True):
         np.testing.assert_array_equal(got, want)
