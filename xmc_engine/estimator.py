@@ -137,14 +137,16 @@ class XMCClassifier:
         keeps its own, merges average parameters only) or plain SGD (the paper's).
     loss : {"softmax", "bce", "auto"}
         Training loss: the softmax cross-entropy against ``y/|y|``, the one-vs-all logistic
-        loss, or ``"auto"`` (the default): a short probe of each on part of the training rows
-        picks one by held-out P@1, the logistic loss unless the softmax is clearly ahead
+        loss, or ``"auto"`` (the default): a short probe of each on the start of the run's
+        first epoch picks one by P@1 on the rows that come next, the logistic loss unless the
+        softmax is clearly ahead
         (:func:`xmc_engine.training.choose_loss`; the fitted choice is ``loss_``)
         (:attr:`xmc_engine.config.TrainConfig.loss`).
     continue_probe : bool, default True
         With ``loss="auto"`` (in one process): training goes on from the probe's winning
         fit (its model and Adagrad state on every device, its samples and training time)
-        rather than starting over; ``False`` starts every run from the initialisation.
+        rather than starting over: on one device the same model, without training the fit's
+        rows twice; ``False`` starts every run from the initialisation.
     output : {"exact", "sampled", "auto"}
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks
