@@ -3,7 +3,9 @@
 
 Does a run lose anything by going on from the loss probe's winning fit
 (``continue_probe=True``, the default) rather than training the chosen loss again from the
-start (``continue_probe=False``)? And what does it save?
+start (``continue_probe=False``)? And what does it save? (Since ``887ff5b`` the fit is the
+start of the run itself, so on one device with one thread both give the same model and the
+bench measures the time saved; on several devices the replicas start from the fit.)
 
     python bench/bench_continue_probe.py --datasets bibtex corel5k delicious stackex_cooking \\
         stackex_cs rcv1sub1 debian_debtags debian_builddeps --seeds 0 1 2 3 4 5 6 7 8 9 \\
