@@ -532,3 +532,18 @@ def test_every_device_goes_on_from_the_winning_fit(spy, algorithm):
         for got, want in zip(opt, fit["optimizer_state"], strict=True):
             np.testing.assert_array_equal(got, want)
     assert clf.history_[-1]["samples"] == 12 * X.shape[0]
+
+
+def test_a_run_of_one_device_with_its_own_period_is_still_the_run_from_the_start(spy):
+    """The probe stops at a barrier of the run's own period (here 768 rows: 1,536 of the 2,400,
+    not the default period's 2,048), so that a run of one device with another ``merge_period``
+    also goes on as the run of the chosen loss from the initialisation."""
+    X, Y = _synthetic()
+    kw = dict(hidden=8, threads=1, seed=1, eval_every=0, epochs=3,
+              algorithm_params={"merge_period": 768})
+    clf = XMCClassifier(**kw).fit(X, Y)
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    assert probe["rows"] == 1536 and probe["continued"]["samples"] == 1536
+    fixed = XMCClassifier(loss=clf.loss_, **kw).fit(X, Y)
+    for got, want in zip(clf.params_, fixed.params_, strict=True):
+        np.testing.assert_array_equal(got, want)

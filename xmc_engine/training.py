@@ -566,9 +566,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     n = X.shape[0]
     # The fits train the first `samples` rows of the run's own first epoch and are scored on
     # the `n_held` rows that come next, which they have not seen. A fit stops at a barrier of
-    # one device's period, so `samples` is a whole number of periods, as in the run of one
-    # device, that leaves the held-out rows and a batch; on a small set with a large batch the
-    # probe's one period is its samples, whole batches.
+    # one device's period (the run's own `merge_period` where the run is of one device), so
+    # `samples` is a whole number of periods that leaves the held-out rows and a batch; on a
+    # small set with a large batch the probe's one period is its samples, whole batches.
     n_held = min(LOSS_PROBE_HELDOUT, int(n * LOSS_PROBE_HELDOUT_SHARE))
     room = min(LOSS_PROBE_SAMPLES, n - n_held - cfg.batch_size)
     if n < LOSS_PROBE_MIN_ROWS or room < cfg.batch_size:
@@ -586,7 +586,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                                      report=report)
         compiled += report["compiled"]
     t0 = time.perf_counter()
-    period = SingleConfig().merge_period
+    period = (cfg.algorithm_params.merge_period if cfg.algorithm == "single"
+              else SingleConfig().merge_period)  # a run of one device: its own period
     samples = room // period * period
     if samples == 0:
         samples = period = room // cfg.batch_size * cfg.batch_size
