@@ -547,3 +547,19 @@ def test_a_run_of_one_device_with_its_own_period_is_still_the_run_from_the_start
     fixed = XMCClassifier(loss=clf.loss_, **kw).fit(X, Y)
     for got, want in zip(clf.params_, fixed.params_, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_under_the_plateau_rule_the_continued_run_is_the_run_from_the_start(spy):
+    """With ``lr_decay="plateau"`` (the default from ``PLATEAU_MIN_ROWS`` rows) the run's rate
+    is constant in its first epoch, and so is the probe's: the continued run is the chosen
+    loss's run from the initialisation (3,400 rows, 340 held out for the rule; the probe's
+    fits train 2,048 of the other 3,060)."""
+    X, Y = _synthetic(3400)
+    kw = dict(hidden=8, threads=1, seed=0, eval_every=0, epochs=3, lr_decay="plateau")
+    clf = XMCClassifier(**kw).fit(X, Y)
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    assert probe["continued"]["samples"] == probe["rows"] == 2048
+    assert spy["fits"][0]["history"][0]["lr_decay"] == 0.0  # the probe's fit: no decay
+    fixed = XMCClassifier(loss=clf.loss_, **kw).fit(X, Y)
+    for got, want in zip(clf.params_, fixed.params_, strict=True):
+        np.testing.assert_array_equal(got, want)

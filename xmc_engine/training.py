@@ -596,7 +596,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     epochs = samples / n
     base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
                                ensemble=1, normalize="none",  # X's rows are the run's already
-                               lr_decay=None if isinstance(cfg.lr_decay, str) else cfg.lr_decay,
+                               # the run's rate in its first epoch: the plateau rule's is
+                               # constant until its first reading, after that epoch
+                               lr_decay=0.0 if cfg.lr_decay == "plateau" else cfg.lr_decay,
                                devices=str(device), algorithm="single",
                                algorithm_params={"merge_period": period},
                                output=cfg.output_for(Y.shape[1], per_row))
