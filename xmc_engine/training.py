@@ -596,8 +596,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     epochs = samples / n
     base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
                                ensemble=1, normalize="none",  # X's rows are the run's already
-                               # the run's rate in its first epoch: the plateau rule's is
-                               # constant until its first reading, after that epoch
+                               # the run's schedule (the plateau rule's: no decay by the
+                               # epoch; a fit stays in epoch 0, where every decay gives lr)
                                lr_decay=0.0 if cfg.lr_decay == "plateau" else cfg.lr_decay,
                                devices=str(device), algorithm="single",
                                algorithm_params={"merge_period": period},
