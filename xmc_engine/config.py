@@ -782,11 +782,11 @@ class TrainConfig(ConfigMixin):
         and Adagrad state, and the run counts its samples and training time as its own (the
         fit's seconds count against ``max_train_seconds``). The fit trained the first rows of
         the run's own first epoch, so the run goes on with the rest of that epoch: on one
-        device it is the run of the chosen loss from the initialisation, without training
-        its first rows twice (:func:`xmc_engine.training.choose_loss`; the ``loss_probe``
-        record's ``continued``). ``False``: every run starts
-        from the initialisation (to compare runs from the same start). Measured: README,
-        "Defaults".
+        device it is the run of the chosen loss from the initialisation (bit for bit on one
+        thread), without training its first rows twice
+        (:func:`xmc_engine.training.choose_loss`; the ``loss_probe`` record's ``continued``).
+        ``False``: every run starts from the initialisation (to compare runs from the same
+        start). Measured: README, "Defaults".
     output : {'exact', 'sampled', 'auto'}
         The output layer of a training step. ``"exact"``: the softmax over all ``n_labels``.
         ``"sampled"``: the softmax over the batch's positive labels plus ``negatives`` labels

@@ -145,8 +145,8 @@ class XMCClassifier:
     continue_probe : bool, default True
         With ``loss="auto"`` (in one process): training goes on from the probe's winning
         fit (its model and Adagrad state on every device, its samples and training time)
-        rather than starting over: on one device the same model, without training the fit's
-        rows twice; ``False`` starts every run from the initialisation.
+        rather than starting over: on one device and one thread the same model, without
+        training the fit's rows twice; ``False`` starts every run from the initialisation.
     output : {"exact", "sampled", "auto"}
         Output layer of training: the softmax over every label, or over the batch's positives
         plus ``negatives`` sampled labels (prediction is exact either way); ``"auto"`` picks
