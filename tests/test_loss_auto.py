@@ -107,6 +107,7 @@ def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
         assert (c.epochs * 5000, c.algorithm, c.devices, c.max_train_seconds) == (
             pytest.approx(2048), "single", "cpu", None)
         assert c.algorithm_params.merge_period == 1024 and c.normalize == "none"
+        assert c.lr_decay == 0.0  # "auto" given: no plateau rule of the fit's own
         assert c.hidden == cfg.hidden and c.seed == cfg.seed
     assert (c1.threads, c2.threads) == (2, 2)  # one calibration for both fits
 

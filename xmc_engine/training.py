@@ -596,9 +596,11 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     epochs = samples / n
     base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
                                ensemble=1, normalize="none",  # X's rows are the run's already
-                               # the run's schedule (the plateau rule's: no decay by the
-                               # epoch; a fit stays in epoch 0, where every decay gives lr)
-                               lr_decay=0.0 if cfg.lr_decay == "plateau" else cfg.lr_decay,
+                               # the run's schedule: a number as given; "plateau" (and
+                               # "auto", unresolved where a caller passes it) none, since a fit
+                               # stays in epoch 0, where every decay gives lr, and must not hold
+                               # rows out for a plateau rule of its own
+                               lr_decay=0.0 if isinstance(cfg.lr_decay, str) else cfg.lr_decay,
                                devices=str(device), algorithm="single",
                                algorithm_params={"merge_period": period},
                                output=cfg.output_for(Y.shape[1], per_row))
