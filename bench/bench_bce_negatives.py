@@ -7,10 +7,12 @@ makes the sampled loss an unbiased estimate of the exact one
 (:data:`xmc_engine.output_layer.BCE_WEIGHTED_NEGATIVES` chooses; this benchmark chose it). Both
 arms on each ``--runs`` entry (``DATASET:NEGATIVES``; the sampled layer forced, ``--loss bce
 --lr 0.1`` otherwise at the defaults), ``--epochs`` epochs, each ``--seeds`` seed, one thread;
-the exact layer too on the first entry with ``--exact``. Prints P@1 / P@3 / P@5 / PSP@5 means
-over the seeds::
+the exact layer too on the first entry with ``--exact``, or once on each entry's dataset with
+``--exact-each``; ``--arms unweighted`` leaves the weighted arm out. Prints P@1 / P@3 / P@5 /
+PSP@5 means over the seeds::
 
     python bench/bench_bce_negatives.py --exact
+    python bench/bench_bce_negatives.py --runs bibtex:16 bibtex:64 --arms unweighted --exact-each
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--exact", action="store_true",
                    help="also train the exact layer on the first entry's dataset")
+    p.add_argument("--exact-each", action="store_true",
+                   help="also train the exact layer once on each entry's dataset")
+    p.add_argument("--arms", nargs="+", choices=("unweighted", "weighted"),
+                   default=["unweighted", "weighted"],
+                   help="the sampled layer's arms (default: %(default)s)")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "bce_negatives.json"))
     return p.parse_args(argv)
 
@@ -71,6 +78,7 @@ def main(argv=None) -> int:
            "rows": []}
     print("| data | K | negatives | " + " | ".join(METRICS) + " | train s |")
     print("|---|---:|---|" + "---:|" * (len(METRICS) + 1))
+    exact_done: set[str] = set()
     for n, entry in enumerate(args.runs):
         name, k = entry.split(":")
         try:
@@ -78,10 +86,11 @@ def main(argv=None) -> int:
         except _common.SkipBenchmark as e:
             print(f"SKIP {name}: {e}")
             continue
-        arms = [("unweighted", False, {"output": "sampled", "negatives": int(k)}),
-                ("weighted", True, {"output": "sampled", "negatives": int(k)})]
-        if args.exact and n == 0:
+        arms = [(label, label == "weighted", {"output": "sampled", "negatives": int(k)})
+                for label in args.arms]
+        if (args.exact and n == 0) or (args.exact_each and name not in exact_done):
             arms.append(("exact layer", False, {"output": "exact"}))
+            exact_done.add(name)
         for label, weighted, params in arms:
             runs = [run(data, s, args.epochs, args.lr, weighted, **params) for s in args.seeds]
             mean = {key: float(np.mean([r[key] for r in runs])) for key in (*METRICS,

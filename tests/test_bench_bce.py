@@ -33,6 +33,19 @@ def test_bce_negatives_bench_runs_both_arms_and_restores_the_rule(data_dir, tmp_
     assert "| bibtex | 16 | weighted |" in capsys.readouterr().out
 
 
+def test_bce_negatives_bench_exact_once_per_dataset_and_chosen_arms(data_dir, tmp_path):
+    import bench_bce_negatives
+
+    real_dataset(data_dir, "bibtex")
+    out = tmp_path / "negs_each.json"
+    assert bench_bce_negatives.main(["--runs", "bibtex:16", "bibtex:32", "--arms", "unweighted",
+                                     "--exact-each", "--epochs", "0.25", "--seeds", "0",
+                                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["negatives"], r["arm"]) for r in rows] == [
+        (16, "unweighted"), (16, "exact layer"), (32, "unweighted")]
+
+
 def test_bce_settings_bench_runs_every_arm_and_restores_the_start(data_dir, tmp_path):
     import bench_bce_settings
 
