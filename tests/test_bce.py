@@ -143,9 +143,9 @@ def test_fused_bce_step_equals_the_host_level_step(optimizer, output):
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_sampled_bce_negatives_and_with_all_of_them_is_exact(monkeypatch, weighted, fused):
-    """With every other label drawn (weight 1) the sampled step is the exact one; with a few,
-    each negative's gradient column is its exact value, or ``(L - n_pos) / K`` times it with
-    ``BCE_WEIGHTED_NEGATIVES``."""
+    """With every other label drawn (weight 1) the sampled step is the exact one; with a few
+    uniform ones, each negative's gradient column is its exact value, or ``(L - n_pos) / K``
+    times it with ``BCE_WEIGHTED_NEGATIVES``."""
     import xmc_engine.output_layer as host_layer
 
     monkeypatch.setattr(host_layer, "BCE_WEIGHTED_NEGATIVES", weighted)
@@ -155,14 +155,15 @@ def test_sampled_bce_negatives_and_with_all_of_them_is_exact(monkeypatch, weight
     be = get_backend("cpu", threads=1)
     rows = np.arange(10)
     exact = MLPReplica(be, X, Y, params, loss="bce", output="exact")
-    full = MLPReplica(be, X, Y, params, loss="bce", output="sampled", negatives=L, fused=fused)
+    full = MLPReplica(be, X, Y, params, loss="bce", output="sampled", negatives=L, fused=fused,
+                      negative_sampling="uniform")
     le, ge = exact.grad_batch(rows)
     ls, gs = full.grad_batch(rows)
     assert ls == pytest.approx(le, rel=1e-5)
     cols, dW2s = gs[-2]
     np.testing.assert_allclose(dW2s, ge[-2][:, cols], rtol=1e-4, atol=1e-7)
     few = MLPReplica(be, X, Y, params, loss="bce", output="sampled", negatives=3, seed=1,
-                     fused=fused)
+                     fused=fused, negative_sampling="uniform")
     _, gf = few.grad_batch(rows)
     cols, db2s = gf[-1]
     n_pos = len(np.unique(Y[rows].indices))

@@ -71,6 +71,14 @@ def test_configs_saved_before_the_auto_decay_keep_the_fixed_one():
     assert TrainConfig.from_saved(TrainConfig().to_dict()).lr_decay == "auto"
 
 
+def test_configs_saved_before_frequency_negatives_keep_uniform_ones():
+    """A saved config without ``negative_sampling`` trained with uniform negatives, the default
+    then, and resumes with them; today's configs save the rule they train with."""
+    assert TrainConfig.from_saved({}).negative_sampling == "uniform"
+    assert TrainConfig.from_saved(TrainConfig().to_dict()).negative_sampling == "frequency"
+    assert TrainConfig.from_dict({}).negative_sampling == "frequency"
+
+
 def test_default_decay_reaches_the_schedule(small):
     """The run's learning rate per period is the default lr over (1 + default decay x whole
     epochs done): 0.05 in epoch 0, 0.05 / 1.5 in epoch 1 for Adagrad."""

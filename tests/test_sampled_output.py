@@ -343,7 +343,7 @@ def test_config_output_and_negatives():
         MLPReplica(CPUBackend(threads=1), X, Y, params, output="fast")
     with pytest.raises(ValueError, match="negatives=-2"):
         MLPReplica(CPUBackend(threads=1), X, Y, params, output="sampled", negatives=-2)
-    assert TrainConfig().negative_sampling == "uniform"
+    assert TrainConfig().negative_sampling == "frequency"
     with pytest.raises(ConfigError, match="negative_sampling='popular'.*uniform, frequency, lsh"):
         TrainConfig(negative_sampling="popular")
     with pytest.raises(ValueError, match="negative_sampling='hard'"):

@@ -156,8 +156,8 @@ class XMCClassifier:
         default), or taken as given.
     negatives : int
         Negatives per batch of ``output="sampled"``.
-    negative_sampling : {"uniform", "frequency", "lsh"}
-        How ``output="sampled"`` draws them: uniformly (the default), by label frequency, or
+    negative_sampling : {"frequency", "uniform", "lsh"}
+        How ``output="sampled"`` draws them: by label frequency (the default), uniformly, or
         half from the labels whose ``W2`` column hashes near a positive's.
     devices : str
         Device spec, e.g. ``"cpu"``, ``"cpu,cpu@0.5"``, ``"cuda:0,cuda:0"``, ``"auto"``.

@@ -184,7 +184,7 @@ class MLPReplica:
         the backend tracks rows the replica also records the columns its steps changed
         (:meth:`changed_columns`), and a merge reads and writes only those.
     negatives : int; ``K`` of the sampled mode
-    negative_sampling : ``"uniform"`` (default), ``"frequency"`` or ``"lsh"``: the rule that
+    negative_sampling : ``"frequency"`` (default), ``"uniform"`` or ``"lsh"``: the rule that
         draws the negatives (:class:`~xmc_engine.output_layer.FrequencyProposal` from ``Y``'s
         label counts, :class:`~xmc_engine.output_layer.LSHProposal` from this replica's ``W2``)
     seed : int; seed of the negatives' random stream (give replicas different seeds). The

@@ -57,7 +57,7 @@ _CONFIG_OPTIONS = {
                "label spaces, else exact), exact or sampled"),
     "negatives": ("--negatives", int, "negatives per batch of --output sampled"),
     "negative_sampling": ("--negative-sampling", str, "how --output sampled draws negatives: "
-                          "uniform (default), frequency or lsh"),
+                          "frequency (default), uniform or lsh"),
     "devices": ("--devices", str, "device spec, e.g. cpu | cpu,cpu@0.5 | cuda:0,cuda:0 | auto"),
     "algorithm": ("--algorithm", str, f"one of {', '.join(ALGORITHMS)}"),
     "seed": ("--seed", int, "random seed (default 0)"),
