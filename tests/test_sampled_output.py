@@ -650,3 +650,19 @@ def test_sampled_training_on_the_cuda_stand_in_equals_the_cpu(monkeypatch, optim
     for a, b in zip(reps[0].params(), reps[1].params(), strict=True):
         np.testing.assert_allclose(reps[1].backend.to_host(b), a, rtol=2e-4, atol=2e-5)
     assert ledger.hazards == [] and ledger.null_stream_ops == []
+
+
+def test_the_memory_plan_counts_the_frequency_proposal_per_replica():
+    """With the sampled layer and frequency negatives each replica holds the draw probabilities
+    and their running sum (two float64 arrays over the labels) on the host; uniform negatives
+    and the exact layer hold neither."""
+    from xmc_engine.memory import plan_memory
+
+    shape = dict(n_samples=1000, n_features=100, n_labels=5000, nnz=10_000, label_nnz=3000,
+                 budget="8GiB")
+    cfg = TrainConfig(output="sampled", algorithm="adaptive", devices="cpu,cpu@0.5")
+    items = plan_memory(cfg, **shape).pools[0].items
+    assert [v for k, v in items.items() if "frequency proposal" in k] == [16 * 5000] * 2
+    for other in (dict(negative_sampling="uniform"), dict(output="exact")):
+        cfg = TrainConfig(**{"output": "sampled", **other})
+        assert not any("proposal" in k for k in plan_memory(cfg, **shape).pools[0].items)

@@ -141,9 +141,10 @@ NORMALIZE = ("l2", "none")
 #: How a sampled step draws its negatives (:class:`TrainConfig` ``negative_sampling``). The
 #: default, ``"frequency"``, was chosen by ``bench/bench_sampled.py --engine-defaults
 #: --negative-sampling uniform frequency`` (``bench/RESULTS.md``, "Negatives by label frequency
-#: by default"): with every other default, P@1 +0.023 / +0.016 over uniform on the synthetic
-#: 30K / 100K-label shapes (every seed), and on debian_builddeps P@1 +0.0014, P@3 / P@5 +0.003
-#: (P@3 / P@5 higher on every seed).
+#: by default"): with every other default, P@1 +0.017 / +0.024 over uniform on the synthetic
+#: 30K / 100K-label shapes after 10 epochs (every seed), +0.0025 on debian_builddeps (P@3 / P@5
+#: +0.003, every seed), and about +0.06 for one device and ``adaptive`` in 150 s at the
+#: Amazon-670K shape.
 NEGATIVE_SAMPLING = ("uniform", "frequency", "lsh")
 #: ``output="auto"`` (the default) trains the sampled output layer when the label space is at
 #: least this many times a sampled step's output width (the base batch's expected positive labels

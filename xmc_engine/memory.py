@@ -278,6 +278,10 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
         add(p, f"activations+logits {i} (b={b})", act + dense_dW2(d))
         if cfg.optimizer == "adagrad":
             add(p, f"optimizer state {i} (Adagrad, P)", P)
+        if output == "sampled" and cfg.negative_sampling == "frequency":
+            # output_layer.FrequencyProposal: the draw probabilities and their running sum
+            add(host, f"negatives' frequency proposal {i} (2 x n_labels float64)",
+                2 * 8 * n_labels)
     p0 = pool(devs[0])
     copies = _merge_copies(cfg.algorithm, cfg.algorithm_params)
     if copies:
