@@ -17,7 +17,9 @@ Sections (``--sections``, default all, in this order):
 ``throughput``  the Amazon-670K shape (135,909 features, 670,091 labels, hidden 128, batch 256)
                 on synthetic rows: the engine's step (samples/s, the share of the three GEMMs
                 timed alone, peak GPU memory), a one-epoch ``single`` fit projected to 490,449
-                samples, and the same network in PyTorch on the same GPU (and the ratio).
+                samples, the same fit again under a stack sampler (``single_fit_profile``:
+                which functions of which thread its wall time went to, ``bench/_sampler.py``),
+                and the same network in PyTorch on the same GPU (and the ratio).
 ``sync``        ``algorithm="sync"`` with two workers on the GPU against the CPU run.
 ``adaptive``    ``algorithm="adaptive"`` on ``cuda:0,cuda:0@0.5`` with the boost and central
                 momentum 0.5 against the CPU run on ``cpu,cpu@0.5``.
@@ -60,6 +62,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+from _sampler import StackSampler  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
 
@@ -1270,6 +1273,11 @@ def section_throughput(ctx: Context) -> None:
         fit("single_fit_sgd", optimizer="sgd")
     if ctx.left() > 25:  # the sampled output layer (negatives: the engine's default count)
         fit("sampled_fit", "sampled fit trained cleanly", output="sampled")
+    if ctx.left() > 25:  # where the default fit's wall time goes: every thread's stack per ms
+        with StackSampler() as sampler:
+            rec = fit("single_fit_profiled")
+        ctx.put("single_fit_profile", {"train_time_s": rec.get("train_time_s"),
+                                       "wall_s": rec.get("wall_s"), **sampler.report(top=25)})
     epoch = projected_epoch_s(rate)
     ctx.put("projected_epoch_s", epoch)
     if args.scale == 1.0:  # the goal is for the full shape only

@@ -370,6 +370,10 @@ def test_throughput_end_to_end_through_a_child(tmp_path):
     assert f["shape"]["n_labels"] == 670 and f["engine_step"]["steps"] == 2
     assert set(f["gemms_ms"]) == {"forward H@W2", "backward dZ@W2.T", "update W2 += H.T@dZ"}
     assert f["single_fit"]["samples"] == 512 and f["projected_epoch_s"] > 0
+    prof = f["single_fit_profile"]  # the same fit under the stack sampler
+    assert prof["samples"] > 0 and prof["total"] and prof["project_self"]
+    assert any("gpu_check.py:engine_fit" == r["function"].split("/")[-1]
+               for r in prof["total"]), prof["total"][:5]
     # the epoch goal is for the full shape only (with PyTorch installed the step comparison
     # against it is a target too)
     assert not any(k.startswith("projected Amazon-670K epoch") for k in f.get("targets", {}))
