@@ -204,6 +204,20 @@ def uniform_negatives(pos, n_labels, k, rng):
     return neg
 
 
+def frequency_negatives(q, pos, k, rng, cdf=None):
+    """The frequency negatives of a sampled step (``output_layer.FrequencyProposal.negatives``):
+    ``k`` uniforms from ``rng``, each mapped to the first label whose cumulative ``q`` exceeds
+    it (``searchsorted`` over the whole cdf, ``np.cumsum(q)`` unless given), then the distinct
+    labels not in ``pos`` (sorted) and ``-log(1 - (1 - q_j) ** k)`` of each (float32), with
+    NumPy's set operations."""
+    cdf = np.cumsum(q) if cdf is None else cdf
+    drawn = np.minimum(np.searchsorted(cdf, rng.random(int(k)) * cdf[-1], side="right"),
+                       len(q) - 1)
+    neg = np.unique(drawn)
+    neg = neg[~np.isin(neg, pos)]
+    return neg, (-np.log(-np.expm1(int(k) * np.log1p(-q[neg])))).astype(np.float32)
+
+
 def bce_xent(Z, y_indptr, y_indices, scale, colw=None):
     """(dZ, loss_sum): one-vs-all logistic loss, ``dZ = scale * w * (sigmoid(Z) - Y)``, loss of
     a row ``sum_j w_j (softplus(z_j) - Y_j z_j)``; rows without labels: zero gradient, loss 0."""

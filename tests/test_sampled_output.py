@@ -15,7 +15,8 @@ from xmc_engine.backends.cpu import CPUBackend
 from xmc_engine.config import ALGORITHMS, TrainConfig
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import MLPReplica, ModelShape, init_params
-from xmc_engine.output_layer import FrequencyProposal, LSHProposal, sample_candidates
+from xmc_engine.output_layer import (FrequencyProposal, LSHProposal, _guided_search,
+                                     sample_candidates)
 
 F32 = np.float32
 # (n_hidden, n_labels, m): m = 0, one column, and sizes that are not multiples of a block
@@ -130,6 +131,39 @@ def test_frequency_proposal_draws_in_proportion_to_a_power_of_the_counts():
         FrequencyProposal([3])
     with pytest.raises(ValueError, match="count >= 0"):
         FrequencyProposal([3, -1])
+
+
+@pytest.mark.parametrize("n_labels", [2, 3, 60, 5_000, 200_000])
+def test_frequency_negatives_match_the_reference_draw_for_draw(n_labels):
+    """The guide-table search and the merge of sorted lists give exactly the labels and weights
+    of a search over the whole cdf and NumPy's set operations, from the same generator state
+    (fewer labels than guide cells, and a tail-heavy count profile, included)."""
+    gen = np.random.default_rng(n_labels)
+    counts = gen.zipf(1.3, n_labels) - 1
+    p = FrequencyProposal(counts)
+    for k in (1, 7, 1024, 3 * n_labels):
+        pos = np.unique(gen.integers(0, n_labels, max(1, n_labels // 10)))
+        seed = int(gen.integers(1 << 30))
+        got = p.negatives(pos, k, np.random.default_rng(seed))
+        want = reference.frequency_negatives(p.q, pos, k, np.random.default_rng(seed))
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+        assert got[0].dtype == np.int64 and got[1].dtype == np.float32
+
+
+def test_guided_search_equals_searchsorted_at_cell_edges_and_the_ends():
+    gen = np.random.default_rng(3)
+    p = FrequencyProposal(gen.zipf(1.5, 100_000) - 1)
+    cdf, cells = p._cdf, len(p._guide) - 1
+    edges = np.arange(cells) * (cdf[-1] / cells)
+    u = np.sort(np.concatenate([edges, np.nextafter(edges, 0), np.nextafter(edges, 1),
+                                cdf[:50], np.nextafter(cdf[:50], 0), [0.0],
+                                [np.nextafter(cdf[-1], 0)]]))
+    u = u[(u >= 0) & (u < cdf[-1])]
+    want = np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
+    np.testing.assert_array_equal(_guided_search(cdf, p._guide, u), want)
+    draws = p.draw(np.random.default_rng(0), 1000)
+    assert (np.diff(draws) >= 0).all()  # ascending, as negatives() relies on
 
 
 @pytest.mark.parametrize("negatives", [0, 1, 30, 5000])
