@@ -46,9 +46,10 @@ def run_pair(data, seed: int, epochs: float) -> dict:
     real_rule, row = training.pick_loss, {"seed": seed}
 
     for forced in LOSSES:
-        def forcing(hits, forced=forced):
+        def forcing(hits, output="exact", forced=forced):
             row["hits"] = {k: "".join("1" if h else "0" for h in v) for k, v in hits.items()}
-            row["z"] = real_rule(hits)[1]
+            row["z"] = real_rule(hits, output)[1]
+            row["output"] = output
             return forced, row["z"]
 
         training.pick_loss = forcing

@@ -93,6 +93,7 @@ def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
     rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
     p1 = {loss: (h.stop - h.start) / 500 for loss, h in hits.items()}
     assert rec["loss"] == chosen and rec["p1"] == p1 and rec["z"] == pytest.approx(z, abs=0.01)
+    assert rec["margin"] == config.LOSS_PROBE_SOFTMAX_Z  # the exact output layer's
     assert rec["threads"] == 2 and rec["together"] is False  # calibrated once, passed on
     assert (rec["rows"], rec["heldout"], rec["epochs"]) == (2048, 500, 0.4096)
     assert set(seen) == set(config.TRAIN_LOSSES)
@@ -130,6 +131,21 @@ def test_pick_loss_needs_the_softmax_ahead_by_more_than_the_margin(monkeypatch):
     assert training.pick_loss({"softmax": sm, "bce": bce}) == ("softmax", 2.03)
     monkeypatch.setattr(config, "LOSS_PROBE_SOFTMAX_Z", 2.5)  # the margin is the config's
     assert training.pick_loss({"softmax": sm, "bce": bce}) == ("bce", 2.03)
+
+
+def test_the_sampled_output_layer_has_its_own_smaller_margin(monkeypatch):
+    zeros = np.zeros(100, bool)
+    # 8 rows only the softmax gets right, 4 only the logistic loss: z = 0.04 / 0.0345 = 1.16,
+    # under the exact layer's margin of 2 and over the sampled layer's 1
+    sm, bce = zeros.copy(), zeros.copy()
+    sm[:8], bce[8:12] = True, True
+    assert config.LOSS_PROBE_SOFTMAX_Z_SAMPLED < 1.16 < config.LOSS_PROBE_SOFTMAX_Z
+    assert training.pick_loss({"softmax": sm, "bce": bce}) == ("bce", 1.16)
+    assert training.pick_loss({"softmax": sm, "bce": bce}, "exact") == ("bce", 1.16)
+    assert training.pick_loss({"softmax": sm, "bce": bce}, "sampled") == ("softmax", 1.16)
+    assert training.probe_margin("sampled") == config.LOSS_PROBE_SOFTMAX_Z_SAMPLED
+    monkeypatch.setattr(config, "LOSS_PROBE_SOFTMAX_Z_SAMPLED", 1.5)
+    assert training.pick_loss({"softmax": sm, "bce": bce}, "sampled") == ("bce", 1.16)
 
 
 def test_a_device_with_a_share_of_the_cores_calibrates_itself(monkeypatch):
@@ -564,3 +580,28 @@ def test_under_the_plateau_rule_the_continued_run_is_the_run_from_the_start(spy)
     fixed = XMCClassifier(loss=clf.loss_, **kw).fit(X, Y)
     for got, want in zip(clf.params_, fixed.params_, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("output, chosen", [("exact", "bce"), ("sampled", "softmax")])
+def test_the_probe_uses_the_margin_of_the_output_layer_the_run_trains(monkeypatch, output,
+                                                                      chosen):
+    """The softmax 1.42 standard errors ahead: enough with the sampled layer, not with the
+    exact one (the layer the run trains, resolved from ``output``)."""
+    monkeypatch.setattr(config, "LOSS_PROBE_HELDOUT_SHARE", 0.1)
+    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 2100)
+    hits = {"softmax": slice(0, 280), "bce": slice(240, 490)}
+    seen = {}
+
+    def fake_fit(cfg, X, Y, eval_set, **kw):
+        seen[cfg.loss] = cfg.output
+        return _fit_result(eval_set, hits[cfg.loss])
+
+    monkeypatch.setattr(training, "fit_model", fake_fit)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 1)
+    monkeypatch.setattr(training, "_host_holds", lambda *a: False)
+    X, Y = _indexed_rows(5000)
+    cfg = TrainConfig(loss="auto", output=output, epochs=2, seed=3)
+    rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
+    assert seen == {"softmax": output, "bce": output}
+    assert rec["z"] == pytest.approx(1.42, abs=0.01) and rec["loss"] == chosen
+    assert rec["margin"] == training.probe_margin(output)

@@ -15,8 +15,12 @@ from xmc_engine.backends.cpu import CPUBackend
 from xmc_engine.config import ALGORITHMS, TrainConfig
 from xmc_engine.errors import ConfigError
 from xmc_engine.model import MLPReplica, ModelShape, init_params
-from xmc_engine.output_layer import (FrequencyProposal, LSHProposal, _guided_search,
-                                     sample_candidates)
+from xmc_engine.output_layer import (
+    FrequencyProposal,
+    LSHProposal,
+    _guided_search,
+    sample_candidates,
+)
 
 F32 = np.float32
 # (n_hidden, n_labels, m): m = 0, one column, and sizes that are not multiples of a block

@@ -22,9 +22,10 @@ not know. The events the engine writes:
     Right after ``start`` when ``config`` says ``loss="auto"``
     (:func:`xmc_engine.training.choose_loss`, run before the start): ``loss`` (the choice),
     ``p1`` (held-out P@1 per loss; empty where the rows were too few to probe), ``z`` (the
-    softmax's margin over the logistic loss in standard errors, which it must exceed
-    ``LOSS_PROBE_SOFTMAX_Z`` to win, :func:`xmc_engine.training.pick_loss`; ``null`` without
-    a probe), ``rows``,
+    softmax's margin over the logistic loss in standard errors, which it must exceed to win,
+    :func:`xmc_engine.training.pick_loss`; ``null`` without a probe), ``margin`` (that
+    threshold: ``LOSS_PROBE_SOFTMAX_Z``, or ``LOSS_PROBE_SOFTMAX_Z_SAMPLED`` where the run
+    trains the sampled output layer; ``null`` without a probe), ``rows``,
     ``heldout``, ``epochs``, ``seconds`` (outside ``train_time``), ``threads`` (the CPU thread
     budget calibrated once for the probe's fits and the run; ``null`` where none was),
     ``threads_timed`` (``false`` where the run was too short to repay timing the budgets, or

@@ -532,7 +532,9 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     (at most :data:`~xmc_engine.config.LOSS_PROBE_HELDOUT_SHARE` of the set) must remain; the
     fits are scored on those next rows, which neither has seen. The logistic loss wins unless
     the softmax's held-out P@1 is ahead by more
-    than :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` standard errors (:func:`pick_loss`).
+    than :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` standard errors
+    (:data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z_SAMPLED` where the run trains the sampled
+    output layer; :func:`pick_loss`).
     The losing fit is thrown away; the winner's (:func:`fit_model`'s result) is returned as
     ``fit``, which :func:`fit_model` continues where ``cfg.continue_probe`` allows (the
     ``continued`` of the record). The device's CPU threads (``cfg.threads=None``) are
@@ -542,7 +544,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     planner says the host holds a fit per loss, the fits run side by side, each on one thread
     where one thread won the calibration, else on its share of the device's threads. Returns
     the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``z`` (:func:`pick_loss`'s
-    margin of the softmax), ``rows`` (the samples each fit trained), ``heldout``, ``epochs``
+    margin of the softmax), ``margin`` (what it had to exceed), ``rows`` (the samples each
+    fit trained), ``heldout``, ``epochs``
     (``rows`` over the set's), ``seconds``, ``threads`` (the calibrated budget, the run's;
     ``None`` where none was calibrated), ``threads_timed`` (False: the run was too short to
     repay timing the budgets, or its steps too short to gain from threads, and keeps one
@@ -575,7 +578,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         logger.info("loss='auto': %d training rows, too few for the probe (%d, and a batch of "
                     "%d to train on besides %d held out): softmax", n, LOSS_PROBE_MIN_ROWS,
                     cfg.batch_size, n_held)
-        return {"loss": "softmax", "p1": {}, "z": None, "rows": 0, "heldout": 0, "epochs": 0.0,
+        return {"loss": "softmax", "p1": {}, "z": None, "margin": None, "rows": 0, "heldout": 0,
+                "epochs": 0.0,
                 "seconds": 0.0, "threads": None, "threads_timed": None, "together": False,
                 "compile_seconds": 0.0, "compiled": 0, "fit": None}
     # both losses' kernels first, outside the probe's seconds
@@ -643,13 +647,14 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                                                                   strict=True)}
     hits = {loss: row_hits(res["eval_top1"], heldout[1])
             for loss, res in zip(TRAIN_LOSSES, results, strict=True)}
-    best, z = pick_loss(hits)
+    best, z = pick_loss(hits, base.output)
     seconds = time.perf_counter() - t0
     logger.info("loss='auto': held-out P@1 %s, the softmax %+.1f standard errors (%.1f s): "
                 "training with %s", ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), z,
                 seconds, best)
     winner = results[TRAIN_LOSSES.index(best)]
-    return {"loss": best, "p1": p1, "z": z, "rows": samples, "heldout": int(len(held)),
+    return {"loss": best, "p1": p1, "z": z, "margin": probe_margin(base.output),
+            "rows": samples, "heldout": int(len(held)),
             "epochs": round(epochs, 4), "seconds": seconds, "fit": winner,
             "threads": None if cfg.threads is not None else threads,
             "threads_speedup": calibration.get("speedup"),  # None where not timed
@@ -666,17 +671,25 @@ def row_hits(top1, Y) -> np.ndarray:
     return label_hits(np.asarray(top1, dtype=np.int64)[:, None], Y)[:, 0]
 
 
-def pick_loss(hits: dict) -> tuple[str, float]:
+def pick_loss(hits: dict, output: str = "exact") -> tuple[str, float]:
     """The loss probe's rule: ``(loss, z)`` from ``hits``, each loss's :func:`row_hits` on the
     same held-out rows. ``z`` is the softmax's paired margin: the mean of ``hit_softmax -
     hit_bce`` over the rows divided by its standard error (at least ``1 / rows``, so that
     identical rows give a finite figure). The softmax wins where ``z`` is above
-    :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z`, the logistic loss otherwise (a tie
-    included): the softmax has to win by more than chance would on the held-out rows."""
-    from xmc_engine.config import LOSS_PROBE_SOFTMAX_Z
-
+    :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` (with the sampled ``output`` layer
+    :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z_SAMPLED`), the logistic loss otherwise (a
+    tie included): the softmax has to win by more than chance would on the held-out rows."""
     z = paired_z(hits["softmax"], hits["bce"])
-    return ("softmax" if z > LOSS_PROBE_SOFTMAX_Z else "bce"), round(z, 2)
+    return ("softmax" if z > probe_margin(output) else "bce"), round(z, 2)
+
+
+def probe_margin(output: str) -> float:
+    """The standard errors the softmax must be ahead by in the loss probe of a run that
+    trains the ``output`` layer (:func:`pick_loss`)."""
+    from xmc_engine import config
+
+    return (config.LOSS_PROBE_SOFTMAX_Z_SAMPLED if output == "sampled"
+            else config.LOSS_PROBE_SOFTMAX_Z)
 
 
 def paired_z(a, b) -> float:

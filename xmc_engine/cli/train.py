@@ -382,8 +382,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     if probe is not None:
         seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
         went_on = probe.get("continued")
+        needs = probe.get("margin") or LOSS_PROBE_SOFTMAX_Z  # logs before the margin field
         margin = (f", the softmax {probe['z']:+.1f} standard errors (it needs "
-                  f"+{LOSS_PROBE_SOFTMAX_Z:g})" if probe.get("z") is not None else "")
+                  f"+{needs:g})" if probe.get("z") is not None else "")
         print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1: {seen}{margin} after "
               f"{probe['seconds']:.1f} s of probing" if seen else "too few rows to probe")
               + (f"; training went on from the {model.loss_} fit's {went_on['samples']:,} "
