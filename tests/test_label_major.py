@@ -46,7 +46,11 @@ def test_the_kernels_tell_the_two_orders_apart():
 
 
 @pytest.mark.parametrize("m", [0, 1, 37, 300])
-def test_column_kernels_give_the_c_order_results_bit_for_bit(rng, m):
+def test_column_kernels_give_the_c_order_results_to_the_last_bit_or_two(rng, m):
+    """The gathers are copies: equal bit for bit. The Adagrad and scatter arithmetic is
+    compiled with ``fastmath``: the label-major loop (over a contiguous column) vectorises and
+    the C-order one may not, so on some CPUs the two round an entry differently (seen on an
+    AVX2 EPYC VM: one entry of 9,933 by 1 ulp, m = 1; bit for bit on the machines before)."""
     nh, L = 33, 301
     W2 = rng.standard_normal((nh, L)).astype(F32)
     acc = rng.random((nh, L)).astype(F32)
@@ -63,8 +67,10 @@ def test_column_kernels_give_the_c_order_results_bit_for_bit(rng, m):
         so.adagrad_columns_cpu(W, b, A, ab, cols, dW2s, db2s, 0.1, 1e-10)
         so.scatter_add_columns_cpu(W, b, cols, dW2s, db2s, -0.3)
         out[order] = (Ws, bs, np.array(W), np.array(A), b, ab)
-    for c, f in zip(out["C"], out["F"], strict=True):
+    for c, f in zip(out["C"][:2], out["F"][:2], strict=True):  # the gathers
         np.testing.assert_array_equal(c, f)
+    for c, f in zip(out["C"][2:], out["F"][2:], strict=True):  # after Adagrad and the scatter
+        np.testing.assert_array_max_ulp(c, f, maxulp=2)
     np.testing.assert_array_equal(out["F"][0], W2[:, cols])  # the gather itself
 
 
