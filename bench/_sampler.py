@@ -23,14 +23,20 @@ shows up as ``wait`` in ``threading.py``; read the engine's own functions (``pro
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-#: path parts that mark the project's own code (the engine, its kernels, the benches)
-PROJECT_PARTS = ("xmc_engine", "kernels", "bench")
+_ROOTS = {Path(os.path.abspath(__file__)).parents[1], Path(__file__).resolve().parents[1]}
+#: the folders of this checkout that hold the project's own code (the engine, its kernels, the
+#: benches), as written and with links resolved; a folder of the same name elsewhere (numba's
+#: ``cuda/kernels``) is not the project's
+PROJECT_DIRS = tuple(str(r / d) + os.sep for r in _ROOTS
+                     for d in ("xmc_engine", "kernels", "bench"))
 
 
 def _name(code) -> str:
@@ -39,8 +45,9 @@ def _name(code) -> str:
     return f"{p.parent.name}/{p.name}:{code.co_name}"
 
 
-def _is_project(code) -> bool:
-    return any(part in PROJECT_PARTS for part in Path(code.co_filename).parts)
+@functools.cache
+def _is_project_file(filename: str) -> bool:
+    return filename.startswith(PROJECT_DIRS)
 
 
 class StackSampler:
@@ -56,6 +63,7 @@ class StackSampler:
         self.self_counts: Counter = Counter()
         self.total_counts: Counter = Counter()
         self.project_self: Counter = Counter()  # innermost project frame of each stack
+        self._project_names: set[str] = set()   # the names of the project's functions seen
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.seconds = 0.0
@@ -74,9 +82,12 @@ class StackSampler:
                 f = frame
                 while f is not None:
                     code = f.f_code
-                    if inner_project is None and _is_project(code):
-                        inner_project = f"{_name(code)}:{f.f_lineno}"
-                    seen.add(_name(code))
+                    name = _name(code)
+                    if _is_project_file(code.co_filename):
+                        self._project_names.add(name)
+                        if inner_project is None:
+                            inner_project = f"{name}:{f.f_lineno}"
+                    seen.add(name)
                     f = f.f_back
                 self.total_counts.update(seen)
                 if inner_project is not None:
@@ -110,7 +121,7 @@ class StackSampler:
         called; a worker blocked on its queue counts at the line of the ``get``)."""
         def rows(counter: Counter, only: bool) -> list[dict]:
             items = [(k, v) for k, v in counter.items()
-                     if not only or any(f"{p}/" in k for p in PROJECT_PARTS)]
+                     if not only or k in self._project_names]
             items.sort(key=lambda kv: -kv[1])
             return [{"function": k, "samples": v, "share": v / max(self.ticks, 1)}
                     for k, v in items[:top]]
