@@ -48,6 +48,7 @@ def test_a_probed_run_says_it_went_on_from_the_winning_fit(tmp_path):
                   "--eval-every", 0, "--out", tmp_path / "run").stdout
     line = next(x for x in out.splitlines() if x.startswith("loss:"))
     assert "held-out P@1: softmax " in line and "; training went on from the " in line, line
+    assert "(it needs +2)" in line, line  # the exact layer's margin, from the probe's record
     start = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[0])
     assert start["event"] == "start" and start["samples"] > 0
 

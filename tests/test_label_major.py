@@ -47,10 +47,11 @@ def test_the_kernels_tell_the_two_orders_apart():
 
 @pytest.mark.parametrize("m", [0, 1, 37, 300])
 def test_column_kernels_give_the_c_order_results_to_the_last_bit_or_two(rng, m):
-    """The gathers are copies: equal bit for bit. The Adagrad and scatter arithmetic is
-    compiled with ``fastmath``: the label-major loop (over a contiguous column) vectorises and
-    the C-order one may not, so on some CPUs the two round an entry differently (seen on an
-    AVX2 EPYC VM: one entry of 9,933 by 1 ulp, m = 1; bit for bit on the machines before)."""
+    """The gathers are copies: equal bit for bit. The Adagrad step is compiled with
+    ``fastmath``: the label-major loop (over a contiguous column) vectorises and the C-order
+    one may not, and the two may round ``w - lr g / (sqrt(acc) + eps)`` differently (seen on
+    an AVX2 EPYC VM: one weight of 9,933 by 1 ulp at m = 1, the accumulators equal; bit for
+    bit on the machines before)."""
     nh, L = 33, 301
     W2 = rng.standard_normal((nh, L)).astype(F32)
     acc = rng.random((nh, L)).astype(F32)

@@ -692,15 +692,19 @@ def test_sampled_training_on_the_cuda_stand_in_equals_the_cpu(monkeypatch, optim
 
 def test_the_memory_plan_counts_the_frequency_proposal_per_replica():
     """With the sampled layer and frequency negatives each replica holds the draw probabilities
-    and their running sum (two float64 arrays over the labels) on the host; uniform negatives
-    and the exact layer hold neither."""
+    and their running sum (two float64 arrays over the labels) and the draw's guide table (one
+    int64 per cell, here a cell per label and one more) on the host; uniform negatives and the
+    exact layer hold none of them."""
     from xmc_engine.memory import plan_memory
 
     shape = dict(n_samples=1000, n_features=100, n_labels=5000, nnz=10_000, label_nnz=3000,
                  budget="8GiB")
     cfg = TrainConfig(output="sampled", algorithm="adaptive", devices="cpu,cpu@0.5")
     items = plan_memory(cfg, **shape).pools[0].items
-    assert [v for k, v in items.items() if "frequency proposal" in k] == [16 * 5000] * 2
+    assert [v for k, v in items.items() if "frequency proposal" in k] == [16 * 5000
+                                                                           + 8 * 5001] * 2
+    p = FrequencyProposal(np.ones(5000))  # what the plan counts is what the proposal holds
+    assert p.q.nbytes + p._cdf.nbytes + p._guide.nbytes == 16 * 5000 + 8 * 5001
     for other in (dict(negative_sampling="uniform"), dict(output="exact")):
         cfg = TrainConfig(**{"output": "sampled", **other})
         assert not any("proposal" in k for k in plan_memory(cfg, **shape).pools[0].items)

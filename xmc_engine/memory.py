@@ -279,9 +279,12 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
         if cfg.optimizer == "adagrad":
             add(p, f"optimizer state {i} (Adagrad, P)", P)
         if output == "sampled" and cfg.negative_sampling == "frequency":
-            # output_layer.FrequencyProposal: the draw probabilities and their running sum
-            add(host, f"negatives' frequency proposal {i} (2 x n_labels float64)",
-                2 * 8 * n_labels)
+            # output_layer.FrequencyProposal: the draw probabilities, their running sum and
+            # the guide table of the draw (one int64 per cell, a cell per label at most)
+            from xmc_engine.output_layer import GUIDE_CELLS
+
+            add(host, f"negatives' frequency proposal {i} (2 x n_labels float64, guide table)",
+                2 * 8 * n_labels + 8 * (min(GUIDE_CELLS, n_labels) + 1))
     p0 = pool(devs[0])
     copies = _merge_copies(cfg.algorithm, cfg.algorithm_params)
     if copies:

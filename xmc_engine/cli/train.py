@@ -382,7 +382,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     if probe is not None:
         seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
         went_on = probe.get("continued")
-        needs = probe.get("margin") or LOSS_PROBE_SOFTMAX_Z  # logs before the margin field
+        needs = probe.get("margin")
+        if needs is None:  # a log written before the record had its margin
+            needs = LOSS_PROBE_SOFTMAX_Z
         margin = (f", the softmax {probe['z']:+.1f} standard errors (it needs "
                   f"+{needs:g})" if probe.get("z") is not None else "")
         print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1: {seen}{margin} after "
