@@ -17,7 +17,13 @@ acc_W : (n_features, n_hidden) float32             accumulator of ``W``; only ``
 Versions
 --------
 ``*_cpu``      @njit: a flattened prange (dense), a prange over the unique rows (row-sparse,
-               conflict-free because the rows are unique).
+               conflict-free because the rows are unique). Compiled without ``fastmath``: each
+               entry is the formula in IEEE float32, in its order (no fused multiply-add, an
+               exact square root and division), so every loop layout, vectorised or not, and
+               the float32 formula in NumPy give the same bits (``tests/test_adagrad.py``).
+               ``fastmath`` was no faster: 49 ms against 35 ms for one update of a
+               128 x 670,091 ``W2`` on the 2-core VM (``bench/RESULTS.md``, "Adagrad in
+               IEEE float32").
 ``*_kernel``   @cuda.jit grid-stride loops; ``*_launch`` queues them on a stream and never
                synchronises.
 """
@@ -47,13 +53,14 @@ def _adagrad_entry(w, acc, g, lr, eps):
     return w - lr * g / (math.sqrt(a) + eps), a
 
 
-#: :func:`_adagrad_entry` for the ``@njit`` kernels (inlined into their loops)
-adagrad_entry_cpu = njit(inline="always", fastmath=True, cache=True)(_adagrad_entry)
+#: :func:`_adagrad_entry` for the ``@njit`` kernels (inlined into their loops, so compiled with
+#: the caller's flags: every caller is compiled without ``fastmath``, see the module docstring)
+adagrad_entry_cpu = njit(inline="always", cache=True)(_adagrad_entry)
 #: :func:`_adagrad_entry` for the ``@cuda.jit`` kernels (``None`` without numba-cuda)
 adagrad_entry_device = cuda_device(_adagrad_entry)
 
 
-@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+@njit(nogil=True, cache=True, parallel=True)
 def adagrad_dense_cpu(w, g, acc, lr, eps):
     """acc += g^2; w -= lr g / (sqrt(acc) + eps), flattened."""
     wv = w.reshape(-1)
@@ -65,7 +72,7 @@ def adagrad_dense_cpu(w, g, acc, lr, eps):
         wv[t], av[t] = adagrad_entry_cpu(wv[t], av[t], gv[t], lr32, eps32)
 
 
-@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+@njit(nogil=True, cache=True, parallel=True)
 def adagrad_rows_cpu(W, rows, grad_rows, acc_W, lr, eps):
     """The dense rule on rows ``rows`` of ``W`` / ``acc_W`` only."""
     lr32 = np.float32(lr)

@@ -85,7 +85,7 @@ def scatter_add_columns_cpu(W2, b2, cols, dW2s, db2s, alpha):
         b2[cols[j]] += a * db2s[j]
 
 
-@njit(nogil=True, cache=True, parallel=True, fastmath=True)
+@njit(nogil=True, cache=True, parallel=True)  # IEEE float32, as kernels/adagrad.py
 def adagrad_columns_cpu(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
     """Adagrad (``acc += g^2; w -= lr g / (sqrt(acc) + eps)``) on the columns ``cols`` of
     ``W2`` / ``acc_W2`` and the entries ``cols`` of ``b2`` / ``acc_b2`` only."""
