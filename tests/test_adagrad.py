@@ -49,7 +49,7 @@ def _float32_rule(w, acc, g, lr, eps):
 def test_cpu_kernels_round_as_the_float32_rule(size):
     """The CPU kernels are compiled without ``fastmath``: every entry, in a vectorised loop or
     not, in either memory order of ``W2``, is the float32 rule's to the last bit (with
-    ``fastmath`` about 2 % of them were 1 ulp off, and the label-major loop could round
+    ``fastmath`` 1-2 % of them were 1 ulp off, and the label-major loop could round
     apart from the C-order one: ``bench/bench_adagrad.py``)."""
     from xmc_engine.kernels import sampled_output
 
