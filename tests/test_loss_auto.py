@@ -605,3 +605,32 @@ def test_the_probe_uses_the_margin_of_the_output_layer_the_run_trains(monkeypatc
     assert seen == {"softmax": output, "bce": output}
     assert rec["z"] == pytest.approx(1.42, abs=0.01) and rec["loss"] == chosen
     assert rec["margin"] == training.probe_margin(output)
+
+
+@pytest.mark.slow
+def test_probe_margin_bench_records_what_the_probe_saw(tmp_path, capsys):
+    """``bench/bench_probe_margin.py`` end to end on the built-in synthetic set with a short
+    probe: one record per seed, the probe's length as asked, and a pick that follows the
+    record's margin."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_probe_margin
+
+    out = tmp_path / "margin.json"
+    before = config.LOSS_PROBE_SAMPLES
+    try:
+        bench_probe_margin.main(["--data", "synthetic", "--seeds", "0-1", "--probe-samples",
+                                 "3000", "--out", str(out)])
+    finally:
+        config.LOSS_PROBE_SAMPLES = before
+    saved = json.loads(out.read_text())
+    assert saved["probe_samples"] == 3000 and [r["seed"] for r in saved["rows"]] == [0, 1]
+    for r in saved["rows"]:
+        assert 0 < r["rows"] <= 3000 and r["heldout"] == 2000
+        assert r["loss"] == ("softmax" if r["z"] > r["margin"] else "bce")
+    assert saved["summary"]["picked"]["softmax"] + saved["summary"]["picked"]["bce"] == 2
+    assert "z over 2 seeds" in capsys.readouterr().out
+    assert bench_probe_margin.seeds_arg("0-2,5") == [0, 1, 2, 5]
