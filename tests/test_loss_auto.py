@@ -608,7 +608,7 @@ def test_the_probe_uses_the_margin_of_the_output_layer_the_run_trains(monkeypatc
 
 
 @pytest.mark.slow
-def test_probe_margin_bench_records_what_the_probe_saw(tmp_path, capsys):
+def test_probe_margin_bench_records_what_the_probe_saw(monkeypatch, tmp_path, capsys):
     """``bench/bench_probe_margin.py`` end to end on the built-in synthetic set with a short
     probe: one record per seed, the probe's length as asked, and a pick that follows the
     record's margin."""
@@ -620,12 +620,10 @@ def test_probe_margin_bench_records_what_the_probe_saw(tmp_path, capsys):
     import bench_probe_margin
 
     out = tmp_path / "margin.json"
-    before = config.LOSS_PROBE_SAMPLES
-    try:
-        bench_probe_margin.main(["--data", "synthetic", "--seeds", "0-1", "--probe-samples",
-                                 "3000", "--out", str(out)])
-    finally:
-        config.LOSS_PROBE_SAMPLES = before
+    # the bench sets the engine's probe length; put back after the test
+    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", config.LOSS_PROBE_SAMPLES)
+    bench_probe_margin.main(["--data", "synthetic", "--seeds", "0-1", "--probe-samples", "3000",
+                             "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["probe_samples"] == 3000 and [r["seed"] for r in saved["rows"]] == [0, 1]
     for r in saved["rows"]:
