@@ -19,6 +19,11 @@ Versions
                       slice of the row in a global scratch ``(grid, block, k)``, then thread 0
                       merges the block's candidates into the output.
 ``topk_merge_cpu`` / ``topk_merge_kernel``  merge two sorted lists per row (two pointers).
+``topk_fold_cpu``     @njit, prange over rows: folds one label chunk of logits, its bias added
+                      on the fly, into each row's running list (the insertion of ``topk_cpu``);
+                      chunks folded in label order give ``topk_cpu`` of the whole biased row, in
+                      one pass and one parallel region per chunk (the chunked prediction's
+                      bias, top-k and merge were three, each after a BLAS call).
 Launchers take a numba stream and never synchronise.
 """
 
@@ -58,6 +63,36 @@ def topk_cpu(scores, k, idx_out, val_out):
             ii[pos] = j
             if n < k:
                 n += 1
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def topk_fold_cpu(scores, bias, offset, idx, val, filled):
+    """Fold the chunk ``scores + bias`` (labels ``offset .. offset + C - 1``) into each row's
+    running top list ``idx[i, :filled[i]]`` / ``val[i, :filled[i]]`` (descending, ``k =
+    idx.shape[1]``); ``filled`` (int64, one per row, 0 before the first chunk) is updated."""
+    n_rows, C = scores.shape
+    k = idx.shape[1]
+    for i in prange(n_rows):
+        row = scores[i]
+        vi = val[i]
+        ii = idx[i]
+        n = filled[i]
+        for j in range(C):
+            v = row[j] + bias[j]
+            if n == k and not v > vi[k - 1]:  # ties keep the earlier (lower) label
+                continue
+            if v != v:  # NaN
+                continue
+            pos = n if n < k else k - 1
+            while pos > 0 and v > vi[pos - 1]:
+                vi[pos] = vi[pos - 1]
+                ii[pos] = ii[pos - 1]
+                pos -= 1
+            vi[pos] = v
+            ii[pos] = offset + j
+            if n < k:
+                n += 1
+        filled[i] = n
 
 
 @njit(nogil=True, cache=True, parallel=True)

@@ -263,6 +263,55 @@ def test_predict_scores_topk(rng, label_chunk):
     np.testing.assert_allclose(val, vr, rtol=1e-5, atol=1e-6)
 
 
+class _Unfolded:
+    """The CPU backend without ``topk_fold``: the chunked prediction's bias, top-k and merge
+    per chunk, the path every other backend takes."""
+
+    def __init__(self):
+        self._be = CPUBackend()
+
+    def __getattr__(self, name):
+        if name == "topk_fold":
+            raise AttributeError(name)
+        return getattr(self._be, name)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+@pytest.mark.parametrize("label_chunk", [None, 1, 3, 7, 64])
+@pytest.mark.parametrize("k", [1, 5])
+def test_the_folded_prediction_is_the_merged_one(rng, order, label_chunk, k):
+    """Folding each chunk into the running lists (bias added in the pass) gives the labels and
+    scores of bias, top-k and merge per chunk, bit for bit, ties (small integer logits, many
+    equal) to the lower label."""
+    from xmc_engine.output_layer import predict_scores_topk
+
+    H = rng.integers(0, 3, (11, 4)).astype(F32)
+    W2 = np.asarray(rng.integers(-2, 3, (4, 50)), F32, order=order)
+    b2 = rng.integers(-1, 2, 50).astype(F32)
+    folded = predict_scores_topk(CPUBackend(), H, W2, b2, k, label_chunk=label_chunk)
+    merged = predict_scores_topk(_Unfolded(), H, W2, b2, k, label_chunk=label_chunk)
+    for a, b in zip(folded, merged, strict=True):
+        np.testing.assert_array_equal(a, b)
+    ir, vr = reference.predict_scores_topk(H, np.ascontiguousarray(W2), b2, k)
+    np.testing.assert_array_equal(folded[0], ir)
+
+
+def test_topk_fold_skips_nan_and_keeps_its_count(rng):
+    """A NaN logit is never taken; a row's count of kept labels grows chunk by chunk up to k."""
+    from xmc_engine.kernels import topk as topk_kernels
+
+    idx, val = np.empty((2, 3), np.int64), np.empty((2, 3), F32)
+    filled = np.zeros(2, np.int64)
+    Z = np.array([[np.nan, 1.0], [2.0, 0.5]], F32)
+    topk_kernels.topk_fold_cpu(Z, np.zeros(2, F32), 0, idx, val, filled)
+    assert filled.tolist() == [1, 2]
+    topk_kernels.topk_fold_cpu(np.array([[3.0], [0.5]], F32), np.array([1.0], F32), 2, idx, val,
+                               filled)
+    assert filled.tolist() == [2, 3]
+    assert idx[0, :2].tolist() == [2, 1] and val[0, :2].tolist() == [4.0, 1.0]
+    assert idx[1].tolist() == [0, 2, 1] and val[1].tolist() == [2.0, 1.5, 0.5]
+
+
 @pytest.mark.parametrize("shape", [(1,), (1000,), (7, 13)])
 def test_merge_ops(rng, shape):
     arrs = [rng.standard_normal(shape).astype(F32) for _ in range(3)]
@@ -302,3 +351,24 @@ def test_sgemm_rm_strided_views_in_place(rng):
     assert sgemm_rm(1.0, Z, W[:, 7:16].T, 1.0, dH)      # dH += Z @ W_chunk^T
     np.testing.assert_allclose(dH, d0 + Z @ W[:, 7:16].T, atol=1e-5)
     assert not sgemm_rm(1.0, Z, W[:, 7:16].T, 1.0, dH[:, :3])  # shape mismatch: nothing done
+
+
+def test_predict_bench_times_both_paths_and_finds_them_equal(tmp_path, capsys):
+    """``bench/bench_predict.py`` end to end on a small shape: both paths give the same labels
+    and scores, and the file holds the three timings per chunk and k."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_predict
+
+    out = tmp_path / "predict.json"
+    bench_predict.main(["--labels", "3000", "--hidden", "8", "--rows", "16", "--chunks", "700",
+                        "--k", "1", "5", "--repeats", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["label_chunk"], r["k"]) for r in rows] == [(700, 1), (700, 5)]
+    for r in rows:
+        assert r["same_labels"] and r["same_scores"]
+        assert min(r["folded_s"], r["merged_s"], r["sgemm_s"]) > 0
+    assert "bare sgemm" in capsys.readouterr().out

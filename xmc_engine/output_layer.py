@@ -176,7 +176,9 @@ def predict_scores_topk(backend, H, W2, b2, k: int, *, label_chunk: int | None =
     """Top-k labels of ``H @ W2 + b2``: ``(idx int64 (B, k), val float32 (B, k))``, descending.
 
     ``k`` is clipped to ``L``. With ``label_chunk`` the scores are produced chunk by chunk and the
-    running top-k is merged with each chunk's top-k (:mod:`xmc_engine.kernels.topk`).
+    running top-k is merged with each chunk's top-k (:mod:`xmc_engine.kernels.topk`). A backend
+    with ``topk_fold`` (the CPU's) folds each chunk's logits, bias included, into the running
+    lists in one pass instead (the same labels and scores; ``bench/bench_predict.py``).
     """
     be = backend
     B = H.shape[0]
@@ -186,6 +188,13 @@ def predict_scores_topk(backend, H, W2, b2, k: int, *, label_chunk: int | None =
     idx = be.empty((B, k), np.int64)
     val = be.empty((B, k), _F32)
     if B == 0 or k == 0:
+        return idx, val
+    if hasattr(be, "topk_fold"):
+        filled = np.zeros(B, np.int64)
+        for c0, c1 in chunks:
+            Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
+            be.matmul(H, W2[:, c0:c1], Zc)
+            be.topk_fold(Zc, b2[c0:c1], c0, idx, val, filled)
         return idx, val
     for c0, c1 in chunks:
         Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)

@@ -370,6 +370,14 @@ class CPUBackend:
         topk.topk_cpu(scores, k, idx, val)
 
     @staticmethod
+    def topk_fold(scores, bias, offset, idx, val, filled):
+        """Fold a label chunk's logits plus ``bias`` into the running top lists
+        (:func:`xmc_engine.kernels.topk.topk_fold_cpu`): what
+        :func:`xmc_engine.output_layer.predict_scores_topk` calls, where a backend has it, in
+        place of the bias, top-k and merge of each chunk."""
+        topk.topk_fold_cpu(scores, bias, int(offset), idx, val, filled)
+
+    @staticmethod
     def topk_merge(ia, va, ib, vb, io, vo):
         topk.topk_merge_cpu(ia, va, ib, vb, io, vo)
 
