@@ -39,30 +39,37 @@ def _better(v1, i1, v2, i2):
     return v1 > v2 or (v1 == v2 and i1 < i2)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _insert(vi, ii, n, v, label):
+    """Insert the score ``v`` of ``label`` into the descending list ``vi`` / ``ii`` of ``n``
+    entries (``k = len(vi)`` at most; the lowest falls off): ties keep the earlier (lower)
+    label, NaN is never taken. Returns the new count."""
+    k = vi.shape[0]
+    if n == k and not v > vi[k - 1]:
+        return n
+    if v != v:  # NaN
+        return n
+    pos = n if n < k else k - 1
+    while pos > 0 and v > vi[pos - 1]:
+        vi[pos] = vi[pos - 1]
+        ii[pos] = ii[pos - 1]
+        pos -= 1
+    vi[pos] = v
+    ii[pos] = label
+    return n + 1 if n < k else n
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def topk_cpu(scores, k, idx_out, val_out):
     """Write the top ``k`` of every row of ``scores`` into ``idx_out``/``val_out`` (k <= L)."""
     n_rows, L = scores.shape
     for i in prange(n_rows):
         row = scores[i]
-        vi = val_out[i]
-        ii = idx_out[i]
+        vi = val_out[i, :k]
+        ii = idx_out[i, :k]
         n = 0
         for j in range(L):
-            v = row[j]
-            if n == k and not v > vi[k - 1]:  # ties keep the earlier (lower) index
-                continue
-            if v != v:  # NaN
-                continue
-            pos = n if n < k else k - 1
-            while pos > 0 and v > vi[pos - 1]:
-                vi[pos] = vi[pos - 1]
-                ii[pos] = ii[pos - 1]
-                pos -= 1
-            vi[pos] = v
-            ii[pos] = j
-            if n < k:
-                n += 1
+            n = _insert(vi, ii, n, row[j], j)
 
 
 @njit(nogil=True, cache=True, parallel=True)
@@ -71,27 +78,13 @@ def topk_fold_cpu(scores, bias, offset, idx, val, filled):
     running top list ``idx[i, :filled[i]]`` / ``val[i, :filled[i]]`` (descending, ``k =
     idx.shape[1]``); ``filled`` (int64, one per row, 0 before the first chunk) is updated."""
     n_rows, C = scores.shape
-    k = idx.shape[1]
     for i in prange(n_rows):
         row = scores[i]
         vi = val[i]
         ii = idx[i]
         n = filled[i]
         for j in range(C):
-            v = row[j] + bias[j]
-            if n == k and not v > vi[k - 1]:  # ties keep the earlier (lower) label
-                continue
-            if v != v:  # NaN
-                continue
-            pos = n if n < k else k - 1
-            while pos > 0 and v > vi[pos - 1]:
-                vi[pos] = vi[pos - 1]
-                ii[pos] = ii[pos - 1]
-                pos -= 1
-            vi[pos] = v
-            ii[pos] = offset + j
-            if n < k:
-                n += 1
+            n = _insert(vi, ii, n, row[j] + bias[j], offset + j)
         filled[i] = n
 
 
