@@ -189,16 +189,14 @@ def predict_scores_topk(backend, H, W2, b2, k: int, *, label_chunk: int | None =
     val = be.empty((B, k), _F32)
     if B == 0 or k == 0:
         return idx, val
-    if hasattr(be, "topk_fold"):
-        filled = np.zeros(B, np.int64)
-        for c0, c1 in chunks:
-            Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
-            be.matmul(H, W2[:, c0:c1], Zc)
-            be.topk_fold(Zc, b2[c0:c1], c0, idx, val, filled)
-        return idx, val
+    # the running lists' counts per row where the backend folds each chunk into them
+    filled = np.zeros(B, np.int64) if hasattr(be, "topk_fold") else None
     for c0, c1 in chunks:
         Zc = _workspace_2d(be, "Zc", B, c1 - c0, C)
         be.matmul(H, W2[:, c0:c1], Zc)
+        if filled is not None:
+            be.topk_fold(Zc, b2[c0:c1], c0, idx, val, filled)
+            continue
         be.add_bias(Zc, b2[c0:c1])
         if len(chunks) == 1:
             be.topk_into(Zc, k, idx, val)
