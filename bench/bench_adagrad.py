@@ -38,46 +38,17 @@ F32 = np.float32
 
 
 def fastmath_twins():
-    """``fastmath=True`` builds of the engine's three CPU Adagrad kernels, from its one rule."""
-    from numba import njit, prange
-    from xmc_engine.kernels.adagrad import _adagrad_entry
-    from xmc_engine.kernels.sampled_output import label_major
+    """``fastmath=True`` builds of the engine's three CPU Adagrad kernels: their own Python
+    functions (``py_func``) compiled again with that one flag changed. The rule they inline,
+    ``adagrad_entry_cpu``, then compiles with the ``fastmath`` flags too, as it did before."""
+    from numba import njit
+    from xmc_engine.kernels import adagrad, sampled_output
 
-    entry = njit(inline="always")(_adagrad_entry)
+    def fast(kernel):
+        return njit(nogil=True, parallel=True, fastmath=True)(kernel.py_func)
 
-    @njit(nogil=True, parallel=True, fastmath=True)
-    def dense(w, g, acc, lr, eps):
-        wv, gv, av = w.reshape(-1), g.reshape(-1), acc.reshape(-1)
-        lr32, eps32 = np.float32(lr), np.float32(eps)
-        for t in prange(wv.shape[0]):
-            wv[t], av[t] = entry(wv[t], av[t], gv[t], lr32, eps32)
-
-    @njit(nogil=True, parallel=True, fastmath=True)
-    def rows_(W, rows, grad_rows, acc_W, lr, eps):
-        lr32, eps32 = np.float32(lr), np.float32(eps)
-        for u in prange(rows.shape[0]):
-            w, a, g = W[rows[u]], acc_W[rows[u]], grad_rows[u]
-            for j in range(W.shape[1]):
-                w[j], a[j] = entry(w[j], a[j], g[j], lr32, eps32)
-
-    @njit(nogil=True, parallel=True, fastmath=True)
-    def columns(W2, b2, acc_W2, acc_b2, cols, dW2s, db2s, lr, eps):
-        lr32, eps32 = np.float32(lr), np.float32(eps)
-        if label_major(W2):
-            for j in prange(cols.shape[0]):
-                w, a = W2[:, cols[j]], acc_W2[:, cols[j]]
-                for h in range(w.shape[0]):
-                    w[h], a[h] = entry(w[h], a[h], dW2s[h, j], lr32, eps32)
-        else:
-            for h in prange(W2.shape[0]):
-                w, a, g = W2[h], acc_W2[h], dW2s[h]
-                for j in range(cols.shape[0]):
-                    w[cols[j]], a[cols[j]] = entry(w[cols[j]], a[cols[j]], g[j], lr32, eps32)
-        for j in range(cols.shape[0]):
-            b2[cols[j]], acc_b2[cols[j]] = entry(b2[cols[j]], acc_b2[cols[j]], db2s[j], lr32,
-                                                 eps32)
-
-    return {"dense": dense, "rows": rows_, "columns": columns}
+    return {"dense": fast(adagrad.adagrad_dense_cpu), "rows": fast(adagrad.adagrad_rows_cpu),
+            "columns": fast(sampled_output.adagrad_columns_cpu)}
 
 
 def formula(w, acc, g, lr, eps):
