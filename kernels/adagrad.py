@@ -21,9 +21,10 @@ Versions
                entry is the formula in IEEE float32, in its order (no fused multiply-add, an
                exact square root and division), so every loop layout, vectorised or not, and
                the float32 formula in NumPy give the same bits (``tests/test_adagrad.py``).
-               ``fastmath`` was level or slower on the dense and row updates and at most
-               0.13 ms faster on a label-major column update (``bench/bench_adagrad.py``;
-               ``bench/RESULTS.md``, "Adagrad in IEEE float32").
+               ``fastmath`` was level on the dense and row updates (0.88-1.14x, this VM's
+               noise) and at most 0.14 ms faster on a label-major column update
+               (``bench/bench_adagrad.py``; ``bench/RESULTS.md``, "Adagrad in IEEE
+               float32").
 ``*_kernel``   @cuda.jit grid-stride loops; ``*_launch`` queues them on a stream and never
                synchronises.
 """
