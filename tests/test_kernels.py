@@ -263,17 +263,14 @@ def test_predict_scores_topk(rng, label_chunk):
     np.testing.assert_allclose(val, vr, rtol=1e-5, atol=1e-6)
 
 
-class _Unfolded:
-    """The CPU backend without ``topk_fold``: the chunked prediction's bias, top-k and merge
-    per chunk, the path every other backend takes."""
+def _bench(name):
+    """A module of ``bench/`` (its helpers serve the tests too)."""
+    import importlib
+    import sys
+    from pathlib import Path
 
-    def __init__(self):
-        self._be = CPUBackend()
-
-    def __getattr__(self, name):
-        if name == "topk_fold":
-            raise AttributeError(name)
-        return getattr(self._be, name)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    return importlib.import_module(name)
 
 
 @pytest.mark.parametrize("order", ["C", "F"])
@@ -289,7 +286,10 @@ def test_the_folded_prediction_is_the_merged_one(rng, order, label_chunk, k):
     W2 = np.asarray(rng.integers(-2, 3, (4, 50)), F32, order=order)
     b2 = rng.integers(-1, 2, 50).astype(F32)
     folded = predict_scores_topk(CPUBackend(), H, W2, b2, k, label_chunk=label_chunk)
-    merged = predict_scores_topk(_Unfolded(), H, W2, b2, k, label_chunk=label_chunk)
+    # the CPU backend without topk_fold: the path of every other backend
+    unfolded = _bench("bench_predict").Unfolded(CPUBackend())
+    assert not hasattr(unfolded, "topk_fold") and hasattr(CPUBackend(), "topk_fold")
+    merged = predict_scores_topk(unfolded, H, W2, b2, k, label_chunk=label_chunk)
     for a, b in zip(folded, merged, strict=True):
         np.testing.assert_array_equal(a, b)
     ir, vr = reference.predict_scores_topk(H, np.ascontiguousarray(W2), b2, k)
@@ -357,12 +357,8 @@ def test_predict_bench_times_both_paths_and_finds_them_equal(tmp_path, capsys):
     """``bench/bench_predict.py`` end to end on a small shape: both paths give the same labels
     and scores, and the file holds the three timings per chunk and k."""
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import bench_predict
-
+    bench_predict = _bench("bench_predict")
     out = tmp_path / "predict.json"
     bench_predict.main(["--labels", "3000", "--hidden", "8", "--rows", "16", "--chunks", "700",
                         "--k", "1", "5", "--repeats", "2", "--out", str(out)])
