@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from xmc_engine import _env
 
-_env.apply_blas_defaults()  # before NumPy loads OpenBLAS, where possible
+_env.apply_blas_defaults()  # before NumPy loads OpenBLAS, or reset the copies it loaded
 
 __version__ = "0.1.0"
 

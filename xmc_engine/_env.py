@@ -90,16 +90,66 @@ def mpi_fault_spec() -> str | None:
     return os.environ.get("XMC_MPI_FAULT") or None
 
 
+#: OpenBLAS's ``OPENBLAS_THREAD_TIMEOUT`` that the engine sets unless the user set it: idle
+#: workers wait 2^4 cycles (the least OpenBLAS takes) before they sleep, instead of 2^28.
+BLAS_THREAD_TIMEOUT = "4"
+
+
 def apply_blas_defaults() -> bool:
-    """Set ``OPENBLAS_THREAD_TIMEOUT=4`` unless the user set it; True when it can still act.
+    """Set ``OPENBLAS_THREAD_TIMEOUT=4`` unless the user set it; True when it acts.
 
     OpenBLAS workers spin for about 2^28 cycles after every call before they sleep. Between the
     GEMMs of a training step numba's kernels then find the cores busy: measured on a 2-core
     machine, a delicious-sized step took 47-97 ms with 2 threads instead of 2.6 ms with this
-    setting (``bench/bench_step.py``). OpenBLAS reads the variable when it is loaded, so it only
-    acts when ``xmc_engine`` is imported before NumPy (the ``xmc-engine`` command always is).
+    setting (``bench/bench_step.py``). OpenBLAS reads the variable when it is loaded. Where
+    NumPy (or SciPy) loaded an OpenBLAS before ``import xmc_engine`` (a script that imports
+    NumPy first), each such copy is told to read it again and its worker pool is stopped, so
+    that the pool it starts at its next threaded call waits the new time
+    (:func:`reset_loaded_openblas`; ``bench/bench_blas_timeout.py`` measures both).
+    False where the user set the variable, or where a loaded copy could not be reset.
     """
-    import sys
+    if "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+        return False
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = BLAS_THREAD_TIMEOUT
+    return all(reset_loaded_openblas())
 
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    return "numpy" not in sys.modules
+
+def loaded_openblas() -> list[str]:
+    """Paths of the OpenBLAS libraries this process has loaded (NumPy and SciPy each bring
+    their own copy); read from ``/proc/self/maps``, so empty where there is no such file."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    paths = []
+    for line in lines:
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        name = os.path.basename(path)
+        if "openblas" in name.lower() and ".so" in name and path not in paths:
+            paths.append(path)
+    return paths
+
+
+def reset_loaded_openblas() -> list[bool]:
+    """Make every loaded OpenBLAS read its environment again and stop its worker pool; one
+    True per copy whose pool now follows ``OPENBLAS_THREAD_TIMEOUT`` (False: the copy lacks
+    the exported ``openblas_read_env`` / ``blas_thread_shutdown_``).
+
+    ``blas_thread_shutdown_`` is what OpenBLAS itself runs before a ``fork``; the next threaded
+    call starts a new pool, which takes the timeout from the environment just read. Call it
+    while no other thread is inside a BLAS call (``import xmc_engine`` does, once)."""
+    import ctypes
+
+    done = []
+    for path in loaded_openblas():
+        try:
+            lib = ctypes.CDLL(path)  # the copy already loaded: no second load
+            read_env, shutdown = lib.openblas_read_env, lib.blas_thread_shutdown_
+        except (OSError, AttributeError):
+            done.append(False)
+            continue
+        read_env.restype, shutdown.restype = None, ctypes.c_int
+        read_env()
+        done.append(shutdown() == 0)
+    return done
