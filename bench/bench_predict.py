@@ -1,14 +1,21 @@
 """Chunked top-k prediction on the CPU: the chunk folded into the running lists against bias,
-top-k and merge per chunk.
+top-k and merge per chunk, and the fold's blocks of rows on Python threads against one numba
+parallel region.
 
 :func:`xmc_engine.output_layer.predict_scores_topk` computes the logits one label chunk at a
 time (one sgemm) and keeps each row's top ``k``. The CPU backend folds each chunk, its bias
-added in the same pass, into the running lists (``kernels/topk.py: topk_fold_cpu``: one
-parallel region per chunk). Every other backend adds the bias, takes the chunk's top-k and
-merges it with the running lists (three regions). This bench times both on the CPU in the same
-run, with the bare sgemm of the same chunks as the floor, at the shape where it matters: the
-loss probe's held-out scoring and the evaluation at the Amazon-670K shape (hidden 128,
-670,091 labels, blocks of 512 rows, label chunks of 32,768: ``HELDOUT_LOGITS`` // 512).
+added in the same pass, into the running lists (``kernels/topk.py: topk_fold_cpu``), one block
+of rows per thread, the blocks run from Python threads (``folded``). Arms, in the same run:
+
+- ``region``: the same fold in one numba parallel region per chunk (a ``prange`` over the rows
+  calling the engine's kernel; the CPU backend's fold before ``topk_fold`` took threads);
+- ``merged``: what every other backend does: add the bias, take the chunk's top-k, merge it
+  with the running lists (three parallel regions);
+- ``sgemm``: the bare sgemm of the same chunks, the floor.
+
+At the shape where it matters: the loss probe's held-out scoring and the evaluation at the
+Amazon-670K shape (hidden 128, 670,091 labels, blocks of 512 rows, label chunks of 32,768:
+``HELDOUT_LOGITS`` // 512; the Amazon-670K benches evaluate with chunks of 8,192).
 
 Usage::
 
@@ -29,6 +36,40 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+
+
+class RegionFold:
+    """The CPU backend with the fold in one numba parallel region per chunk."""
+
+    def __init__(self, backend):
+        self._be = backend
+
+    def __getattr__(self, name):
+        return getattr(self._be, name)
+
+    @staticmethod
+    def topk_fold(scores, bias, offset, idx, val, filled):
+        _fold_region()(scores, bias, int(offset), idx, val, filled)
+
+
+def _fold_region():
+    """A ``prange`` over the rows, each the engine's serial fold of one row (compiled once)."""
+    global _FOLD_REGION
+    if _FOLD_REGION is None:
+        from numba import njit, prange
+        from xmc_engine.kernels.topk import topk_fold_cpu
+
+        @njit(nogil=True, parallel=True)
+        def fold(scores, bias, offset, idx, val, filled):
+            for i in prange(scores.shape[0]):
+                topk_fold_cpu(scores[i:i + 1], bias, offset, idx[i:i + 1], val[i:i + 1],
+                              filled[i:i + 1])
+
+        _FOLD_REGION = fold
+    return _FOLD_REGION
+
+
+_FOLD_REGION = None
 
 
 class Unfolded:
@@ -54,6 +95,7 @@ def run(n_labels: int, hidden: int, rows: int, chunks, ks, repeats: int) -> list
     b2 = (rng.standard_normal(n_labels) * 0.1).astype(np.float32)
     be = get_backend("cpu")
     unfolded = Unfolded(be)
+    region = RegionFold(be)
     out = []
     for C in chunks:
         Z = np.empty((rows, min(C, n_labels)), np.float32)
@@ -68,17 +110,23 @@ def run(n_labels: int, hidden: int, rows: int, chunks, ks, repeats: int) -> list
             results = {}
             for name, fn in (("folded", lambda k=k, C=C: predict_scores_topk(
                                  be, H, W2, b2, k, label_chunk=C)),
+                             ("region", lambda k=k, C=C: predict_scores_topk(
+                                 region, H, W2, b2, k, label_chunk=C)),
                              ("merged", lambda k=k, C=C: predict_scores_topk(
                                  unfolded, H, W2, b2, k, label_chunk=C)),
                              ("sgemm", sgemm)):
                 results[name] = fn()  # warm-up, and the answer to compare
                 row[f"{name}_s"] = float(np.median(_common.timings(fn, repeats, warmup=0)))
-            row["same_labels"] = bool(np.array_equal(results["folded"][0], results["merged"][0]))
-            row["same_scores"] = bool(np.array_equal(results["folded"][1], results["merged"][1]))
+            row["same_labels"] = all(np.array_equal(results["folded"][0], results[a][0])
+                                     for a in ("region", "merged"))
+            row["same_scores"] = all(np.array_equal(results["folded"][1], results[a][1])
+                                     for a in ("region", "merged"))
+            row["region_over_folded"] = row["region_s"] / row["folded_s"]
             row["merged_over_folded"] = row["merged_s"] / row["folded_s"]
             row["folded_over_sgemm"] = row["folded_s"] / row["sgemm_s"]
             out.append(row)
-            print(f"chunk {C:>7,} k {k}: folded {row['folded_s']:.3f} s, merged "
+            print(f"chunk {C:>7,} k {k}: folded {row['folded_s']:.3f} s, region "
+                  f"{row['region_s']:.3f} s ({row['region_over_folded']:.2f}x), merged "
                   f"{row['merged_s']:.3f} s ({row['merged_over_folded']:.2f}x), bare sgemm "
                   f"{row['sgemm_s']:.3f} s (folded {row['folded_over_sgemm']:.2f}x of it); "
                   f"same labels {row['same_labels']}, scores {row['same_scores']}", flush=True)

@@ -19,11 +19,17 @@ Versions
                       slice of the row in a global scratch ``(grid, block, k)``, then thread 0
                       merges the block's candidates into the output.
 ``topk_merge_cpu`` / ``topk_merge_kernel``  merge two sorted lists per row (two pointers).
-``topk_fold_cpu``     @njit, prange over rows: folds one label chunk of logits, its bias added
-                      on the fly, into each row's running list (the insertion of ``topk_cpu``);
-                      chunks folded in label order give ``topk_cpu`` of the whole biased row, in
-                      one pass and one parallel region per chunk (the chunked prediction's
-                      bias, top-k and merge were three, each after a BLAS call).
+``topk_fold_cpu``     @njit(nogil), serial: folds one label chunk of logits, its bias added on
+                      the fly, into each row's running list (the insertion of ``topk_cpu``);
+                      chunks folded in label order give ``topk_cpu`` of the whole biased row,
+                      in one pass (the chunked prediction's bias, top-k and merge were three,
+                      each after a BLAS call). Not a parallel region: the CPU backend runs it
+                      on blocks of rows from Python threads
+                      (:meth:`xmc_engine.backends.cpu.CPUBackend.topk_fold`). After a numba
+                      parallel region libgomp's workers spin for milliseconds on the cores the
+                      next chunk's sgemm needs; measured at 670,091 labels, that made the
+                      prediction 1.15x (chunks of 32,768) to 1.7x (8,192) slower
+                      (``bench/bench_predict.py``).
 Launchers take a numba stream and never synchronise.
 """
 
@@ -72,13 +78,15 @@ def topk_cpu(scores, k, idx_out, val_out):
             n = _insert(vi, ii, n, row[j], j)
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(nogil=True, cache=True)
 def topk_fold_cpu(scores, bias, offset, idx, val, filled):
     """Fold the chunk ``scores + bias`` (labels ``offset .. offset + C - 1``) into each row's
     running top list ``idx[i, :filled[i]]`` / ``val[i, :filled[i]]`` (descending, ``k =
-    idx.shape[1]``); ``filled`` (int64, one per row, 0 before the first chunk) is updated."""
+    idx.shape[1]``); ``filled`` (int64, one per row, 0 before the first chunk) is updated.
+    Serial; blocks of rows (row slices of ``scores``, ``idx``, ``val``, ``filled``) can run in
+    parallel from several threads, since it releases the GIL."""
     n_rows, C = scores.shape
-    for i in prange(n_rows):
+    for i in range(n_rows):
         row = scores[i]
         vi = val[i]
         ii = idx[i]

@@ -276,16 +276,29 @@ def _bench(name):
 @pytest.mark.parametrize("order", ["C", "F"])
 @pytest.mark.parametrize("label_chunk", [None, 1, 3, 7, 64])
 @pytest.mark.parametrize("k", [1, 5])
-def test_the_folded_prediction_is_the_merged_one(rng, order, label_chunk, k):
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_the_folded_prediction_is_the_merged_one(rng, monkeypatch, order, label_chunk, k,
+                                                 blocks):
     """Folding each chunk into the running lists (bias added in the pass) gives the labels and
     scores of bias, top-k and merge per chunk, bit for bit, ties (small integer logits, many
-    equal) to the lower label."""
+    equal) to the lower label; also where the backend folds blocks of rows on several
+    threads (``blocks=3``: 11 rows in blocks of 3, 4 and 4, two of them on the pool)."""
+    from xmc_engine.backends import cpu as cpu_mod
     from xmc_engine.output_layer import predict_scores_topk
 
+    submitted = []
+    if blocks > 1:
+        monkeypatch.setattr(cpu_mod, "FOLD_ENTRIES_PER_THREAD", 1)
+        monkeypatch.setattr(CPUBackend, "_n_parts", staticmethod(lambda B: min(blocks, B)))
+        pool = cpu_mod._fold_pool()
+        monkeypatch.setattr(pool, "submit",
+                            lambda *a, _s=pool.submit: submitted.append(a) or _s(*a))
     H = rng.integers(0, 3, (11, 4)).astype(F32)
     W2 = np.asarray(rng.integers(-2, 3, (4, 50)), F32, order=order)
     b2 = rng.integers(-1, 2, 50).astype(F32)
     folded = predict_scores_topk(CPUBackend(), H, W2, b2, k, label_chunk=label_chunk)
+    n_chunks = 1 if label_chunk is None else -(-50 // label_chunk)
+    assert len(submitted) == (blocks - 1) * n_chunks
     # the CPU backend without topk_fold: the path of every other backend
     unfolded = _bench("bench_predict").Unfolded(CPUBackend())
     assert not hasattr(unfolded, "topk_fold") and hasattr(CPUBackend(), "topk_fold")
@@ -353,9 +366,9 @@ def test_sgemm_rm_strided_views_in_place(rng):
     assert not sgemm_rm(1.0, Z, W[:, 7:16].T, 1.0, dH[:, :3])  # shape mismatch: nothing done
 
 
-def test_predict_bench_times_both_paths_and_finds_them_equal(tmp_path, capsys):
-    """``bench/bench_predict.py`` end to end on a small shape: both paths give the same labels
-    and scores, and the file holds the three timings per chunk and k."""
+def test_predict_bench_times_the_paths_and_finds_them_equal(tmp_path, capsys):
+    """``bench/bench_predict.py`` end to end on a small shape: the three paths give the same
+    labels and scores, and the file holds the four timings per chunk and k."""
     import json
 
     bench_predict = _bench("bench_predict")
@@ -366,5 +379,5 @@ def test_predict_bench_times_both_paths_and_finds_them_equal(tmp_path, capsys):
     assert [(r["label_chunk"], r["k"]) for r in rows] == [(700, 1), (700, 5)]
     for r in rows:
         assert r["same_labels"] and r["same_scores"]
-        assert min(r["folded_s"], r["merged_s"], r["sgemm_s"]) > 0
+        assert min(r["folded_s"], r["region_s"], r["merged_s"], r["sgemm_s"]) > 0
     assert "bare sgemm" in capsys.readouterr().out

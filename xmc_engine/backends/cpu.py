@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import threading
 from contextlib import contextmanager, nullcontext
 
 import numba
@@ -39,6 +41,24 @@ _SGEMM = None
 _EMPTY_1D = np.zeros(0, _F32)  # the accumulators of train_step_cpu when the step is SGD
 _EMPTY_2D = np.zeros((0, 0), _F32)
 _NO_ROWS = np.zeros(0, np.bool_)  # "mark no changed rows"
+#: logits per thread below which the top-k fold of a chunk takes fewer threads: handing a
+#: block to a pool thread costs tens of microseconds, the fold about a nanosecond per logit
+FOLD_ENTRIES_PER_THREAD = 1 << 17
+_FOLD_POOL: list = []  # [the ThreadPoolExecutor of CPUBackend.topk_fold], once
+_FOLD_POOL_LOCK = threading.Lock()
+
+
+def _fold_pool():
+    """The threads that fold blocks of rows beside the caller's
+    (:meth:`CPUBackend.topk_fold`), made on first use; shared by every backend (the blocks of
+    concurrent callers queue)."""
+    with _FOLD_POOL_LOCK:
+        if not _FOLD_POOL:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _FOLD_POOL.append(ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1),
+                                                 thread_name_prefix="xmc-topk"))
+    return _FOLD_POOL[0]
 
 
 def _blas_operand(a):
@@ -369,13 +389,30 @@ class CPUBackend:
     def topk_into(scores, k, idx, val):
         topk.topk_cpu(scores, k, idx, val)
 
-    @staticmethod
-    def topk_fold(scores, bias, offset, idx, val, filled):
+    def topk_fold(self, scores, bias, offset, idx, val, filled):
         """Fold a label chunk's logits plus ``bias`` into the running top lists
         (:func:`xmc_engine.kernels.topk.topk_fold_cpu`): what
         :func:`xmc_engine.output_layer.predict_scores_topk` calls, where a backend has it, in
-        place of the bias, top-k and merge of each chunk."""
-        topk.topk_fold_cpu(scores, bias, int(offset), idx, val, filled)
+        place of the bias, top-k and merge of each chunk.
+
+        Blocks of rows run on the calling thread and on :func:`_fold_pool`'s threads, one block
+        per numba thread of the caller (fewer below ``FOLD_ENTRIES_PER_THREAD`` logits a
+        block), not in a numba parallel region: libgomp's workers spin after a region on the
+        cores that the next chunk's sgemm needs (``kernels/topk.py``)."""
+        offset = int(offset)
+        B = scores.shape[0]
+        n = min(self._n_parts(B), max(1, scores.size // FOLD_ENTRIES_PER_THREAD))
+        if n == 1:
+            topk.topk_fold_cpu(scores, bias, offset, idx, val, filled)
+            return
+        edges = [B * t // n for t in range(n + 1)]
+        futures = [_fold_pool().submit(topk.topk_fold_cpu, scores[a:b], bias, offset, idx[a:b],
+                                       val[a:b], filled[a:b])
+                   for a, b in zip(edges[1:-1], edges[2:], strict=True)]
+        topk.topk_fold_cpu(scores[:edges[1]], bias, offset, idx[:edges[1]], val[:edges[1]],
+                           filled[:edges[1]])
+        for f in futures:
+            f.result()
 
     @staticmethod
     def topk_merge(ia, va, ib, vb, io, vo):
