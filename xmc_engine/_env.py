@@ -125,16 +125,18 @@ def loaded_openblas() -> list[str]:
     paths = []
     for line in lines:
         path = line.split()[-1] if len(line.split()) >= 6 else ""
-        name = os.path.basename(path)
-        if "openblas" in name.lower() and ".so" in name and path not in paths:
+        # NumPy's wheel: numpy.libs/libscipy_openblas64_-<hash>.so; a system OpenBLAS may be
+        # .../openblas-pthread/libblas.so.3
+        if "openblas" in path.lower() and ".so" in os.path.basename(path) and path not in paths:
             paths.append(path)
     return paths
 
 
 def reset_loaded_openblas() -> list[bool]:
     """Make every loaded OpenBLAS read its environment again and stop its worker pool; one
-    True per copy whose pool now follows ``OPENBLAS_THREAD_TIMEOUT`` (False: the copy lacks
-    the exported ``openblas_read_env`` / ``blas_thread_shutdown_``).
+    True per copy whose pool now follows ``OPENBLAS_THREAD_TIMEOUT``, False per copy that
+    could not be opened or refused (a library on an OpenBLAS path without the exported
+    ``openblas_read_env`` / ``blas_thread_shutdown_``, e.g. a LAPACK beside it, is skipped).
 
     ``blas_thread_shutdown_`` is what OpenBLAS itself runs before a ``fork``; the next threaded
     call starts a new pool, which takes the timeout from the environment just read. Call it
@@ -145,9 +147,12 @@ def reset_loaded_openblas() -> list[bool]:
     for path in loaded_openblas():
         try:
             lib = ctypes.CDLL(path)  # the copy already loaded: no second load
-            read_env, shutdown = lib.openblas_read_env, lib.blas_thread_shutdown_
-        except (OSError, AttributeError):
+        except OSError:
             done.append(False)
+            continue
+        try:
+            read_env, shutdown = lib.openblas_read_env, lib.blas_thread_shutdown_
+        except AttributeError:
             continue
         read_env.restype, shutdown.restype = None, ctypes.c_int
         read_env()
