@@ -685,13 +685,13 @@ def apply_adagrad(be, params, grads, acc, lr: float, eps: float = ADAGRAD_EPS) -
 #: workers do not spin-wait).
 THREADS_MARGIN = 0.95
 #: :func:`calibrate_threads` keeps one thread, untimed, where one thread's warm step takes less
-#: than this many seconds. On the 2-core machine two threads trained slower than one on every
-#: set whose step took under 0.6 ms (bibtex, delicious, rcv1sub1, imdb, debian_debtags:
-#: 0.27x-0.70x at 5 epochs) and faster only on those of 1.4 ms and more (debian_builddeps
-#: 1.15x, the synthetic 10,000-label shape 1.6x), while the timing cost 0.2-0.5 s of fits of
-#: about a second and, from one process state to the next, read two threads 0.1x-1.5x as fast
-#: on those small steps (``bench/RESULTS.md``, "Thread calibration", "Steps too short to
-#: time"). Not measured on more cores, where shorter steps may gain.
+#: than this many seconds. On the 2-core machine two threads train slower than one on the sets
+#: with the shortest steps (bibtex, rcv1sub1, imdb: 0.67x-0.89x), faster on delicious and
+#: debian_debtags (1.09x-1.25x, steps near the floor, which they cross in some runs) and on
+#: the larger ones (1.3x-1.7x); without the floor the timing chose the same budgets and cost
+#: imdb's fits 0.3-0.4 s (``bench/RESULTS.md``, "Thread calibration", "Steps too short to
+#: time"; the first measurements there, with OpenBLAS spinning in the benchmark's process,
+#: read the small sets 0.27x-0.70x). Not measured on more cores, where shorter steps may gain.
 CALIBRATE_MIN_STEP_S = 1e-3
 
 
