@@ -28,7 +28,7 @@ Versions
                       (:meth:`xmc_engine.backends.cpu.CPUBackend.topk_fold`). After a numba
                       parallel region libgomp's workers spin for milliseconds on the cores the
                       next chunk's sgemm needs; measured at 670,091 labels, that made the
-                      prediction 1.15x (chunks of 32,768) to 1.7x (8,192) slower
+                      prediction 1.19x (chunks of 32,768) and 1.65-1.86x (8,192) slower
                       (``bench/bench_predict.py``).
 Launchers take a numba stream and never synchronise.
 """
