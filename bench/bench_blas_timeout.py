@@ -53,7 +53,7 @@ def child(datasets: list[str], epochs: list[float], predict_labels: int) -> dict
 
     from xmc_engine import _env
 
-    out = {"openblas_timeouts": _env_timeouts(_env), "predict": None, "fits": {}}
+    out = {"openblas_timeouts": _env.openblas_timeouts(), "predict": None, "fits": {}}
     if predict_labels:
         (row,) = bench_predict.run(predict_labels, 128, 512, [32_768], [1], repeats=3)
         out["predict"] = {k: row[k] for k in ("folded_s", "merged_s", "sgemm_s")}
@@ -65,13 +65,6 @@ def child(datasets: list[str], epochs: list[float], predict_labels: int) -> dict
         out["fits"][name] = {"one_2threads_us": us_per_sample(one2)[0],
                              "two_devices_slower_us": max(us_per_sample(two))}
     return out
-
-
-def _env_timeouts(env_module) -> list[int]:
-    """``openblas_thread_timeout()`` of every loaded OpenBLAS copy (what each read)."""
-    import ctypes
-
-    return [ctypes.CDLL(p).openblas_thread_timeout() for p in env_module.loaded_openblas()]
 
 
 def run_arm(arm: str, datasets: list[str], epochs: list[float], predict_labels: int) -> dict:

@@ -20,7 +20,7 @@ from xmc_engine import _env
 #: copies start their worker pools), the CPU time the process burns while its main thread
 #: sleeps; then ``import xmc_engine`` and the same again.
 _CHILD = r"""
-import ctypes, json, time
+import json, time
 import numpy as np
 from scipy.linalg import blas
 
@@ -36,9 +36,7 @@ before = idle_cpu()
 import xmc_engine
 from xmc_engine import _env
 after = idle_cpu()
-timeouts = [ctypes.CDLL(p).openblas_thread_timeout() for p in _env.loaded_openblas()]
-print(json.dumps({"before": before, "after": after, "timeouts": timeouts,
-                  "copies": len(_env.loaded_openblas())}))
+print(json.dumps({"before": before, "after": after, "timeouts": _env.openblas_timeouts()}))
 """
 
 
@@ -59,7 +57,7 @@ pytestmark = pytest.mark.skipif(
 def test_numpy_first_gets_the_short_timeout():
     r = _child({})
     # NumPy's and SciPy's copies were both loaded before the engine, and both were reset
-    assert r["copies"] >= 2 and r["timeouts"] == [4] * r["copies"], r
+    assert len(r["timeouts"]) >= 2 and set(r["timeouts"]) == {4}, r
     # before: OpenBLAS's default, workers spin ~2^28 cycles (~0.1 s) after each of the two
     # calls; after: they sleep at once
     assert r["before"] > 0.05, r
@@ -69,5 +67,5 @@ def test_numpy_first_gets_the_short_timeout():
 def test_a_timeout_the_user_set_is_kept():
     # 0: OpenBLAS's own default (spin); the engine must not override what the user chose
     r = _child({"OPENBLAS_THREAD_TIMEOUT": "0"})
-    assert r["timeouts"] == [0] * r["copies"], r
+    assert len(r["timeouts"]) >= 2 and set(r["timeouts"]) == {0}, r
     assert r["after"] > 0.05, r

@@ -132,6 +132,21 @@ def loaded_openblas() -> list[str]:
     return paths
 
 
+def openblas_timeouts() -> list[int]:
+    """``OPENBLAS_THREAD_TIMEOUT`` as each loaded OpenBLAS copy last read it (0: unset, i.e.
+    OpenBLAS's own 2^28 cycles); libraries on an OpenBLAS path without the exported
+    ``openblas_thread_timeout`` are left out, as :func:`reset_loaded_openblas` skips them."""
+    import ctypes
+
+    out = []
+    for path in loaded_openblas():
+        try:
+            out.append(int(ctypes.CDLL(path).openblas_thread_timeout()))
+        except (OSError, AttributeError):
+            continue
+    return out
+
+
 def reset_loaded_openblas() -> list[bool]:
     """Make every loaded OpenBLAS read its environment again and stop its worker pool; one
     True per copy whose pool now follows ``OPENBLAS_THREAD_TIMEOUT``, False per copy that
