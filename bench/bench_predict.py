@@ -28,6 +28,7 @@ Results: ``bench/results/predict_fold.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -38,50 +39,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 
-class RegionFold:
-    """The CPU backend with the fold in one numba parallel region per chunk."""
+class _Backend:
+    """The CPU backend as the engine sees it, but for what a subclass changes."""
 
     def __init__(self, backend):
         self._be = backend
 
     def __getattr__(self, name):
         return getattr(self._be, name)
+
+
+class RegionFold(_Backend):
+    """The CPU backend with the fold in one numba parallel region per chunk."""
 
     @staticmethod
     def topk_fold(scores, bias, offset, idx, val, filled):
         _fold_region()(scores, bias, int(offset), idx, val, filled)
 
 
+@functools.cache
 def _fold_region():
     """A ``prange`` over the rows, each the engine's serial fold of one row (compiled once)."""
-    global _FOLD_REGION
-    if _FOLD_REGION is None:
-        from numba import njit, prange
-        from xmc_engine.kernels.topk import topk_fold_cpu
+    from numba import njit, prange
+    from xmc_engine.kernels.topk import topk_fold_cpu
 
-        @njit(nogil=True, parallel=True)
-        def fold(scores, bias, offset, idx, val, filled):
-            for i in prange(scores.shape[0]):
-                topk_fold_cpu(scores[i:i + 1], bias, offset, idx[i:i + 1], val[i:i + 1],
-                              filled[i:i + 1])
+    @njit(nogil=True, parallel=True)
+    def fold(scores, bias, offset, idx, val, filled):
+        for i in prange(scores.shape[0]):
+            topk_fold_cpu(scores[i:i + 1], bias, offset, idx[i:i + 1], val[i:i + 1],
+                          filled[i:i + 1])
 
-        _FOLD_REGION = fold
-    return _FOLD_REGION
+    return fold
 
 
-_FOLD_REGION = None
-
-
-class Unfolded:
+class Unfolded(_Backend):
     """The CPU backend without ``topk_fold``: bias, top-k and merge per chunk."""
-
-    def __init__(self, backend):
-        self._be = backend
 
     def __getattr__(self, name):
         if name == "topk_fold":
             raise AttributeError(name)
-        return getattr(self._be, name)
+        return super().__getattr__(name)
 
 
 def run(n_labels: int, hidden: int, rows: int, chunks, ks, repeats: int) -> list[dict]:
