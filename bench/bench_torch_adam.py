@@ -62,6 +62,9 @@ from xmc_engine.validation import normalize_rows  # noqa: E402
 DATASETS = ("bibtex", "delicious", "corel5k", "stackex_cooking", "stackex_cs", "rcv1sub1",
             "imdb", "debian_debtags", "debian_builddeps")
 ADAM_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+#: PyTorch Adagrad's grid: the engine's Adagrad learning rates (``ENGINE_LRS``) and one more
+#: step each side.
+ADAGRAD_LRS = (0.01, 0.02, 0.05, 0.1, 0.2)
 ENGINE_LRS = (0.02, 0.05, 0.1)
 METRICS = ("P@1", "P@3", "P@5")
 
@@ -82,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "each with the default learning rate (none by default)")
     p.add_argument("--optimizers", nargs="+", default=["adam", "sparse_adam"],
                    choices=torch_baseline.TORCH_OPTIMIZERS)
+    p.add_argument("--adagrad-lrs", type=float, nargs="+", default=list(ADAGRAD_LRS),
+                   help="learning rates of PyTorch's Adagrad (with --optimizers ... adagrad)")
     p.add_argument("--loss", choices=("softmax", "bce", "auto"), default="softmax",
                    help="the training loss of both sides; auto: the engine's default (its "
                    "probe picks one) against PyTorch's best of both losses")
@@ -147,6 +152,15 @@ def mean_over_seeds(runs: list[dict]) -> dict:
             "per_seed": [r["P@1"] for r in runs], **lanes}
 
 
+def best_by_optimizer(grid: list[dict]) -> dict:
+    """PyTorch's best configuration (by mean P@1) of each optimizer in ``grid``."""
+    best: dict = {}
+    for r in grid:
+        if r["optimizer"] not in best or r["P@1"] > best[r["optimizer"]]["P@1"]:
+            best[r["optimizer"]] = r
+    return best
+
+
 def _fmt(r: dict) -> str:
     return " / ".join(f"{r[k]:.4f}" for k in METRICS) + f" ({r['train_time']:.1f} s)"
 
@@ -187,7 +201,7 @@ def main(argv=None) -> int:
             grid = []
             for loss in torch_losses:
                 for opt in args.optimizers:
-                    for lr in args.lrs:
+                    for lr in args.adagrad_lrs if opt == "adagrad" else args.lrs:
                         grid.append(run_torch(torch_data, args, opt, lr, seed, loss))
                         print(f"{name} seed {seed}: torch {loss} {opt} lr={lr:g} "
                               f"{_fmt(grid[-1])}", flush=True)
@@ -199,6 +213,9 @@ def main(argv=None) -> int:
         grid = [mean_over_seeds(list(runs)) for runs in zip(*grids, strict=True)]
         engine_best = max([engine, *engine_grid], key=lambda r: r["P@1"])
         best = max(grid, key=lambda r: r["P@1"])
+        by_optimizer = best_by_optimizer(grid)
+        for opt, r in by_optimizer.items():
+            print(f"{name}: torch best {opt}: {r['loss']} lr={r['lr']:g} {_fmt(r)}", flush=True)
         ens = [mean_over_seeds(list(runs)) for runs in zip(*ensembles, strict=True)]
         for r in ens:  # against PyTorch's best, and its time over the ensemble's
             r["P@1_diff"] = r["P@1"] - best["P@1"]
@@ -210,7 +227,8 @@ def main(argv=None) -> int:
         row = {"dataset": name, "note": note, "seeds": args.seeds, "engine": engine,
                "engine_ensembles": ens,
                "engine_grid": engine_grid, "engine_best": engine_best, "torch": grid,
-               "torch_best": best, "P@1_diff": engine["P@1"] - best["P@1"],
+               "torch_best": best, "torch_best_by_optimizer": by_optimizer,
+               "P@1_diff": engine["P@1"] - best["P@1"],
                "best_P@1_diff": engine_best["P@1"] - best["P@1"],
                "P@1_diff_per_seed": [e - t for e, t in zip(engine["per_seed"],
                                                             best["per_seed"], strict=True)],
@@ -227,6 +245,8 @@ def main(argv=None) -> int:
               f"{row['time_ratio']:.2f}x", flush=True)
         _common.write_result(args.out, payload)
     print_table(payload["rows"])
+    if len(args.optimizers) > 1:
+        print_optimizer_table(payload["rows"], args.optimizers)
     print(f"wrote {args.out}")
     return 0
 
@@ -242,6 +262,17 @@ def print_table(rows: list[dict]) -> None:
               f"{b.get('loss', '')} {b['optimizer']} "
               f"{b['lr']:g} | {r['P@1_diff']:+.4f} | {r['time_ratio']:.2f}x | "
               f"{e['resolved']['lr']:g}: {e['P@1'] - b['P@1']:+.4f} |")
+
+
+def print_optimizer_table(rows: list[dict], optimizers: list[str]) -> None:
+    """PyTorch's best P@1 / P@3 / P@5 of each optimizer, and its loss and learning rate."""
+    print("\n| dataset | " + " | ".join(f"PyTorch {o}: P@1 / P@3 / P@5 (train s), loss lr"
+                                          for o in optimizers) + " |")
+    print("|---|" + "---|" * len(optimizers))
+    for r in rows:
+        cells = [r["torch_best_by_optimizer"][o] for o in optimizers]
+        print(f"| {r['dataset']} | " + " | ".join(f"{_fmt(c)}, {c['loss']} {c['lr']:g}"
+                                                 for c in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ The network, loss, optimiser, batching and initialisation mirror the engine:
 * plain ``torch.optim.SGD`` (no momentum, no weight decay), constant learning rate; or Adam
   (``--optimizer adam``: ``torch.optim.Adam`` on every parameter, ``W1`` with a dense gradient;
   ``--optimizer sparse_adam``: ``torch.optim.SparseAdam`` on the sparse ``W1`` gradient and
-  ``Adam`` on the rest). ``bench/bench_torch_adam.py`` grids Adam's learning rate against the
-  engine's defaults.
+  ``Adam`` on the rest); or Adagrad (``--optimizer adagrad``, the engine's update without its
+  decay). ``bench/bench_torch_adam.py`` grids Adam's learning rate against the engine's
+  defaults, and with ``--optimizers adam sparse_adam adagrad`` Adam against Adagrad.
 * init: ``W1`` uniform with variance ``1 / (avg_nnz * mean(x^2))`` (train-set statistics),
   ``W2`` Glorot-uniform, zero biases; drawn with the engine's NumPy generator and seed, so both
   start from the same weights.
@@ -239,8 +240,10 @@ def _eval_points(n_samples: int, epochs: int, eval_every: float) -> list[int]:
 #: ``train_torch``'s optimizers: plain SGD (the paper's), Adam on a dense ``W1`` gradient (what
 #: ``torch.optim.Adam`` needs: ``EmbeddingBag(sparse=False)``), and "lazy" Adam
 #: (``torch.optim.SparseAdam`` on the sparse ``W1`` gradient, ``Adam`` on the rest: only the
-#: rows of a batch's features move, as in the engine).
-TORCH_OPTIMIZERS = ("sgd", "adam", "sparse_adam")
+#: rows of a batch's features move, as in the engine), and Adagrad (``torch.optim.Adagrad`` on
+#: every parameter, the ``W1`` gradient sparse; its defaults, ``eps=1e-10`` and a zero initial
+#: accumulator, are the engine's Adagrad, which adds a learning-rate decay).
+TORCH_OPTIMIZERS = ("sgd", "adam", "sparse_adam", "adagrad")
 
 
 def make_optimizer(model, name: str, lr: float) -> list:
@@ -249,6 +252,8 @@ def make_optimizer(model, name: str, lr: float) -> list:
         return [torch.optim.SGD(model.parameters(), lr=lr)]
     if name == "adam":
         return [torch.optim.Adam(model.parameters(), lr=lr)]
+    if name == "adagrad":
+        return [torch.optim.Adagrad(model.parameters(), lr=lr)]
     if name == "sparse_adam":
         rest = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
         return [torch.optim.SparseAdam(list(model.emb.parameters()), lr=lr),
@@ -370,28 +375,38 @@ def step_throughput(X, Y, *, hidden: int = 128, batch_size: int = 256, threads: 
 
 
 def check_against_engine(X, Y, *, hidden: int = 128, batch_size: int = 256, lr: float = 1.0,
-                         n_steps: int = 3, seed: int = 0) -> dict | None:
-    """Run ``n_steps`` SGD steps of this baseline and of the engine's CPU ``train_step`` from the
-    same init on the same batches; return the max abs parameter difference per tensor and the
-    last mean losses (``None`` when the engine's CPU backend is not importable)."""
+                         n_steps: int = 3, seed: int = 0, optimizer: str = "sgd") -> dict | None:
+    """Run ``n_steps`` steps of this baseline and of the engine's CPU step from the same init on
+    the same batches; return the max abs parameter difference per tensor and the last mean
+    losses (``None`` when the engine's CPU backend is not importable). ``optimizer``: ``"sgd"``
+    (the engine's ``train_step``) or ``"adagrad"`` (its ``grad_step`` and ``apply_adagrad``,
+    against ``torch.optim.Adagrad``)."""
     _require_torch()
+    if optimizer not in ("sgd", "adagrad"):
+        raise ValueError(f"optimizer {optimizer!r}: the check covers sgd and adagrad")
     try:
         from xmc_engine.backends import get_backend
-        from xmc_engine.model import train_step
+        from xmc_engine.model import apply_adagrad, grad_step, train_step
     except ImportError:
         return None
     init = engine_init(X.shape[1], Y.shape[1], hidden, X, seed)
     be = get_backend("cpu", threads=1)
     params = [be.asarray(p.copy()) for p in init]
+    acc = [be.asarray(np.zeros_like(p)) for p in init]
     model = SparseMLP(X.shape[1], Y.shape[1], hidden, init=init)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    (opt,) = make_optimizer(model, optimizer, lr)
     perm = epoch_permutation(X.shape[0], seed, 0)
     loss_e = loss_t = float("nan")
     for s in range(n_steps):
         rows = perm[s * batch_size:(s + 1) * batch_size]
         if len(rows) == 0:
             break
-        loss_e = train_step(be, params, X[rows], Y[rows], lr) / len(rows)
+        if optimizer == "sgd":
+            loss_e = train_step(be, params, X[rows], Y[rows], lr) / len(rows)
+        else:
+            loss_sum, grads = grad_step(be, params, X[rows], Y[rows])
+            apply_adagrad(be, params, grads, acc, lr)
+            loss_e = loss_sum / len(rows)
         b = csr_to_batch(X[rows], Y[rows])
         opt.zero_grad(set_to_none=True)
         loss = batch_loss(model(b.input, b.offsets, b.per_sample_weights), b.target,
@@ -402,7 +417,8 @@ def check_against_engine(X, Y, *, hidden: int = 128, batch_size: int = 256, lr: 
     mine = [model.emb.weight, model.b1, model.out.weight.T, model.out.bias]
     diff = {name: float(np.max(np.abs(np.asarray(be.to_host(a)) - t.detach().numpy())))
             for name, a, t in zip(("W1", "b1", "W2", "b2"), params, mine, strict=True)}
-    return {"n_steps": n_steps, "lr": lr, "max_abs_diff": diff, "loss_engine": loss_e,
+    return {"n_steps": n_steps, "lr": lr, "optimizer": optimizer, "max_abs_diff": diff,
+            "loss_engine": loss_e,
             "loss_torch": loss_t}
 
 

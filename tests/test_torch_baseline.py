@@ -25,22 +25,28 @@ def data():
                           seed=0)
 
 
-def test_sgd_step_equals_the_engines_train_step(data):
+@pytest.mark.parametrize(("optimizer", "lr"), [("sgd", 0.5), ("adagrad", 0.05)])
+def test_step_equals_the_engines_step(data, optimizer, lr):
+    """Three steps of the baseline's SGD / Adagrad from the engine's init give the engine's
+    parameters; a step that differs (another learning rate on one side) would move them by
+    about lr per touched entry, far above the bound."""
     X, Y, _, _ = data
-    check = torch_baseline.check_against_engine(X, Y, hidden=16, batch_size=64, lr=0.5,
-                                                n_steps=3)
+    check = torch_baseline.check_against_engine(X, Y, hidden=16, batch_size=64, lr=lr,
+                                                n_steps=3, optimizer=optimizer)
     assert check is not None
+    assert check["optimizer"] == optimizer
     assert max(check["max_abs_diff"].values()) < 1e-4
     assert check["loss_torch"] == pytest.approx(check["loss_engine"], rel=1e-4)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sparse_adam"])
-def test_adam_variants_learn(data, optimizer):
+@pytest.mark.parametrize(("optimizer", "lr"), [("adam", 1e-2), ("sparse_adam", 1e-2),
+                                               ("adagrad", 0.05)])
+def test_adam_and_adagrad_variants_learn(data, optimizer, lr):
     X, Y, Xt, Yt = data
-    res = torch_baseline.train_torch(X, Y, Xt, Yt, hidden=16, batch_size=64, lr=1e-2,
+    res = torch_baseline.train_torch(X, Y, Xt, Yt, hidden=16, batch_size=64, lr=lr,
                                      epochs=4, threads=1, eval_every=1.0, optimizer=optimizer)
     assert res["config"]["optimizer"] == optimizer
-    assert res["config"]["sparse_grad"] is (optimizer == "sparse_adam")
+    assert res["config"]["sparse_grad"] is (optimizer != "adam")
     losses = [r["loss"] for r in res["curve"]]
     assert losses[-1] < 0.9 * losses[0]
     popularity = np.asarray(Y.sum(axis=0)).ravel().argmax()
@@ -67,7 +73,7 @@ def test_sparse_adam_moves_only_the_batch_rows_of_w1(data):
 
 def test_unknown_optimizer_is_refused():
     model = torch_baseline.SparseMLP(10, 3, 4)
-    with pytest.raises(ValueError, match="choose one of sgd, adam, sparse_adam"):
+    with pytest.raises(ValueError, match="choose one of sgd, adam, sparse_adam, adagrad"):
         torch_baseline.make_optimizer(model, "lbfgs", 0.1)
 
 
