@@ -40,6 +40,14 @@ seconds count in the engine's time) and PyTorch's grid covers both losses::
     python bench/bench_torch_adam.py --loss auto --engine-lrs \
         --out bench/results/torch_adam_auto.json
 
+With ``--optimizers sparse_adam adagrad`` PyTorch's Adagrad (the engine's update without its
+decay, grid ``--adagrad-lrs``) trains beside lazy Adam, and each optimizer's best is printed:
+whether Adam would be worth adding to the engine::
+
+    python bench/bench_torch_adam.py --loss bce --optimizers sparse_adam adagrad \
+        --lrs 0.001 0.003 0.01 0.03 --adagrad-lrs 0.02 0.05 0.1 0.2 --torch-batch 64 \
+        --engine-lrs 0.05 0.1 0.2 --seeds 0 1 --out bench/results/torch_adam_vs_adagrad_b64.json
+
 Needs ``pip install torch==2.13.0`` (the CPU build); without it the script says so and exits 0.
 """
 
