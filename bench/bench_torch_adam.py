@@ -260,8 +260,8 @@ def main(argv=None) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| dataset | engine defaults P@1 / P@3 / P@5 (train s) | PyTorch Adam best "
-          "P@1 / P@3 / P@5 (train s) | Adam variant, lr | defaults - PyTorch P@1 | "
+    print("\n| dataset | engine defaults P@1 / P@3 / P@5 (train s) | PyTorch best "
+          "P@1 / P@3 / P@5 (train s) | its optimizer, lr | defaults - PyTorch P@1 | "
           "PyTorch / engine time | engine's best lr: P@1 - PyTorch |")
     print("|---|---|---|---|---:|---:|---|")
     for r in rows:

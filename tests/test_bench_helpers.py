@@ -548,6 +548,16 @@ def test_the_torch_bench_keeps_an_ensembles_lanes_per_seed():
     assert "lanes" not in mean_over_seeds([{k: v for k, v in runs[0].items() if k != "lanes"}])
 
 
+def test_the_torch_bench_keeps_each_optimizers_best():
+    from bench_torch_adam import best_by_optimizer
+
+    grid = [{"optimizer": o, "lr": lr, "P@1": p}
+            for o, lr, p in (("sparse_adam", 0.001, 0.50), ("sparse_adam", 0.003, 0.55),
+                             ("adagrad", 0.05, 0.52), ("adagrad", 0.1, 0.51))]
+    best = best_by_optimizer(grid)
+    assert {o: r["lr"] for o, r in best.items()} == {"sparse_adam": 0.003, "adagrad": 0.05}
+
+
 def test_thread_pools_benchmark_gives_the_budget_to_the_pools_it_names(monkeypatch):
     """``bench_thread_pools.install``: a CPU budget of ``n`` threads goes to numba's kernels,
     to BLAS or to both as its arm says, the other pool on one thread."""
