@@ -439,7 +439,7 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(spy):
     Adagrad state, counts its samples and training time as its own and goes on with the rest
     of its first epoch: ``epochs x rows`` samples in all, not the probe's on top. The fit was
     the start of the run itself, so on one device the continued run is the run of the chosen
-    loss from the initialisation, to the bit."""
+    loss (and the decay the choice gave) from the initialisation, to the bit."""
     X, Y = _synthetic()
     kw = dict(hidden=8, threads=1, seed=0, eval_every=0)
     clf = XMCClassifier(epochs=12, **kw).fit(X, Y)
@@ -460,7 +460,8 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(spy):
     for got, want in zip(state, fit["optimizer_state"], strict=True):  # where the fit ended
         np.testing.assert_array_equal(got, want)
     assert position == {"epoch": 0, "cursor": 2048, "period": -1}  # the epoch's next rows
-    fixed = XMCClassifier(epochs=12, loss=clf.loss_, **kw).fit(X, Y)  # no probe
+    fixed = XMCClassifier(epochs=12, loss=clf.loss_, lr_decay=start["lr_decay"],
+                          **kw).fit(X, Y)  # no probe; the decay the probe's choice gave
     assert not any(r["event"] == "loss_probe" for r in fixed.history_)
     for got, want in zip(clf.params_, fixed.params_, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -561,7 +562,8 @@ def test_a_run_of_one_device_with_its_own_period_is_still_the_run_from_the_start
     clf = XMCClassifier(**kw).fit(X, Y)
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     assert probe["rows"] == 1536 and probe["continued"]["samples"] == 1536
-    fixed = XMCClassifier(loss=clf.loss_, **kw).fit(X, Y)
+    start = next(r for r in clf.history_ if r["event"] == "start")
+    fixed = XMCClassifier(loss=clf.loss_, lr_decay=start["lr_decay"], **kw).fit(X, Y)
     for got, want in zip(clf.params_, fixed.params_, strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -632,3 +634,67 @@ def test_probe_margin_bench_records_what_the_probe_saw(monkeypatch, tmp_path, ca
     assert saved["summary"]["picked"]["softmax"] + saved["summary"]["picked"]["bce"] == 2
     assert "z over 2 seeds" in capsys.readouterr().out
     assert bench_probe_margin.seeds_arg("0-2,5") == [0, 1, 2, 5]
+
+
+def _merge_lrs(history) -> dict:
+    """The base learning rate of each epoch's periods (one value per epoch)."""
+    out: dict = {}
+    for r in history:
+        if r["event"] == "merge":
+            out.setdefault(r["epoch"], set()).add(round(r["lr"], 9))
+    return out
+
+
+def test_the_softmax_the_probe_picks_trains_without_the_decay():
+    """``lr_decay="auto"`` below the plateau rule's rows: where the probe compared the losses
+    and picked the softmax (the synthetic topic data), no decay (``PROBED_SOFTMAX_DECAY``):
+    epoch 1 runs at epoch 0's rate. The softmax given, on the same data, keeps the fixed decay
+    (the shared sets lose P@1 without it)."""
+    X, Y = _synthetic(3000)
+    kw = dict(hidden=8, threads=1, seed=0, eval_every=0, epochs=2)
+    probed = XMCClassifier(**kw).fit(X, Y)
+    rec = next(r for r in probed.history_ if r["event"] == "loss_probe")
+    start = next(r for r in probed.history_ if r["event"] == "start")
+    assert rec["loss"] == "softmax" and rec["z"] is not None, rec
+    assert start["lr_decay"] == config.PROBED_SOFTMAX_DECAY == 0.0
+    assert _merge_lrs(probed.history_) == {0: {0.05}, 1: {0.05}}
+    given = XMCClassifier(loss="softmax", **kw).fit(X, Y)
+    assert next(r for r in given.history_ if r["event"] == "start")["lr_decay"] == 0.5
+    assert _merge_lrs(given.history_) == {0: {0.05}, 1: {round(0.05 / 1.5, 9)}}
+
+
+def test_the_decay_follows_the_probes_choice_not_the_loss_alone():
+    """The rule of ``TrainConfig.lr_decay_for``: the softmax the probe picked gets no decay, the
+    logistic loss it picked, a softmax no probe compared and SGD keep their fixed decay, a
+    decay given stays, and the plateau rule's rows come first."""
+    cfg = TrainConfig()
+    n = config.PLATEAU_MIN_ROWS - 1
+    assert cfg.lr_decay_for(n, probed="softmax") == config.PROBED_SOFTMAX_DECAY
+    assert cfg.lr_decay_for(n, probed="bce") == cfg.lr_decay_for(n) == 0.5
+    assert cfg.lr_decay_for(n + 1, probed="softmax") == "plateau"
+    assert TrainConfig(optimizer="sgd").lr_decay_for(n, probed="softmax") == 0.0
+    for given in (None, 0.25):
+        assert (TrainConfig(lr_decay=given).lr_decay_for(n, probed="softmax")
+                == (0.5 if given is None else given))
+
+
+def test_a_logistic_loss_the_probe_picked_keeps_the_fixed_decay(monkeypatch):
+    def choose(cfg, X, Y, device):
+        return {"loss": "bce", "p1": {"softmax": 0.1, "bce": 0.2}, "z": -3.0, "rows": 1,
+                "heldout": 1, "seconds": 0.0, "compile_seconds": 0.0, "compiled": 0,
+                "fit": None}
+
+    monkeypatch.setattr(training, "choose_loss", choose)
+    X, Y = tiny_data(n=200)
+    clf = XMCClassifier(hidden=8, epochs=1, seed=0, eval_every=0).fit(X, Y)
+    assert next(r for r in clf.history_ if r["event"] == "start")["lr_decay"] == 0.5
+
+
+def test_an_ensembles_members_train_with_the_decay_the_first_members_probe_gave():
+    X, Y = _synthetic(3000)
+    clf = XMCClassifier(hidden=8, threads=1, seed=0, eval_every=0, epochs=2,
+                        ensemble=2).fit(X, Y)
+    starts = [r for r in clf.history_ if r["event"] == "start"]
+    assert len(starts) == 2 and starts[0]["loss"] == starts[1]["loss"] == "softmax"
+    assert starts[0]["lr_decay"] == starts[1]["lr_decay"] == config.PROBED_SOFTMAX_DECAY
+    assert starts[1]["config"]["lr_decay"] == 0.0  # given to the member

@@ -118,7 +118,9 @@ class XMCClassifier:
         (:data:`xmc_engine.config.PLATEAU_STOP_SCALE`);
         ``"auto"`` (the default): ``"plateau"`` with Adagrad from
         :data:`xmc_engine.config.PLATEAU_MIN_ROWS` training rows, else the optimizer's fixed
-        decay; ``None``: that fixed decay, :data:`xmc_engine.config.DEFAULT_LR_DECAY` (0.5 for
+        decay, or none where ``loss="auto"``'s probe found the softmax clearly ahead
+        (:data:`xmc_engine.config.PROBED_SOFTMAX_DECAY`); ``None``: that fixed decay,
+        :data:`xmc_engine.config.DEFAULT_LR_DECAY` (0.5 for
         Adagrad, 0 for SGD).
     keep_best : bool, default True
         With the plateau schedule (held-out rows): the fitted model is that of the epoch with

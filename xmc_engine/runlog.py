@@ -80,8 +80,10 @@ not know. The events the engine writes:
     ``crossbow``'s ``momentum``.
 ``checkpoint``
     After a checkpoint is written: ``path``, ``epoch``, ``samples``, ``train_time``, ``loss`` (the
-    loss trained), and with the plateau rule ``lr_scale``, ``plateau_best_p1`` (its state) and
-    ``best_epoch`` (whose model the checkpoint holds as ``best.<name>`` arrays: ``keep_best``).
+    loss trained), ``lr_decay`` (the decay in effect, a number or ``"plateau"``: a resumed run
+    of ``lr_decay="auto"`` keeps the one its probe's choice gave), and with the plateau rule
+    ``lr_scale``, ``plateau_best_p1`` (its state) and ``best_epoch`` (whose model the
+    checkpoint holds as ``best.<name>`` arrays: ``keep_best``).
     A resumed run says so in its ``start`` record (``resumed``, ``samples``, ``epoch``).
 ``nonfinite``
     A device's loss went non-finite in a period: it was left out of the merge, reset to the

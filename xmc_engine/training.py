@@ -92,7 +92,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     ``calibrated``: CPU thread budgets by device index calibrated by an earlier run of the
     same devices and data (an ensemble's first member), used instead of calibrating again;
     the result's ``calibrated`` holds this run's. ``on_start``, a function ``(loss,
-    calibrated, speedups, train_time)``, is called once the loss and the budgets are known,
+    lr_decay, calibrated, speedups, train_time)``, is called once the loss (with the decay it
+    gave, ``lr_decay="auto"``) and the budgets are known,
     before the trainer's device workers start (an ensemble starts its other members then), with
     the calibrations' measured speed-ups (:func:`build_trainer`'s ``on_budgets``) and the
     training seconds the run starts from (a continued probe fit's, a checkpoint's); it may
@@ -150,14 +151,23 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
             loss = found[1]["loss"]
+            if (given.lr_decay == "auto" and decay != "plateau"
+                    and isinstance(found[1].get("lr_decay"), (int, float))):
+                decay = float(found[1]["lr_decay"])  # the decay the probe's choice gave
         else:  # rank 0 probes (one process: it is rank 0 and the broadcast is the identity)
             if comm.is_root:
                 probe = choose_loss(cfg, X, Y, devices[0])
                 probe_compile = {"seconds": probe.pop("compile_seconds"),
                                  "compiled": probe.pop("compiled")}
                 probe_fit = probe.pop("fit")
-            loss = comm.broadcast_bytes(probe["loss"].encode() if probe else None).decode()
-        cfg = dataclasses.replace(cfg, loss=loss)
+            told_all = ({"loss": probe["loss"], "compared": probe.get("z") is not None}
+                        if probe else None)
+            chosen = json.loads(comm.broadcast_bytes(
+                json.dumps(told_all).encode() if told_all else None).decode())
+            loss = chosen["loss"]
+            if decay != "plateau":  # lr_decay="auto": none where the softmax was clearly ahead
+                decay = given.lr_decay_for(n_all, probed=loss if chosen["compared"] else None)
+        cfg = dataclasses.replace(cfg, loss=loss, lr_decay=decay)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
     label_counts = np.asarray(Y.sum(axis=0)).ravel()
     if comm.size > 1:
@@ -230,7 +240,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                             run_samples=max(0.0, cfg.epochs * n_samples - state["samples"]),
                             on_budgets=None if on_start is None
                             else (lambda budgets, speedups: _started(
-                                on_start, told, cfg.loss, budgets, speedups,
+                                on_start, told, cfg, budgets, speedups,
                                 state["train_time"])))
     if "max_train_seconds" in told:  # what on_start gave this run
         cfg = dataclasses.replace(cfg, max_train_seconds=told["max_train_seconds"])
@@ -255,11 +265,12 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
             "calibrated": _thread_budgets(trainer)}
 
 
-def _started(on_start, told: dict, loss: str, budgets: dict, speedups: dict,
+def _started(on_start, told: dict, cfg: TrainConfig, budgets: dict, speedups: dict,
              train_time: float) -> dict | None:
-    """:func:`fit_model`'s call of its ``on_start``: what it returns kept in ``told``, its
-    ``threads`` handed back to :func:`build_trainer` as the run's budgets."""
-    told.update(on_start(loss, budgets, speedups, train_time) or {})
+    """:func:`fit_model`'s call of its ``on_start`` with the run's loss and decay (``cfg``'s,
+    resolved): what it returns kept in ``told``, its ``threads`` handed back to
+    :func:`build_trainer` as the run's budgets."""
+    told.update(on_start(cfg.loss, cfg.lr_decay, budgets, speedups, train_time) or {})
     return told.get("threads")
 
 
@@ -286,8 +297,9 @@ MEMBER_DIR = "member-{}"
 def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: str,
                   stop=None, **fit_kw) -> dict:
     """``cfg.ensemble`` networks (each a :func:`fit_model` with its own seed, :func:`member_seed`;
-    the first's ``loss="auto"`` choice and CPU thread budgets for the rest; an equal share of
-    ``max_train_seconds``: ``1 / K`` of it one after the other, side by side ``1 /`` the
+    the first's ``loss="auto"`` choice, the decay it gave and CPU thread budgets for the rest;
+    an equal share of ``max_train_seconds``: ``1 / K`` of it one after the other, side by side
+    ``1 /`` the
     members the busiest lane trains), combined into one network
     (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. On a CPU
     device of several cores whose calibration did not find all its threads
@@ -322,12 +334,14 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     lane_of: list = [None] * k  # the thread that trained each member
     # set when a member fails (or by the caller): the members training stop at a barrier
     stop = threading.Event() if stop is None else stop
-    first: dict = {"loss": cfg.loss, "calibrated": None}
+    first: dict = {"loss": cfg.loss, "lr_decay": cfg.lr_decay, "calibrated": None}
     pool, futures, side = None, {}, {"lanes": 1, "before": 0.0}
 
     def train(j: int) -> dict:
         member = dataclasses.replace(cfg, ensemble=1, seed=member_seed(cfg.seed, j),
                                      loss=first["loss"], max_train_seconds=side_budget["each"])
+        if j > 0 and cfg.lr_decay == "auto" and not isinstance(first["lr_decay"], str):
+            member = dataclasses.replace(member, lr_decay=first["lr_decay"])
         logger.info("ensemble: member %d of %d (seed %d)", j + 1, k, member.seed)
         lane_of[j] = threading.get_ident()
         # beside other members: this thread's own numba work (compiling, evaluating) on one
@@ -346,11 +360,11 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
             side["failed"] = fut.exception()
             stop.set()
 
-    def started(loss: str, calibrated: dict, speedups: dict, train_time: float):
-        """The first member's loss and budgets are known: the others may start beside it
+    def started(loss: str, lr_decay, calibrated: dict, speedups: dict, train_time: float):
+        """The first member's loss, decay and budgets are known: the others may start beside it
         (then every member trains on one thread: the budgets returned)."""
         nonlocal pool
-        first.update(loss=loss, calibrated=calibrated)
+        first.update(loss=loss, lr_decay=lr_decay, calibrated=calibrated)
         side["before"] = train_time  # trained before any other member could start
         lanes = side["lanes"] = _member_lanes(cfg, calibrated, speedups, X, Y, eval_set,
                                               fit_kw)
@@ -1298,6 +1312,7 @@ class _Driver:
         arrays.update(checkpoint_extra(self.trainer))
         meta = {k: self.state[k] for k in ("epoch", "samples", "train_time")}
         meta["loss"] = self.cfg.loss  # what loss="auto" chose: a resumed run keeps it
+        meta["lr_decay"] = self.cfg.lr_decay  # and the decay it gave (lr_decay="auto")
         if self.watch is not None:
             meta.update(self.watch.state())
             arrays.update(self.watch.arrays(self.shape.param_names))

@@ -38,7 +38,8 @@ _CONFIG_OPTIONS = {
                  "halve the rate after an epoch whose P@1 on 2,000 held-out training rows "
                  "does not improve, stop below 1/32 of it; auto (default): plateau with "
                  "adagrad from 40,000 training rows, else the optimizer's fixed decay (0.5 "
-                 "for adagrad, 0 for sgd)"),
+                 "for adagrad, 0 for sgd), none where --loss auto's probe found the softmax "
+                 "clearly ahead"),
     "keep_best": ("--keep-best", bool, "with the plateau schedule: end with the model of the "
                   "epoch with the best held-out P@1 where the last one is clearly (2 standard "
                   "errors) behind it (default), or always with the last (--no-keep-best)"),
