@@ -51,6 +51,30 @@ def test_a_probed_run_says_it_went_on_from_the_winning_fit(tmp_path):
     assert "(it needs +2)" in line, line  # the exact layer's margin, from the probe's record
     start = json.loads((tmp_path / "run" / "log.jsonl").read_text().splitlines()[0])
     assert start["event"] == "start" and start["samples"] > 0
+    rate = next(x for x in out.splitlines() if x.startswith("rate:"))
+    assert rate.startswith(f"rate:  lr {start['lr']:g}, "), rate
+    assert ("no decay (auto: the loss probe found the softmax" in rate) == (
+        start["loss"] == "softmax"), (rate, start["loss"])  # the probe compared the losses
+
+
+@pytest.mark.parametrize("start, says", [
+    ({"lr": 0.1, "lr_decay": 0.5, "config": {"lr_decay": "auto", "optimizer": "adagrad"}},
+     "lr 0.1, decay 0.5 (lr / (1 + 0.5 e) in epoch e)"),
+    ({"lr": 0.05, "lr_decay": 0.0, "config": {"lr_decay": "auto", "optimizer": "adagrad"}},
+     "lr 0.05, no decay (auto: the loss probe found the softmax clearly ahead; --lr-decay 0.5 "
+     "decays it)"),
+    ({"lr": 0.05, "lr_decay": 0.0, "config": {"lr_decay": 0.0, "optimizer": "adagrad"}},
+     "lr 0.05, no decay"),
+    ({"lr": 2.0, "lr_decay": 0.0, "config": {"lr_decay": "auto", "optimizer": "sgd"}},
+     "lr 2, no decay"),
+    ({"lr": 0.1, "lr_decay": "plateau", "config": {"lr_decay": "auto"}},
+     "lr 0.1, halved after each epoch whose P@1 on the held-out rows does not improve "
+     "(lr_decay plateau)"),
+], ids=["fixed", "probed-softmax", "given", "sgd", "plateau"])
+def test_the_rate_line_names_the_schedule_in_effect(start, says):
+    from xmc_engine.cli.train import _rate_line
+
+    assert _rate_line(start) == says
 
 
 @pytest.mark.parametrize("values, says, not_says", [
@@ -87,6 +111,7 @@ def test_train_evaluate_predict_plot(files, tmp_path):
     assert "P@1" in out and "model:" in out and "log:" in out
     # the default loss="auto" says what it trained (300 rows: no probe, the softmax)
     assert "loss:  softmax (auto: too few rows to probe; --loss softmax|bce" in out
+    assert "rate:  lr 0.5, decay 0.5 (lr / (1 + 0.5 e) in epoch e)" in out  # no probe: the decay
     assert (run / "model" / "config.json").exists() and (run / "log.jsonl").exists()
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ev = run_cli("evaluate", run / "model", "--data", files).stdout

@@ -67,6 +67,22 @@ _CONFIG_OPTIONS = {
 }
 
 
+def _rate_line(start: dict) -> str:
+    """The learning-rate schedule a run trained with, from its ``start`` record: the base rate
+    and the decay in effect (``lr_decay="auto"`` resolved), and why where the default chose no
+    decay."""
+    lr, decay = start["lr"], start["lr_decay"]
+    if decay == "plateau":
+        return (f"lr {lr:g}, halved after each epoch whose P@1 on the held-out rows does not "
+                f"improve (lr_decay plateau)")
+    if decay:
+        return f"lr {lr:g}, decay {decay:g} (lr / (1 + {decay:g} e) in epoch e)"
+    cfg = start.get("config", {})
+    why = (" (auto: the loss probe found the softmax clearly ahead; --lr-decay 0.5 decays it)"
+           if cfg.get("lr_decay") == "auto" and cfg.get("optimizer") == "adagrad" else "")
+    return f"lr {lr:g}, no decay{why}"
+
+
 def _ended_early(model, final: dict) -> str:
     """``", 23 of 40 epochs (...)"``: why a run ended before its epochs (the ``final`` record's
     ``status``), for the line after training; empty when it trained them all."""
@@ -393,6 +409,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
               + (f"; training went on from the {model.loss_} fit's {went_on['samples']:,} "
                  f"samples" if went_on else "")
               + "; --loss softmax|bce skips the probe)")
+    start = next((r for r in model.history_ if r.get("event") == "start"), None)
+    if start is not None:
+        print("rate:  " + _rate_line(start))
     ens = next((r for r in model.history_ if r.get("event") == "ensemble"), None)
     if ens is not None:
         each = ", ".join(f"{m['P@1']:.4f}" for m in ens["member_metrics"] if m)
