@@ -299,8 +299,7 @@ def _fit_ensemble(cfg: TrainConfig, X, Y, eval_set, *, log_dir, progress_desc: s
     """``cfg.ensemble`` networks (each a :func:`fit_model` with its own seed, :func:`member_seed`;
     the first's ``loss="auto"`` choice, the decay it gave and CPU thread budgets for the rest;
     an equal share of ``max_train_seconds``: ``1 / K`` of it one after the other, side by side
-    ``1 /`` the
-    members the busiest lane trains), combined into one network
+    ``1 /`` the members the busiest lane trains), combined into one network
     (:func:`~xmc_engine.model.combine_members`), which is evaluated on ``eval_set``. On a CPU
     device of several cores whose calibration did not find all its threads
     :data:`~xmc_engine.config.LANES_MAX_SPEEDUP` times as fast as one (:func:`_member_lanes`),
