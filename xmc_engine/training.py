@@ -160,13 +160,14 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
                 probe_compile = {"seconds": probe.pop("compile_seconds"),
                                  "compiled": probe.pop("compiled")}
                 probe_fit = probe.pop("fit")
-            told_all = ({"loss": probe["loss"], "compared": probe.get("z") is not None}
-                        if probe else None)
+            choice = ({"loss": probe["loss"], "compared": probe.get("z") is not None}
+                      if probe else None)
             chosen = json.loads(comm.broadcast_bytes(
-                json.dumps(told_all).encode() if told_all else None).decode())
+                json.dumps(choice).encode() if choice else None).decode())
             loss = chosen["loss"]
-            if decay != "plateau":  # lr_decay="auto": none where the softmax was clearly ahead
-                decay = given.lr_decay_for(n_all, probed=loss if chosen["compared"] else None)
+            # lr_decay="auto": no decay where the probe found the softmax clearly ahead (the
+            # plateau rule, decided above by the rows, comes first and stays)
+            decay = given.lr_decay_for(n_all, probed=loss if chosen["compared"] else None)
         cfg = dataclasses.replace(cfg, loss=loss, lr_decay=decay)
     params = init_params_for_data(shape, X, cfg.seed, loss=cfg.loss)
     label_counts = np.asarray(Y.sum(axis=0)).ravel()
