@@ -237,3 +237,32 @@ def test_train_config_types_and_nested_options():
         TrainConfig.from_dict({"algorithm": "adaptive", "algorithm_params": {"momentum": "x"}})
     with pytest.raises(ConfigError, match="label_chunk"):
         TrainConfig(label_chunk=0)
+
+
+def test_b_max_auto_is_four_base_batches():
+    """``b_max="auto"`` (the default): the step rule stops raising the fastest device's batch,
+    and with it its linearly scaled rate, at 4x the base batch; the paper's 1,024 given
+    explicitly lets it go on. A device the rule keeps finding ahead (3 updates to 1) is capped."""
+    from xmc_engine.config import AUTO_B_MAX_BATCHES
+
+    c = AdaptiveConfig()
+    assert c.b_max == "auto" and AUTO_B_MAX_BATCHES == 4
+    assert c.b_max_for(64) == 256 and c.b_max_for(4) == c.b_min  # never below b_min
+    assert AdaptiveConfig(b_max=1024).b_max_for(64) == 1024
+    assert c.resolved(1000, "softmax").b_max == "auto"  # no batch: left for the policy
+    assert c.resolved(1000, "softmax", 128).b_max == 512
+    with pytest.raises(ConfigError, match="b_max must be a batch size or 'auto', got 'big'"):
+        AdaptiveConfig(b_max="big")
+
+    def grown(pol) -> list[int]:
+        setup(pol, fakes(2), batch_size=64, warmup_epochs=0)
+        for _ in range(40):
+            pol.controller.update(1.0, [30, 10], [1, 1], [1, 1])
+        return pol.batch_sizes()
+
+    assert grown(get_algorithm("adaptive"))[0] == 256
+    assert grown(get_algorithm("adaptive", b_max=1024))[0] == 1024
+    # a base batch above the paper's bound is not refused under "auto"
+    pol = get_algorithm("adaptive")
+    setup(pol, fakes(2), batch_size=2048)
+    assert pol.controller.b_max == 8192

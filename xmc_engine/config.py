@@ -248,6 +248,14 @@ PER_ITEM_WEIGHTS = {"row_weights": "touched", "label_weights": "positives"}
 #: Amazon-670K shape in 15 minutes the shares of rows ended 0.012 / 0.026 P@1 below, "The merge
 #: weights by samples").
 AUTO_WEIGHTS_LABELS = 200_000
+#: ``AdaptiveConfig.b_max="auto"``: the largest batch the step rule may give a device, in base
+#: batches (``batch_size``). The paper's bound is 1,024 rows; where the slowest device cannot
+#: make as many updates as the others even at ``b_min`` (three devices on two cores), the rule
+#: kept raising the fastest one's batch, and linear scaling its rate, to 7x the base at
+#: synthetic 100,000 labels, where its final P@1 stalled 0.014-0.024 below one device's; 4x
+#: ended 0.015 higher at the same time to the target ("Why `adaptive` falls behind at 100,000
+#: labels on three devices", ``bench/RESULTS.md``).
+AUTO_B_MAX_BATCHES = 4
 #: The training losses with which ``"auto"`` gives the per-row / per-label weights (below
 #: :data:`AUTO_WEIGHTS_LABELS` labels); with the one-vs-all logistic loss it gives the paper's.
 #: Measured with the defaults of ``ec71655`` (``bench/RESULTS.md``, "The merge weights by the
@@ -428,7 +436,9 @@ class AdaptiveConfig(AlgorithmConfig):
     merge_period : int
         ``S``, samples per merge period ("mega-batch").
     b_min, b_max, delta_b : int
-        Batch-size bounds and step (the paper's 32, 1024, 32).
+        Batch-size bounds and step (the paper's 32, 1024, 32). ``b_max="auto"`` (the default):
+        :data:`AUTO_B_MAX_BATCHES` times the base batch (256 rows at the default 64;
+        :meth:`b_max_for`, the run log's ``start`` record gives the value).
     rule : {'step', 'proportional', 'fixed'}
         Batch-size adaptation (:class:`~xmc_engine.scheduler.controller.BatchSizeController`):
         the paper's step rule, ``b_i`` proportional to the measured speed, or none.
@@ -524,7 +534,7 @@ class AdaptiveConfig(AlgorithmConfig):
 
     merge_period: int = 4096
     b_min: int = 32
-    b_max: int = 1024
+    b_max: int | str = "auto"
     delta_b: int = 32
     rule: str = "step"
     deadband: float = 0.05
@@ -549,16 +559,28 @@ class AdaptiveConfig(AlgorithmConfig):
             return int(self.weights_from_epoch)
         return 1 if n_labels >= AUTO_WEIGHTS_LABELS else 0
 
-    def resolved(self, n_labels: int, loss: str) -> AdaptiveConfig:
+    def b_max_for(self, batch_size: int) -> int:
+        """The largest batch the step rule may give a device for base batch ``batch_size``:
+        ``b_max``, or for ``'auto'`` :data:`AUTO_B_MAX_BATCHES` x ``batch_size`` (at least
+        ``b_min``)."""
+        if self.b_max != "auto":
+            return int(self.b_max)
+        return max(AUTO_B_MAX_BATCHES * int(batch_size), self.b_min)
+
+    def resolved(self, n_labels: int, loss: str, batch_size: int | None = None
+                 ) -> AdaptiveConfig:
         """These options with every ``'auto'`` replaced by its value for data with
         ``n_labels`` labels trained with ``loss`` (``"softmax"`` or ``"bce"``;
-        :data:`AUTO_WEIGHTS_LABELS`, :data:`AUTO_WEIGHTS_LOSSES`): what a run uses and logs."""
+        :data:`AUTO_WEIGHTS_LABELS`, :data:`AUTO_WEIGHTS_LOSSES`) and, where ``batch_size``
+        (the base batch) is given, ``b_max`` (:meth:`b_max_for`): what a run uses and logs."""
         large = n_labels >= AUTO_WEIGHTS_LABELS
         paper = large or loss not in AUTO_WEIGHTS_LOSSES
         auto = {name: "updates" if paper else value for name, value in PER_ITEM_WEIGHTS.items()
                 if getattr(self, name) == "auto"}
         if self.weight_by == "auto":
             auto["weight_by"] = "updates" if large else "samples"
+        if batch_size is not None:
+            auto["b_max"] = self.b_max_for(batch_size)
         return dataclasses.replace(self, **auto,
                                    weights_from_epoch=self.weights_from_epoch_for(n_labels))
 
@@ -576,7 +598,12 @@ class AdaptiveConfig(AlgorithmConfig):
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
         self._check_choice("lr_scaling", LR_SCALINGS)
         self._check_choice("weight_by", ("auto", *WEIGHT_BY))
-        if not 1 <= self.b_min <= self.b_max:
+        if isinstance(self.b_max, str):
+            if self.b_max != "auto":
+                raise ConfigError(f"b_max must be a batch size or 'auto', got {self.b_max!r}")
+            if self.b_min < 1:
+                raise ConfigError(f"need b_min >= 1, got {self.b_min}")
+        elif not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
         self._check_choice("rule", BATCH_RULES)
         self._check_min(0, "deadband")

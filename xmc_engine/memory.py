@@ -175,7 +175,7 @@ def _merge_copies(algorithm: str, params) -> int:
 def _max_batch(cfg) -> int:
     p = cfg.algorithm_params
     if cfg.algorithm == "adaptive" and p.rule != "fixed":
-        return max(p.b_max, cfg.batch_size)
+        return max(p.b_max_for(cfg.batch_size), cfg.batch_size)
     return cfg.batch_size
 
 

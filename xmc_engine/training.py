@@ -183,7 +183,8 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     # start record
     algo = cfg.algorithm_params
     if hasattr(algo, "resolved"):
-        cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(Y.shape[1], cfg.loss))
+        cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(Y.shape[1], cfg.loss,
+                                                                      cfg.batch_size))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
     if probe is not None:

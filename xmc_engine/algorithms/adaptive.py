@@ -10,7 +10,7 @@ gets momentum ``z_t = w̄_t + μ (z_{t-1} − z_{t-2})`` and is broadcast; after
 sizes adapt so that all devices make the same number of updates per period. The options and
 their defaults are :class:`~xmc_engine.config.AdaptiveConfig`; the measurements behind the
 defaults that are not the paper's (``merge_period``, ``momentum``, ``weight_by``,
-``deadband``, ``sparse_merge``, ``boost``) are in ``bench/RESULTS.md``.
+``deadband``, ``sparse_merge``, ``boost``, ``b_max``) are in ``bench/RESULTS.md``.
 
 Periods shorter than ``S / 2`` (the remainder at the end of an epoch) merge normally but do not
 adapt the batch sizes: one or two updates per device are too few to measure anything.
@@ -58,7 +58,8 @@ class AdaptiveSGD(Policy):
         # the "auto" merge weights by the label count (b2's length) and the replicas' loss;
         # fit_model has resolved them already, a trainer built directly has not
         self.config = c = self.config.resolved(len(self.central[-1]),
-                                               getattr(replicas[0], "loss", "softmax"))
+                                               getattr(replicas[0], "loss", "softmax"),
+                                               self.batch_size)
         if not c.b_min <= self.batch_size <= c.b_max:
             raise ConfigError(f"adaptive: batch_size {self.batch_size} is outside "
                               f"[b_min, b_max] = [{c.b_min}, {c.b_max}]")
