@@ -33,6 +33,7 @@ import _tta  # noqa: E402
 
 from xmc_engine.algorithms import POLICIES, AdaptiveSGD  # noqa: E402
 from xmc_engine.model import heldout_p1  # noqa: E402
+from xmc_engine.validation import normalize_rows  # noqa: E402
 
 
 def probed_policy(X, Y, log: list) -> type:
@@ -65,18 +66,18 @@ def run(data, args, seed: int, decay) -> dict:
 
     Xtr, Ytr, Xte, Yte = data
     n = min(args.probe_rows, Xte.shape[0])
+    clf = XMCClassifier(epochs=args.epochs, devices=args.devices, algorithm="adaptive",
+                        seed=seed, eval_every=0, continue_probe=False, lr_decay=decay)
     log: list = []
     saved = POLICIES["adaptive"]
-    POLICIES["adaptive"] = probed_policy(Xte[:n], Yte[:n], log)
+    # the replicas compute on rows normalised as in training; so must the probe
+    POLICIES["adaptive"] = probed_policy(normalize_rows(Xte[:n], clf.normalize), Yte[:n], log)
     try:
-        clf = XMCClassifier(epochs=args.epochs, devices=args.devices, algorithm="adaptive",
-                            seed=seed, eval_every=0, continue_probe=False, lr_decay=decay)
         clf.fit(Xtr, Ytr)
     finally:
         POLICIES["adaptive"] = saved
     start = next(r for r in clf.history_ if r.get("event") == "start")
-    be = clf._inference_backend()
-    final = heldout_p1(be, [be.asarray(w) for w in clf.params_], Xte[:n], Yte[:n])
+    final = clf.score(Xte[:n], Yte[:n])
     return {"seed": seed, "lr_decay": decay, "loss": start.get("loss"),
             "lr_decay_used": start.get("lr_decay"), "final_P@1": final, "merges": log}
 
@@ -84,16 +85,18 @@ def run(data, args, seed: int, decay) -> dict:
 def summary(runs: list[dict], epochs: int) -> list[dict]:
     """Per epoch: the median over runs of each run's mean gap over that epoch's merges, and the
     median P@1 of the merged model at the epoch's last merge."""
+    keys = ("gap_best", "gap_fast", "gap_mean")
     out = []
     for e in range(epochs):
+        # each run's merges in epoch e (runs without any left out), with their gaps
+        per_run = [ms for ms in ([m for m in r["merges"] if m["epoch"] == e] for r in runs) if ms]
+        run_gaps = [[gaps(m) for m in ms] for ms in per_run]
         row = {"epoch": e}
-        for k in ("gap_best", "gap_fast", "gap_mean"):
-            per_run = [np.mean([gaps(m)[k] for m in r["merges"] if m["epoch"] == e])
-                       for r in runs if any(m["epoch"] == e for m in r["merges"])]
-            row[k] = float(np.median(per_run)) if per_run else float("nan")
-        last = [[m for m in r["merges"] if m["epoch"] == e][-1]["merged"] for r in runs
-                if any(m["epoch"] == e for m in r["merges"])]
-        row["merged_P@1"] = float(np.median(last)) if last else float("nan")
+        for k in keys:
+            row[k] = (float(np.median([np.mean([g[k] for g in gs]) for gs in run_gaps]))
+                      if run_gaps else float("nan"))
+        row["merged_P@1"] = (float(np.median([ms[-1]["merged"] for ms in per_run]))
+                             if per_run else float("nan"))
         out.append(row)
     return out
 

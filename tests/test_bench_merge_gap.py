@@ -50,3 +50,21 @@ def test_gaps_arithmetic():
     assert g["gap_best"] == pytest.approx(-0.05)
     assert g["gap_fast"] == pytest.approx(0.05)  # the replica with weight 0.75 is the first
     assert g["gap_mean"] == pytest.approx(0.55 - (0.375 + 0.15))
+
+
+def test_probe_rows_are_normalised_as_in_training():
+    """On rows that are not unit length the probe sees them as the replicas do (normalised as
+    in training): the last merge's P@1 is the fitted model's ``score`` on the same rows."""
+    from types import SimpleNamespace
+
+    import _tta
+    import bench_merge_gap
+    import numpy as np
+    import scipy.sparse as sp
+
+    Xtr, Ytr, Xte, Yte = _tta.load_data("synthetic:1500:400:60")
+    scale = sp.diags(np.geomspace(0.05, 20.0, Xte.shape[0]).astype(np.float32))
+    data = (Xtr, Ytr, (scale @ Xte).tocsr(), Yte)
+    args = SimpleNamespace(epochs=1, devices="cpu,cpu@0.5", probe_rows=300)
+    r = bench_merge_gap.run(data, args, 0, "auto")
+    assert r["final_P@1"] == pytest.approx(r["merges"][-1]["merged"])
