@@ -601,8 +601,7 @@ class AdaptiveConfig(AlgorithmConfig):
         if isinstance(self.b_max, str):
             if self.b_max != "auto":
                 raise ConfigError(f"b_max must be a batch size or 'auto', got {self.b_max!r}")
-            if self.b_min < 1:
-                raise ConfigError(f"need b_min >= 1, got {self.b_min}")
+            self._check_min(1, "b_min")
         elif not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
         self._check_choice("rule", BATCH_RULES)
