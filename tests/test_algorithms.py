@@ -266,3 +266,36 @@ def test_b_max_auto_is_four_base_batches():
     pol = get_algorithm("adaptive")
     setup(pol, fakes(2), batch_size=2048)
     assert pol.controller.b_max == 8192
+
+
+def test_merge_period_auto_follows_the_row_weights():
+    """``merge_period="auto"`` (the default): 1,024 samples where a ``W1`` row's weights are
+    renormalized over the replicas that touched it (the softmax below 200,000 labels), 4,096
+    with the paper's weights (the logistic loss, or from 200,000 labels on, or where the
+    row-sparse merge is off); a number given is kept. A trainer built directly resolves it
+    before its queue is made."""
+    from tests._trainer import make_trainer
+    from xmc_engine.config import AUTO_MERGE_PERIOD_PAPER_WEIGHTS, AUTO_MERGE_PERIOD_TOUCHED
+
+    c = AdaptiveConfig()
+    assert c.merge_period == "auto"
+    assert (AUTO_MERGE_PERIOD_TOUCHED, AUTO_MERGE_PERIOD_PAPER_WEIGHTS) == (1024, 4096)
+    assert c.resolved(30_000, "softmax").merge_period == 1024
+    assert c.resolved(30_000, "bce").merge_period == 4096
+    assert c.resolved(670_091, "softmax").merge_period == 4096
+    assert AdaptiveConfig(row_weights="updates").resolved(1000, "softmax").merge_period == 4096
+    assert AdaptiveConfig(row_weights="touched").resolved(1000, "bce").merge_period == 1024
+    assert AdaptiveConfig(momentum=0.5).resolved(1000, "softmax").merge_period == 4096
+    assert AdaptiveConfig(merge_period=2048).resolved(1000, "softmax").merge_period == 2048
+    with pytest.raises(ConfigError, match="merge_period must be a number of samples or 'auto'"):
+        AdaptiveConfig(merge_period="short")
+    with pytest.raises(ConfigError, match="merge_period"):
+        AdaptiveConfig(merge_period=0)
+
+    reps = fakes(2, n_samples=5000)  # no loss attribute: the softmax, 3 labels
+    with make_trainer(reps, None, "adaptive", 5000, batch_size=64, mode="simulated") as tr:
+        assert tr.queue.merge_period == 1024 and tr.policy.config.merge_period == 1024
+    for r in reps:
+        r.loss = "bce"
+    with make_trainer(reps, None, "adaptive", 5000, batch_size=64, mode="simulated") as tr:
+        assert tr.queue.merge_period == 4096

@@ -30,6 +30,8 @@ from xmc_engine.faults import parse_faults
 
 __all__ = [
     "ALGORITHMS",
+    "AUTO_MERGE_PERIOD_PAPER_WEIGHTS",
+    "AUTO_MERGE_PERIOD_TOUCHED",
     "AUTO_WEIGHTS_LABELS",
     "AUTO_WEIGHTS_LOSSES",
     "BACK_TO_BEST_STALE_Z",
@@ -256,6 +258,19 @@ AUTO_WEIGHTS_LABELS = 200_000
 #: ended 0.015 higher at the same time to the target ("Why `adaptive` falls behind at 100,000
 #: labels on three devices", ``bench/RESULTS.md``).
 AUTO_B_MAX_BATCHES = 4
+#: ``AdaptiveConfig.merge_period="auto"``: the period, in samples, where a ``W1`` row's merge
+#: weights are renormalized over the replicas that touched it (``row_weights`` resolving to
+#: ``"touched"``: the softmax below :data:`AUTO_WEIGHTS_LABELS` labels), and elsewhere
+#: (:data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS`). A shorter period leaves more rows changed by one
+#: replica alone, whose update the renormalized weights then keep whole; with the paper's
+#: weights that mechanism is absent. Chosen by issue 15's runs at the synthetic shapes, whose
+#: probe picks the softmax (``bench/RESULTS.md``, "A shorter merge period with the per-row
+#: weights"); the real sets train the logistic loss with the paper's weights and keep 4,096.
+AUTO_MERGE_PERIOD_TOUCHED = 1024
+#: ``AdaptiveConfig.merge_period="auto"`` with the paper's merge weights: the period chosen in
+#: ``bench/RESULTS.md``'s "The merge period against the label count" (no shorter period served
+#: the real sets better).
+AUTO_MERGE_PERIOD_PAPER_WEIGHTS = 4096
 #: The training losses with which ``"auto"`` gives the per-row / per-label weights (below
 #: :data:`AUTO_WEIGHTS_LABELS` labels); with the one-vs-all logistic loss it gives the paper's.
 #: Measured with the defaults of ``ec71655`` (``bench/RESULTS.md``, "The merge weights by the
@@ -433,8 +448,11 @@ class AdaptiveConfig(AlgorithmConfig):
 
     Attributes
     ----------
-    merge_period : int
-        ``S``, samples per merge period ("mega-batch").
+    merge_period : int or 'auto'
+        ``S``, samples per merge period ("mega-batch"). ``'auto'`` (the default):
+        :data:`AUTO_MERGE_PERIOD_TOUCHED` (1,024) where ``row_weights`` resolves to
+        ``'touched'``, else :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS` (4,096)
+        (:meth:`merge_period_for`; the run log's ``start`` record gives the value).
     b_min, b_max, delta_b : int
         Batch-size bounds and step (the paper's 32, 1024, 32). ``b_max="auto"`` (the default):
         :data:`AUTO_B_MAX_BATCHES` times the base batch (256 rows at the default 64;
@@ -532,7 +550,7 @@ class AdaptiveConfig(AlgorithmConfig):
         only). Costs a pass over the changed rows and all of ``W2`` per replica and merge.
     """
 
-    merge_period: int = 4096
+    merge_period: int | str = "auto"
     b_min: int = 32
     b_max: int | str = "auto"
     delta_b: int = 32
@@ -567,6 +585,16 @@ class AdaptiveConfig(AlgorithmConfig):
             return int(self.b_max)
         return max(AUTO_B_MAX_BATCHES * int(batch_size), self.b_min)
 
+    def merge_period_for(self, row_weights: str) -> int:
+        """The period of a run whose ``W1`` rows are merged with ``row_weights`` (resolved):
+        ``merge_period``, or for ``'auto'`` :data:`AUTO_MERGE_PERIOD_TOUCHED` with the
+        renormalized ``'touched'`` weights (which need the row-sparse merge: ``sparse_merge``,
+        ``momentum == 0``), :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS` with the paper's."""
+        if self.merge_period != "auto":
+            return int(self.merge_period)
+        touched = row_weights == "touched" and self.sparse_merge and self.momentum == 0
+        return AUTO_MERGE_PERIOD_TOUCHED if touched else AUTO_MERGE_PERIOD_PAPER_WEIGHTS
+
     def resolved(self, n_labels: int, loss: str, batch_size: int | None = None
                  ) -> AdaptiveConfig:
         """These options with every ``'auto'`` replaced by its value for data with
@@ -581,12 +609,19 @@ class AdaptiveConfig(AlgorithmConfig):
             auto["weight_by"] = "updates" if large else "samples"
         if batch_size is not None:
             auto["b_max"] = self.b_max_for(batch_size)
+        auto["merge_period"] = self.merge_period_for(auto.get("row_weights", self.row_weights))
         return dataclasses.replace(self, **auto,
                                    weights_from_epoch=self.weights_from_epoch_for(n_labels))
 
     def __post_init__(self):
         super().__post_init__()
-        self._check_min(1, "merge_period", "delta_b")
+        if isinstance(self.merge_period, str):
+            if self.merge_period != "auto":
+                raise ConfigError(f"merge_period must be a number of samples or 'auto', got "
+                                  f"{self.merge_period!r}")
+            self._check_min(1, "delta_b")
+        else:
+            self._check_min(1, "merge_period", "delta_b")
         if isinstance(self.weights_from_epoch, str):
             if self.weights_from_epoch != "auto":
                 raise ConfigError(f"weights_from_epoch must be an epoch >= 0 or 'auto', got "

@@ -53,13 +53,17 @@ class AdaptiveSGD(Policy):
     static = False
     supports_nodes = True
 
+    def prepare(self, replicas: Sequence, batch_size: int) -> None:
+        """The ``'auto'`` options (merge weights, period, ``b_max``) by the label count (the
+        output bias's length), the replicas' loss and the base batch; :func:`fit_model` has
+        resolved them already, a trainer built directly has not."""
+        self.config = self.config.resolved(len(replicas[0].params()[-1]),
+                                           getattr(replicas[0], "loss", "softmax"), batch_size)
+
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
-        # the "auto" merge weights by the label count (b2's length) and the replicas' loss;
-        # fit_model has resolved them already, a trainer built directly has not
-        self.config = c = self.config.resolved(len(self.central[-1]),
-                                               getattr(replicas[0], "loss", "softmax"),
-                                               self.batch_size)
+        self.prepare(replicas, self.batch_size)  # where setup is called without the trainer
+        c = self.config
         if not c.b_min <= self.batch_size <= c.b_max:
             raise ConfigError(f"adaptive: batch_size {self.batch_size} is outside "
                               f"[b_min, b_max] = [{c.b_min}, {c.b_max}]")
