@@ -11,7 +11,7 @@ from xmc_engine.algorithms import POLICIES, AdaptiveSGD, ModelAveraging, get_alg
 from xmc_engine.config import ALGORITHMS, AdaptiveConfig, AverageConfig, TrainConfig
 from xmc_engine.errors import ConfigError, DivergenceError
 from xmc_engine.scheduler import MergeContext
-from xmc_engine.scheduler.replica import FakeReplica
+from xmc_engine.scheduler.replica import FakeReplica, HostBackend
 
 
 @pytest.mark.parametrize("cls", [AdaptiveConfig, AverageConfig])
@@ -292,10 +292,22 @@ def test_merge_period_auto_follows_the_row_weights():
     with pytest.raises(ConfigError, match="merge_period"):
         AdaptiveConfig(merge_period=0)
 
+    # without row tracking (a GPU's backend) the touched weights cannot apply: the paper's period
+    assert c.resolved(1000, "softmax", tracks_rows=False).merge_period == 4096
+
+    class Tracking(HostBackend):
+        tracks_rows = True
+
+    def period(reps) -> int:
+        with make_trainer(reps, None, "adaptive", 5000, batch_size=64, mode="simulated") as tr:
+            assert tr.policy.config.merge_period == tr.queue.merge_period
+            return tr.queue.merge_period
+
     reps = fakes(2, n_samples=5000)  # no loss attribute: the softmax, 3 labels
-    with make_trainer(reps, None, "adaptive", 5000, batch_size=64, mode="simulated") as tr:
-        assert tr.queue.merge_period == 1024 and tr.policy.config.merge_period == 1024
+    assert period(reps) == 4096  # fakes track no rows
+    for r in reps:
+        r.backend = Tracking()
+    assert period(reps) == 1024
     for r in reps:
         r.loss = "bce"
-    with make_trainer(reps, None, "adaptive", 5000, batch_size=64, mode="simulated") as tr:
-        assert tr.queue.merge_period == 4096
+    assert period(reps) == 4096

@@ -451,8 +451,9 @@ class AdaptiveConfig(AlgorithmConfig):
     merge_period : int or 'auto'
         ``S``, samples per merge period ("mega-batch"). ``'auto'`` (the default):
         :data:`AUTO_MERGE_PERIOD_TOUCHED` (1,024) where ``row_weights`` resolves to
-        ``'touched'``, else :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS` (4,096)
-        (:meth:`merge_period_for`; the run log's ``start`` record gives the value).
+        ``'touched'`` and the row-sparse merge applies (CPU devices), else
+        :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS` (4,096) (:meth:`merge_period_for`; the run
+        log's ``start`` record gives the value).
     b_min, b_max, delta_b : int
         Batch-size bounds and step (the paper's 32, 1024, 32). ``b_max="auto"`` (the default):
         :data:`AUTO_B_MAX_BATCHES` times the base batch (256 rows at the default 64;
@@ -585,22 +586,26 @@ class AdaptiveConfig(AlgorithmConfig):
             return int(self.b_max)
         return max(AUTO_B_MAX_BATCHES * int(batch_size), self.b_min)
 
-    def merge_period_for(self, row_weights: str) -> int:
+    def merge_period_for(self, row_weights: str, tracks_rows: bool = True) -> int:
         """The period of a run whose ``W1`` rows are merged with ``row_weights`` (resolved):
         ``merge_period``, or for ``'auto'`` :data:`AUTO_MERGE_PERIOD_TOUCHED` with the
-        renormalized ``'touched'`` weights (which need the row-sparse merge: ``sparse_merge``,
-        ``momentum == 0``), :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS` with the paper's."""
+        renormalized ``'touched'`` weights, which need the row-sparse merge (``sparse_merge``,
+        ``momentum == 0`` and replicas whose backend ``tracks_rows``: the CPU's, not a GPU's),
+        else :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS`, the period of the paper's weights."""
         if self.merge_period != "auto":
             return int(self.merge_period)
-        touched = row_weights == "touched" and self.sparse_merge and self.momentum == 0
+        touched = (row_weights == "touched" and self.sparse_merge and self.momentum == 0
+                   and tracks_rows)
         return AUTO_MERGE_PERIOD_TOUCHED if touched else AUTO_MERGE_PERIOD_PAPER_WEIGHTS
 
-    def resolved(self, n_labels: int, loss: str, batch_size: int | None = None
-                 ) -> AdaptiveConfig:
+    def resolved(self, n_labels: int, loss: str, batch_size: int | None = None,
+                 tracks_rows: bool = True) -> AdaptiveConfig:
         """These options with every ``'auto'`` replaced by its value for data with
         ``n_labels`` labels trained with ``loss`` (``"softmax"`` or ``"bce"``;
-        :data:`AUTO_WEIGHTS_LABELS`, :data:`AUTO_WEIGHTS_LOSSES`) and, where ``batch_size``
-        (the base batch) is given, ``b_max`` (:meth:`b_max_for`): what a run uses and logs."""
+        :data:`AUTO_WEIGHTS_LABELS`, :data:`AUTO_WEIGHTS_LOSSES`), ``merge_period`` by the
+        ``row_weights`` that gives and ``tracks_rows`` (:meth:`merge_period_for`) and, where
+        ``batch_size`` (the base batch) is given, ``b_max`` (:meth:`b_max_for`): what a run
+        uses and logs."""
         large = n_labels >= AUTO_WEIGHTS_LABELS
         paper = large or loss not in AUTO_WEIGHTS_LOSSES
         auto = {name: "updates" if paper else value for name, value in PER_ITEM_WEIGHTS.items()
@@ -609,7 +614,8 @@ class AdaptiveConfig(AlgorithmConfig):
             auto["weight_by"] = "updates" if large else "samples"
         if batch_size is not None:
             auto["b_max"] = self.b_max_for(batch_size)
-        auto["merge_period"] = self.merge_period_for(auto.get("row_weights", self.row_weights))
+        auto["merge_period"] = self.merge_period_for(auto.get("row_weights", self.row_weights),
+                                                     tracks_rows)
         return dataclasses.replace(self, **auto,
                                    weights_from_epoch=self.weights_from_epoch_for(n_labels))
 

@@ -458,8 +458,10 @@ def node_queue(comm: NodeComm, policy, n_local: int, n_devices: int, period: int
     """The batch queue of one node of a multi-node run (collective: every rank calls it once).
 
     Cuts every rank's epoch into the same number ``P`` of merge periods
-    (:func:`periods_per_epoch` of the global rows and the global period ``period``), so that
-    every rank merges equally often; the node's own period is ``S_r = ceil(n_r / P)``.
+    (:func:`periods_per_epoch` of the global rows and the global period ``period``, the
+    longest any rank asks for: an ``'auto'`` period follows the devices, which nodes need not
+    share), so that every rank merges equally often; the node's own period is
+    ``S_r = ceil(n_r / P)``.
     ``assignment="fixed"`` gives a :class:`~xmc_engine.scheduler.queue.FixedAssignmentQueue`
     (deterministic mode; devices numbered globally across ranks).
 
@@ -472,15 +474,15 @@ def node_queue(comm: NodeComm, policy, n_local: int, n_devices: int, period: int
     if not policy.supports_nodes:
         raise ConfigError(f"algorithm {policy.name!r} cannot run across nodes; use 'adaptive' "
                           "or 'average'")
-    sizes = comm.allgather(np.array([n_local, n_devices], dtype=np.int64))
+    sizes = comm.allgather(np.array([n_local, n_devices, period], dtype=np.int64))
     n_global = int(sizes[:, 0].sum())
-    S = int(period)
+    S = int(sizes[:, 2].max())
     if assignment == "fixed":
         first = int(sizes[:comm.rank, 1].sum())
         starts = [i * n_local // n_devices for i in range(n_devices + 1)]
         counts = [starts[i + 1] - starts[i] for i in range(n_devices)]
         all_counts = [(j * int(m) // int(d), ((j + 1) * int(m)) // int(d))
-                      for m, d in sizes for j in range(int(d))]
+                      for m, d, _ in sizes for j in range(int(d))]
         P = periods_per_epoch(n_global, S, min(b - a for a, b in all_counts))
         queue = FixedAssignmentQueue(starts[:-1], counts, range(first, first + n_devices), P,
                                      seed=seed)

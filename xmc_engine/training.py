@@ -179,12 +179,13 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     labels_per_row = float(label_counts.sum()) / max(n_samples, 1)
     output = cfg.output_for(Y.shape[1], labels_per_row)
     cfg = dataclasses.replace(cfg, output=output)
-    # AdaptiveConfig's "auto" merge weights: by the label count and the loss, written to the
-    # start record
+    # AdaptiveConfig's "auto" merge weights and period: by the label count, the loss and
+    # whether the devices' backends track changed rows (the CPU's), written to the start record
     algo = cfg.algorithm_params
     if hasattr(algo, "resolved"):
-        cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(Y.shape[1], cfg.loss,
-                                                                      cfg.batch_size))
+        cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(
+            Y.shape[1], cfg.loss, cfg.batch_size,
+            tracks_rows=all(d.kind == "cpu" for d in devices)))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
     if probe is not None:

@@ -55,10 +55,12 @@ class AdaptiveSGD(Policy):
 
     def prepare(self, replicas: Sequence, batch_size: int) -> None:
         """The ``'auto'`` options (merge weights, period, ``b_max``) by the label count (the
-        output bias's length), the replicas' loss and the base batch; :func:`fit_model` has
-        resolved them already, a trainer built directly has not."""
-        self.config = self.config.resolved(len(replicas[0].params()[-1]),
-                                           getattr(replicas[0], "loss", "softmax"), batch_size)
+        output bias's length), the replicas' loss, whether their backends track changed rows
+        and the base batch; :func:`fit_model` has resolved them already, a trainer built
+        directly has not."""
+        self.config = self.config.resolved(
+            len(replicas[0].params()[-1]), getattr(replicas[0], "loss", "softmax"), batch_size,
+            tracks_rows=all(getattr(r.backend, "tracks_rows", False) for r in replicas))
 
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
