@@ -364,6 +364,14 @@ class ConfigMixin:
             raise ConfigError(f"{source} line {exc.lineno}: invalid JSON ({exc.msg})") from None
         return cls.from_dict(d, source=source)
 
+    def _is_auto(self, name: str, what: str) -> bool:
+        """Whether field ``name`` (a number or ``'auto'``) is ``'auto'``; ``ConfigError`` naming
+        ``what`` it must otherwise be for any other string."""
+        value = getattr(self, name)
+        if isinstance(value, str) and value != "auto":
+            raise ConfigError(f"{name} must be {what} or 'auto', got {value!r}")
+        return value == "auto"
+
     def _check_min(self, low, *names: str) -> None:
         """``ConfigError`` unless every field in ``names`` is ``>= low`` (one message for all)."""
         values = [getattr(self, n) for n in names]
@@ -621,27 +629,18 @@ class AdaptiveConfig(AlgorithmConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.merge_period, str):
-            if self.merge_period != "auto":
-                raise ConfigError(f"merge_period must be a number of samples or 'auto', got "
-                                  f"{self.merge_period!r}")
+        if self._is_auto("merge_period", "a number of samples"):
             self._check_min(1, "delta_b")
         else:
             self._check_min(1, "merge_period", "delta_b")
-        if isinstance(self.weights_from_epoch, str):
-            if self.weights_from_epoch != "auto":
-                raise ConfigError(f"weights_from_epoch must be an epoch >= 0 or 'auto', got "
-                                  f"{self.weights_from_epoch!r}")
-        else:
+        if not self._is_auto("weights_from_epoch", "an epoch >= 0"):
             self._check_min(0, "weights_from_epoch")
         self._check_choice("row_weights", ("auto", *ROW_WEIGHTS))
         self._check_choice("label_weights", ("auto", *LABEL_WEIGHTS))
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
         self._check_choice("lr_scaling", LR_SCALINGS)
         self._check_choice("weight_by", ("auto", *WEIGHT_BY))
-        if isinstance(self.b_max, str):
-            if self.b_max != "auto":
-                raise ConfigError(f"b_max must be a batch size or 'auto', got {self.b_max!r}")
+        if self._is_auto("b_max", "a batch size"):
             self._check_min(1, "b_min")
         elif not 1 <= self.b_min <= self.b_max:
             raise ConfigError(f"need 1 <= b_min <= b_max, got {self.b_min}, {self.b_max}")
