@@ -343,6 +343,36 @@ def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wi
         np.testing.assert_allclose(c, d, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_row_sum_adds_the_changes_of_the_replicas_that_changed_a_row(be, wide, n):
+    """``row_sum`` (``row_weights="sum"``): a row several replicas changed becomes the central
+    row plus the sum of their changes, whatever the weights; a row one replica changed is that
+    replica's; the rest of the model the paper's merge; every replica holds the result."""
+    X, Y = wide
+    reps = [mlp(be, X, Y) for _ in range(n)]
+    central = [np.array(a) for a in reps[0].params()]
+    start = np.array(central[0])
+    _period(reps)
+    masks = np.stack([r.changed_rows() for r in reps])
+    assert (masks.sum(axis=0) > 1).any()  # the toy periods share rows between replicas
+    params = [[np.array(a) for a in r.params()] for r in reps]
+    p = np.random.default_rng(n).dirichlet(np.ones(n))
+    want = start.copy()
+    for row in np.flatnonzero(masks.any(axis=0)):
+        want[row] = start[row] + sum(params[i][0][row] - start[row]
+                                     for i in range(n) if masks[i, row])
+    delta = merge_changed_rows(reps, p, central, be, per_row=True, row_sum=True)
+    assert delta == pytest.approx(sq64(central[0]) - sq64(start), rel=1e-9)
+    np.testing.assert_allclose(central[0], want, rtol=1e-5, atol=1e-6)
+    for r in reps:
+        for x, c in zip(r.params(), central, strict=True):
+            assert np.array_equal(x, c)
+    rest = [np.empty_like(a) for a in central[1:]]
+    weighted_merge([ps[1:] for ps in params], p, rest, be)
+    for c, d in zip(central[1:], rest, strict=True):
+        np.testing.assert_allclose(c, d, rtol=1e-6, atol=1e-7)
+
+
 def test_per_label_weights_renormalize_over_the_replicas_that_saw_a_label(be, wide):
     """``per_label``: W2's column and b2's entry of a label are merged over the replicas whose
     batches held it as a positive; labels nobody saw keep the weights ``p``."""

@@ -228,7 +228,7 @@ BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
 #: merge weights of a W1 row (AdaptiveConfig.row_weights; "auto" resolves to one of them)
-ROW_WEIGHTS = ("updates", "touched")
+ROW_WEIGHTS = ("updates", "touched", "sum")
 #: merge weights of an output label (AdaptiveConfig.label_weights; "auto" likewise)
 LABEL_WEIGHTS = ("updates", "positives")
 #: The renormalized merge weights that depart from the paper (per ``W1`` row, per label): what
@@ -414,8 +414,16 @@ class AlgorithmConfig(ConfigMixin):
     @property
     def per_row_weights(self) -> bool:
         """Whether a row-sparse merge weights each ``W1`` row over the replicas that changed
-        it (:attr:`AdaptiveConfig.row_weights` ``'touched'``); the paper's weights elsewhere."""
-        return getattr(self, "row_weights", "updates") == "touched"
+        it (:attr:`AdaptiveConfig.row_weights` ``'touched'`` or ``'sum'``); the paper's
+        weights elsewhere."""
+        return getattr(self, "row_weights", "updates") in ("touched", "sum")
+
+    @property
+    def row_sum(self) -> bool:
+        """Whether the per-row merge gives a row several replicas changed the sum of their
+        changes (:attr:`AdaptiveConfig.row_weights` ``'sum'``) rather than their weighted
+        mean."""
+        return getattr(self, "row_weights", "updates") == "sum"
 
     @property
     def per_label_weights(self) -> bool:
@@ -602,7 +610,7 @@ class AdaptiveConfig(AlgorithmConfig):
         else :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS`, the period of the paper's weights."""
         if self.merge_period != "auto":
             return int(self.merge_period)
-        touched = (row_weights == "touched" and self.sparse_merge and self.momentum == 0
+        touched = (row_weights in ("touched", "sum") and self.sparse_merge and self.momentum == 0
                    and tracks_rows)
         return AUTO_MERGE_PERIOD_TOUCHED if touched else AUTO_MERGE_PERIOD_PAPER_WEIGHTS
 

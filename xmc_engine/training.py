@@ -872,6 +872,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
         # the merge weights of the run's algorithm (Adaptive SGD's per-row / per-label ones
         # run kernels of their own, e.g. the column merge with the exact output layer)
         per_row = cfg.algorithm_params.per_row_weights
+        row_sum = cfg.algorithm_params.row_sum
         per_label = cfg.algorithm_params.per_label_weights
         replicas = []
         for d in devices:
@@ -891,7 +892,7 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
             central = [empty_like(be, p) for p in replicas[0].params()]
             weighted_merge([r.params() for r in replicas], weights, central, be)
             merge_changed_rows(replicas, weights, central, be, per_row=per_row,
-                               per_label=per_label)
+                               row_sum=row_sum, per_label=per_label)
         for rep in replicas:
             rep.backend.synchronize()
     seconds = time.perf_counter() - t0

@@ -160,6 +160,7 @@ class AdaptiveSGD(Policy):
         own = ctx.epoch >= self.config.weights_from_epoch
         delta = self.merge_rows_only(replicas, p, ctx,
                                      per_row=own and self.config.per_row_weights,
+                                     row_sum=self.config.row_sum,
                                      per_label=own and self.config.per_label_weights,
                                      stats=stats, norm=norm_rise)
         if delta is None:

@@ -235,8 +235,9 @@ def _touch_counts(replicas: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
-                       backend, *, per_row: bool = False, per_label: bool = False,
-                       stats: dict | None = None, norm: bool = True) -> float | None:
+                       backend, *, per_row: bool = False, row_sum: bool = False,
+                       per_label: bool = False, stats: dict | None = None,
+                       norm: bool = True) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
     only the ``W1`` rows some replica changed in the period and, where the replicas record them
     (the sampled output layer, ``changed_columns()``), only the ``W2`` columns and ``b2``
@@ -272,6 +273,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         (``AdaptiveConfig.row_weights = 'touched'``): row ``r`` gets ``p_i m_i(r) / sum_j p_j
         m_j(r)``, ``m_i(r)`` = replica ``i`` changed it. Rows are grouped by which replicas
         changed them (at most ``2^n - 1`` groups), one ``merge_rows`` per group.
+    row_sum : bool
+        With ``per_row``: a row several replicas changed becomes the central row plus the sum
+        of their changes, ``c(r) + sum_i m_i(r) (w_i(r) - c(r))``, as if one model had made
+        all their steps (``AdaptiveConfig.row_weights = 'sum'``), instead of their weighted
+        mean; a row one replica changed is that replica's row either way.
     per_label : bool
         The same for the output layer by label (``AdaptiveConfig.label_weights =
         'positives'``): column ``l`` of ``W2`` and ``b2[l]`` get ``p_i s_i(l) / sum_j p_j
@@ -324,8 +330,15 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         code = (touched[:, rows].astype(np.int64) << np.arange(len(w))[:, None]).sum(axis=0)
         for pattern in np.unique(code):
             sel = np.array([(pattern >> i) & 1 for i in range(len(w))], dtype=bool)
-            q = np.where(sel, w, 0.0)
-            ok, d = backend.merge_rows(W1s, q / q.sum(), rows[code == pattern], central[0],
+            if row_sum and sel.sum() > 1:
+                # c + sum_i (w_i - c): the central rows (unchanged since the last merge) enter
+                # the sum first, so each value is read before the merge overwrites it
+                arrays = [central[0], *W1s]
+                q = np.concatenate([[1.0 - sel.sum()], sel.astype(np.float64)])
+            else:
+                arrays, q = W1s, np.where(sel, w, 0.0)
+                q = q / q.sum()
+            ok, d = backend.merge_rows(arrays, q, rows[code == pattern], central[0],
                                        broadcast=True, norm=norm)
             finite, delta = finite and ok, delta + d
     else:
