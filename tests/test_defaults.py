@@ -153,7 +153,8 @@ def test_auto_merge_weights_follow_the_label_count():
     assert (c.row_weights, c.label_weights) == ("auto", "auto")
     small, large = c.resolved(n - 1, "softmax"), c.resolved(n, "softmax")
     assert (small.row_weights, small.label_weights, small.weights_from_epoch) == (
-        "touched", "positives", 0)
+        "sum", "positives", 0)
+    assert small.row_sum and not large.row_sum
     assert (large.row_weights, large.label_weights, large.weights_from_epoch) == (
         "updates", "updates", 1)
     assert small.per_row_weights and small.per_label_weights
@@ -231,7 +232,7 @@ def test_run_log_records_the_resolved_merge_weights(small, monkeypatch, threshol
         assert start["config"]["algorithm_params"][key] == "auto"
     assert start["loss"] == loss
     assert start["algorithm_params"]["weights_from_epoch"] == expected
-    assert start["algorithm_params"]["row_weights"] == ("touched" if per_item else "updates")
+    assert start["algorithm_params"]["row_weights"] == ("sum" if per_item else "updates")
     assert start["algorithm_params"]["label_weights"] == ("positives" if per_item else "updates")
     assert start["config"]["algorithm_params"]["weight_by"] == "auto"
     assert start["algorithm_params"]["weight_by"] == ("updates" if threshold == 1 else "samples")

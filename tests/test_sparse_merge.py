@@ -679,11 +679,11 @@ def test_auto_merge_weights_are_the_paper_s_on_a_large_label_space(be, wide, mon
     """The defaults (``row_weights`` / ``label_weights`` / ``weights_from_epoch`` ``'auto'``):
     from :data:`AUTO_WEIGHTS_LABELS` labels on, and with the logistic loss at any size, every
     merge uses the paper's weights and the replicas record no labels; with the softmax below
-    it the per-row / per-label weights from the first merge."""
+    it the per-row / per-label weights (the rows' ``'sum'``) from the first merge."""
     calls, log, reps, resolved = _merge_weights_run(be, wide, monkeypatch, 2, above_labels,
                                                     loss)
     assert len(calls) == len(log.merges) >= 4
     assert set(calls) == {(per_row_weights, per_row_weights)}
     assert (resolved.row_weights, resolved.label_weights) == (
-        ("touched", "positives") if per_row_weights else ("updates", "updates"))
+        ("sum", "positives") if per_row_weights else ("updates", "updates"))
     assert [r.seen_labels() is not None for r in reps] == [per_row_weights] * 2

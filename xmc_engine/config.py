@@ -31,6 +31,7 @@ from xmc_engine.faults import parse_faults
 __all__ = [
     "ALGORITHMS",
     "AUTO_MERGE_PERIOD_PAPER_WEIGHTS",
+    "AUTO_PER_ITEM_WEIGHTS",
     "AUTO_MERGE_PERIOD_TOUCHED",
     "AUTO_WEIGHTS_LABELS",
     "AUTO_WEIGHTS_LOSSES",
@@ -231,12 +232,21 @@ FLAG_RULES = ("norm_rise", "always", "never")
 ROW_WEIGHTS = ("updates", "touched", "sum")
 #: merge weights of an output label (AdaptiveConfig.label_weights; "auto" likewise)
 LABEL_WEIGHTS = ("updates", "positives")
-#: The renormalized merge weights that depart from the paper (per ``W1`` row, per label): what
-#: ``"auto"`` gives below :data:`AUTO_WEIGHTS_LABELS` labels and configs saved before it had.
+#: The per-row / per-label merge weights that depart from the paper: what ``"auto"`` gives
+#: below :data:`AUTO_WEIGHTS_LABELS` labels with the losses of :data:`AUTO_WEIGHTS_LOSSES`.
+#: ``"sum"`` rather than ``"touched"`` for ``W1`` (both keep a row one replica changed whole;
+#: ``"sum"`` gives a row several changed the sum of their changes, not their weighted mean):
+#: on equal devices the weighted mean halved (thirded) every shared row's update and
+#: ``adaptive`` missed the synthetic targets, with the sum it reached them, 2.5-3.1x sooner
+#: than ``sync`` at 30,000 labels; level on ``cpu,cpu@0.5``, level in time and 0.005 P@1
+#: lower on three unequal devices (``bench/RESULTS.md``, "The sum of the replicas' changes on
+#: shared rows").
+AUTO_PER_ITEM_WEIGHTS = {"row_weights": "sum", "label_weights": "positives"}
+#: What configs saved before ``"auto"`` existed merged with (their ``from_saved`` value).
 PER_ITEM_WEIGHTS = {"row_weights": "touched", "label_weights": "positives"}
 #: ``AdaptiveConfig``'s ``"auto"`` merge weights, by the data's label count. Below this many
 #: labels ``row_weights="auto"`` / ``label_weights="auto"`` are the per-row / per-label weights
-#: (``"touched"``, ``"positives"``), from it on the paper's (``"updates"``); and
+#: (:data:`AUTO_PER_ITEM_WEIGHTS`), from it on the paper's (``"updates"``); and
 #: ``weights_from_epoch="auto"`` (for per-row / per-label weights given explicitly) is 0 below
 #: and 1 from it on. The per-row / per-label weights win up to 100,000 labels (debian_builddeps,
 #: the 30,000- and 100,000-label synthetic shapes; ``bench/RESULTS.md``, "Synthetic 30,000
@@ -260,7 +270,7 @@ AUTO_WEIGHTS_LABELS = 200_000
 AUTO_B_MAX_BATCHES = 4
 #: ``AdaptiveConfig.merge_period="auto"``: the period, in samples, where a ``W1`` row's merge
 #: weights are renormalized over the replicas that touched it (``row_weights`` resolving to
-#: ``"touched"``: the softmax below :data:`AUTO_WEIGHTS_LABELS` labels), and elsewhere
+#: ``"touched"`` or ``"sum"``: the softmax below :data:`AUTO_WEIGHTS_LABELS` labels), and elsewhere
 #: (:data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS`). A shorter period leaves more rows changed by one
 #: replica alone, whose update the renormalized weights then keep whole; with the paper's
 #: weights that mechanism is absent. Chosen by issue 15's runs at the synthetic shapes, whose
@@ -512,22 +522,25 @@ class AdaptiveConfig(AlgorithmConfig):
         Merge and broadcast only the ``W1`` rows the replicas changed in the period, where the
         backend tracks rows and ``momentum == 0``; the merged model is the same to float32
         rounding. ``False`` forces the dense merge.
-    row_weights : {'auto', 'touched', 'updates'}
+    row_weights : {'auto', 'touched', 'sum', 'updates'}
         Merge weights of a ``W1`` row. ``'updates'`` (the paper): every row gets each replica's
         merge weight ``p_i`` (``weight_by``). ``'touched'``: a row's weights are
         renormalized over the replicas that changed it in the period, so a rare feature's row
         seen by one replica keeps that replica's update whole instead of shrinking it by its
         weight (needs the row-sparse merge: a backend that tracks rows, ``sparse_merge``,
-        ``momentum == 0``; the paper's weights elsewhere). ``'auto'`` (the default):
-        ``'touched'`` with the softmax loss below :data:`AUTO_WEIGHTS_LABELS` labels,
-        ``'updates'`` from there on and with the logistic loss (:data:`AUTO_WEIGHTS_LOSSES`;
-        :meth:`resolved`; the run log's ``start`` record gives the value).
+        ``momentum == 0``; the paper's weights elsewhere). ``'sum'``: the same, and a row
+        several replicas changed becomes the central row plus the sum of their changes (as if
+        one model had made all their steps; ``'touched'`` gives their weighted mean).
+        ``'auto'`` (the default): ``'sum'`` with the softmax loss below
+        :data:`AUTO_WEIGHTS_LABELS` labels (:data:`AUTO_PER_ITEM_WEIGHTS`), ``'updates'``
+        from there on and with the logistic loss (:data:`AUTO_WEIGHTS_LOSSES`; :meth:`resolved`;
+        the run log's ``start`` record gives the value).
     label_weights : {'auto', 'positives', 'updates'}
         The same choice for the output layer, by label: ``'positives'``
         renormalizes the weights of ``W2``'s column ``l`` and ``b2[l]`` over the replicas whose
         batches held label ``l`` as a positive in the period (a label no replica saw keeps the
         paper's weights); same conditions as ``row_weights``; ``'auto'`` (the default):
-        ``'positives'`` where ``row_weights="auto"`` gives ``'touched'``, else ``'updates'``.
+        ``'positives'`` where ``row_weights="auto"`` gives ``'sum'``, else ``'updates'``.
         With the softmax below that size both defaults depart from the paper, chosen by
         issue 15's ablation
         (``bench/RESULTS.md``, "Adaptive SGD with defaults", per-row and per-label weights):
@@ -605,8 +618,9 @@ class AdaptiveConfig(AlgorithmConfig):
     def merge_period_for(self, row_weights: str, tracks_rows: bool = True) -> int:
         """The period of a run whose ``W1`` rows are merged with ``row_weights`` (resolved):
         ``merge_period``, or for ``'auto'`` :data:`AUTO_MERGE_PERIOD_TOUCHED` with the
-        renormalized ``'touched'`` weights, which need the row-sparse merge (``sparse_merge``,
-        ``momentum == 0`` and replicas whose backend ``tracks_rows``: the CPU's, not a GPU's),
+        per-row ``'touched'`` or ``'sum'`` weights, which need the row-sparse merge
+        (``sparse_merge``, ``momentum == 0`` and replicas whose backend ``tracks_rows``: the
+        CPU's, not a GPU's),
         else :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS`, the period of the paper's weights."""
         if self.merge_period != "auto":
             return int(self.merge_period)
@@ -624,8 +638,8 @@ class AdaptiveConfig(AlgorithmConfig):
         uses and logs."""
         large = n_labels >= AUTO_WEIGHTS_LABELS
         paper = large or loss not in AUTO_WEIGHTS_LOSSES
-        auto = {name: "updates" if paper else value for name, value in PER_ITEM_WEIGHTS.items()
-                if getattr(self, name) == "auto"}
+        auto = {name: "updates" if paper else value
+                for name, value in AUTO_PER_ITEM_WEIGHTS.items() if getattr(self, name) == "auto"}
         if self.weight_by == "auto":
             auto["weight_by"] = "updates" if large else "samples"
         if batch_size is not None:
