@@ -303,13 +303,10 @@ def test_merge_changed_rows_gives_the_dense_merge(be, wide, n):
             assert np.array_equal(x, c)
 
 
-@pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("n", [2, 3])
-def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wide, n, norm):
-    """``per_row``: a row changed by one replica takes that replica's value whole; a row changed
-    by several, their weights renormalized; the rest of the model the paper's merge; the touch
-    statistics count the rows; every replica holds the merged model afterwards; without
-    ``norm`` the same merge reports no change of the norm."""
+def _after_a_period(be, wide, n):
+    """``n`` replicas after a toy period from one central model: ``(replicas, central,
+    central W1 before the merge, the replicas' changed-row masks, copies of their params,
+    merge weights)``."""
     X, Y = wide
     reps = [mlp(be, X, Y) for _ in range(n)]
     central = [np.array(a) for a in reps[0].params()]
@@ -317,7 +314,17 @@ def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wi
     _period(reps)
     masks = np.stack([r.changed_rows() for r in reps])
     params = [[np.array(a) for a in r.params()] for r in reps]
-    p = np.random.default_rng(n).dirichlet(np.ones(n))
+    return reps, central, start, masks, params, np.random.default_rng(n).dirichlet(np.ones(n))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("n", [2, 3])
+def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wide, n, norm):
+    """``per_row``: a row changed by one replica takes that replica's value whole; a row changed
+    by several, their weights renormalized; the rest of the model the paper's merge; the touch
+    statistics count the rows; every replica holds the merged model afterwards; without
+    ``norm`` the same merge reports no change of the norm."""
+    reps, central, start, masks, params, p = _after_a_period(be, wide, n)
     want = start.copy()
     for row in np.flatnonzero(masks.any(axis=0)):
         q = p * masks[:, row]
@@ -348,15 +355,8 @@ def test_row_sum_adds_the_changes_of_the_replicas_that_changed_a_row(be, wide, n
     """``row_sum`` (``row_weights="sum"``): a row several replicas changed becomes the central
     row plus the sum of their changes, whatever the weights; a row one replica changed is that
     replica's; the rest of the model the paper's merge; every replica holds the result."""
-    X, Y = wide
-    reps = [mlp(be, X, Y) for _ in range(n)]
-    central = [np.array(a) for a in reps[0].params()]
-    start = np.array(central[0])
-    _period(reps)
-    masks = np.stack([r.changed_rows() for r in reps])
+    reps, central, start, masks, params, p = _after_a_period(be, wide, n)
     assert (masks.sum(axis=0) > 1).any()  # the toy periods share rows between replicas
-    params = [[np.array(a) for a in r.params()] for r in reps]
-    p = np.random.default_rng(n).dirichlet(np.ones(n))
     want = start.copy()
     for row in np.flatnonzero(masks.any(axis=0)):
         want[row] = start[row] + sum(params[i][0][row] - start[row]
