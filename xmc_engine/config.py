@@ -31,8 +31,8 @@ from xmc_engine.faults import parse_faults
 __all__ = [
     "ALGORITHMS",
     "AUTO_MERGE_PERIOD_PAPER_WEIGHTS",
-    "AUTO_PER_ITEM_WEIGHTS",
     "AUTO_MERGE_PERIOD_TOUCHED",
+    "AUTO_PER_ITEM_WEIGHTS",
     "AUTO_WEIGHTS_LABELS",
     "AUTO_WEIGHTS_LOSSES",
     "BACK_TO_BEST_STALE_Z",
