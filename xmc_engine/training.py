@@ -874,15 +874,19 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
         per_row = cfg.algorithm_params.per_row_weights
         row_sum = cfg.algorithm_params.row_sum
         per_label = cfg.algorithm_params.per_label_weights
+
+        def step(rep) -> None:  # one step of the run's kind, at learning rate 0
+            if POLICIES[cfg.algorithm].steps_by_gradient:
+                rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
+            else:
+                rep.train_batch(rows, 0.0)
+
         replicas = []
         for d in devices:
             rep = make_replica(cfg, d, X, Y, params, len(replicas))
             if per_label:
                 rep.track_labels()
-            if POLICIES[cfg.algorithm].steps_by_gradient:
-                rep.apply_grads(rep.grad_batch(rows)[1], 0.0)
-            else:
-                rep.train_batch(rows, 0.0)
+            step(rep)
             replicas.append(rep)
         be = replicas[0].backend
         predict_topk(be, replicas[0].params(), X[rows], max(5, cfg.eval_k),
@@ -893,6 +897,15 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
             weighted_merge([r.params() for r in replicas], weights, central, be)
             merge_changed_rows(replicas, weights, central, be, per_row=per_row,
                                row_sum=row_sum, per_label=per_label)
+            if row_sum:
+                # The sum merges a row several replicas changed with the central rows as one
+                # more operand (n + 1 arrays), a row one replica changed as the weighted merge
+                # does (n arrays). Every row here is changed by every replica, so the second
+                # kernel is warmed by a merge without the sum, after another step.
+                for rep in replicas:
+                    step(rep)
+                merge_changed_rows(replicas, weights, central, be, per_row=per_row,
+                                   per_label=per_label)
         for rep in replicas:
             rep.backend.synchronize()
     seconds = time.perf_counter() - t0
