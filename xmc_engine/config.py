@@ -230,6 +230,8 @@ BATCH_RULES = ("step", "proportional", "fixed")
 FLAG_RULES = ("norm_rise", "always", "never")
 #: merge weights of a W1 row (AdaptiveConfig.row_weights; "auto" resolves to one of them)
 ROW_WEIGHTS = ("updates", "touched", "sum")
+#: the row weights of those that merge each W1 row over the replicas that changed it (per row)
+PER_ROW_WEIGHTS = ("touched", "sum")
 #: merge weights of an output label (AdaptiveConfig.label_weights; "auto" likewise)
 LABEL_WEIGHTS = ("updates", "positives")
 #: The per-row / per-label merge weights that depart from the paper: what ``"auto"`` gives
@@ -426,7 +428,7 @@ class AlgorithmConfig(ConfigMixin):
         """Whether a row-sparse merge weights each ``W1`` row over the replicas that changed
         it (:attr:`AdaptiveConfig.row_weights` ``'touched'`` or ``'sum'``); the paper's
         weights elsewhere."""
-        return getattr(self, "row_weights", "updates") in ("touched", "sum")
+        return getattr(self, "row_weights", "updates") in PER_ROW_WEIGHTS
 
     @property
     def row_sum(self) -> bool:
@@ -477,7 +479,7 @@ class AdaptiveConfig(AlgorithmConfig):
     merge_period : int or 'auto'
         ``S``, samples per merge period ("mega-batch"). ``'auto'`` (the default):
         :data:`AUTO_MERGE_PERIOD_TOUCHED` (1,024) where ``row_weights`` resolves to
-        ``'touched'`` and the row-sparse merge applies (CPU devices), else
+        ``'sum'`` or ``'touched'`` and the row-sparse merge applies (CPU devices), else
         :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS` (4,096) (:meth:`merge_period_for`; the run
         log's ``start`` record gives the value).
     b_min, b_max, delta_b : int
@@ -620,11 +622,11 @@ class AdaptiveConfig(AlgorithmConfig):
         ``merge_period``, or for ``'auto'`` :data:`AUTO_MERGE_PERIOD_TOUCHED` with the
         per-row ``'touched'`` or ``'sum'`` weights, which need the row-sparse merge
         (``sparse_merge``, ``momentum == 0`` and replicas whose backend ``tracks_rows``: the
-        CPU's, not a GPU's),
-        else :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS`, the period of the paper's weights."""
+        CPU's, not a GPU's), else :data:`AUTO_MERGE_PERIOD_PAPER_WEIGHTS`, the period of the
+        paper's weights."""
         if self.merge_period != "auto":
             return int(self.merge_period)
-        touched = (row_weights in ("touched", "sum") and self.sparse_merge and self.momentum == 0
+        touched = (row_weights in PER_ROW_WEIGHTS and self.sparse_merge and self.momentum == 0
                    and tracks_rows)
         return AUTO_MERGE_PERIOD_TOUCHED if touched else AUTO_MERGE_PERIOD_PAPER_WEIGHTS
 

@@ -330,11 +330,12 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         code = (touched[:, rows].astype(np.int64) << np.arange(len(w))[:, None]).sum(axis=0)
         for pattern in np.unique(code):
             sel = np.array([(pattern >> i) & 1 for i in range(len(w))], dtype=bool)
-            if row_sum and sel.sum() > 1:
+            k = int(sel.sum())
+            if row_sum and k > 1:
                 # c + sum_i (w_i - c): the central rows (unchanged since the last merge) enter
                 # the sum first, so each value is read before the merge overwrites it
                 arrays = [central[0], *W1s]
-                q = np.concatenate([[1.0 - sel.sum()], sel.astype(np.float64)])
+                q = np.concatenate([[1.0 - k], sel.astype(np.float64)])
             else:
                 arrays, q = W1s, np.where(sel, w, 0.0)
                 q = q / q.sum()
