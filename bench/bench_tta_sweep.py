@@ -140,6 +140,11 @@ def main(argv=None) -> int:
     p.add_argument("--at-seconds", type=float, nargs="+", default=None, metavar="T",
                    help="with --from-results: each configuration's median P@1 after T training "
                         "seconds (equal time rather than equal epochs)")
+    p.add_argument("--per-set-target", action="store_true",
+                   help="with --from-results --summary: each device set's own target, "
+                        "--target-frac x the best median best P@1 of that set's "
+                        "configurations (one device alone included), the times read again "
+                        "from the saved curves")
     p.add_argument("--ablation", action="store_true",
                    help="with --from-results: one table, a row per option, a column per "
                         "dataset and device set: the option's time and final P@1 against the "
@@ -174,7 +179,7 @@ def main(argv=None) -> int:
             for result in results:
                 print_at_seconds(result, args.at_seconds)
         elif args.summary:
-            print_summary(results)
+            print_summary(results, args.target_frac if args.per_set_target else None)
         elif args.ablation:
             print_ablation(results)
         else:
@@ -299,25 +304,45 @@ def print_markdown(result: dict, path: str = "") -> None:
                   f"{np.median(finals):.4f} ({min(finals):.4f}-{max(finals):.4f}) |")
 
 
-def print_summary(results) -> None:
+def set_target(listed, frac: float) -> tuple[float, dict[int, float]]:
+    """A device set's own target, ``frac`` x the best median (over seeds) best P@1 of its
+    configurations ``listed``, and each configuration's median time to it (by ``id``), read
+    again from the saved curves (``inf``: never reached)."""
+    best = max(float(np.median([x["best_P@1"] for x in r["runs"]])) for r in listed)
+    target = frac * best
+    return target, {id(r): median_quartiles([_tta.time_to_target(x["curve"], target)
+                                             for x in r["runs"]])[0] for r in listed}
+
+
+def print_summary(results, per_set_frac: float | None = None) -> None:
     """Saved sweeps of ``--methods`` as one Markdown table: per dataset and device set, each
     algorithm's median time to the target (its ratio to ``adaptive`` in brackets), then
-    ``adaptive``'s median final P@1 against the best algorithm's."""
+    ``adaptive``'s median final P@1 against the best algorithm's. ``per_set_frac``: each
+    device set's own target (:func:`set_target`) instead of the file's, in its own column."""
     algos = ("single", "adaptive", "sync", "average", "easgd", "crossbow")
-    print("| data | devices | " + " | ".join(algos) + " | final P@1 adaptive / best |")
-    print("|---|---|" + "---:|" * len(algos) + "---|")
+    target_col = " target |" if per_set_frac else ""
+    print("| data | devices |" + target_col + " " + " | ".join(algos)
+          + " | final P@1 adaptive / best |")
+    print("|---|---|" + ("---:|" if per_set_frac else "") + "---:|" * len(algos) + "---|")
     for result in results:
         rows = [r for r in result["rows"] if not r["config"]["params"]]
         for setup, listed, ref in by_setup(rows):
             mine = {r["config"]["algorithm"]: r for r in listed}
+            times = {a: _time(r["median_time_to_target_s"]) for a, r in mine.items()}
+            target = ""
+            if per_set_frac:
+                t_set, by_id = set_target(listed, per_set_frac)
+                times = {a: by_id[id(r)] for a, r in mine.items()}
+                ref = times.get("adaptive")
+                target = f" {t_set:.4f} |"
             cells = []
             for a in algos:
-                t = _time(mine[a]["median_time_to_target_s"]) if a in mine else np.nan
+                t = times[a] if a in mine else np.nan
                 ratio = f" ({t / ref:.2f})" if np.isfinite(t) and np.isfinite(ref) else ""
                 cells.append(_fmt_s(t) + ratio if a in mine else "")
             finals = {a: float(np.median(r["final_P@1_runs"])) for a, r in mine.items()}
             best = max(finals, key=finals.get)
-            print(f"| {result['args']['data']} | `{setup}` | " + " | ".join(cells)
+            print(f"| {result['args']['data']} | `{setup}` |{target} " + " | ".join(cells)
                   + f" | {finals['adaptive']:.4f} / {finals[best]:.4f} ({best}) |")
 
 

@@ -277,6 +277,29 @@ def test_sweep_summary_gives_ratios_to_adaptive_and_the_best_final(capsys):
                        "| 0.6000 / 0.6000 (single) |")
 
 
+def test_sweep_summary_per_set_target_reads_each_set_s_times_again_from_its_curves(capsys):
+    from bench_tta_sweep import print_summary
+
+    def row(algorithm, devices, curves, setups):
+        # the saved median says "not reached" against the file's target; the curves decide
+        return {"config": {"algorithm": algorithm, "devices": devices, "params": {},
+                           "label": algorithm, "setups": setups},
+                "median_time_to_target_s": None, "final_P@1_runs": [c[-1][2] for c in curves],
+                "runs": [{"best_P@1": max(p for _, _, p in c), "curve": c} for c in curves]}
+
+    single = row("single", "cpu", [[(1.0, 1, 0.4), (2.0, 2, 0.5)]] * 2, ["a,b", "c,d"])
+    result = {"args": {"data": "toy"}, "rows": [
+        single,
+        row("adaptive", "a,b", [[(1.0, 1, 0.5), (2.0, 2, 0.6)]] * 2, ["a,b"]),
+        row("adaptive", "c,d", [[(1.0, 1, 0.9), (2.0, 2, 1.0)]] * 2, ["c,d"])]}
+    print_summary([result], 0.9)
+    out = capsys.readouterr().out.splitlines()
+    # a,b: target 0.9 x 0.6 = 0.54, adaptive at 1.4 s (interpolated), one device never;
+    # c,d: target 0.9, adaptive at 1.0 s, one device never
+    assert out[2] == ("| toy | `a,b` | 0.5400 | not reached | 1.40 (1.00) |  |  |  |  "
+                      "| 0.6000 / 0.6000 (adaptive) |")
+    assert out[3].startswith("| toy | `c,d` | 0.9000 | not reached | 1.00 (1.00) |")
+
 def test_sweep_ablation_compares_each_option_with_the_same_algorithm_s_defaults(capsys):
     from bench_tta_sweep import print_ablation
 
