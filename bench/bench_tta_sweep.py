@@ -145,6 +145,10 @@ def main(argv=None) -> int:
                         "--target-frac x the best median best P@1 of that set's "
                         "configurations (one device alone included), the times read again "
                         "from the saved curves")
+    p.add_argument("--decompose", action="store_true",
+                   help="with --from-results: per dataset and device set, adaptive's time to "
+                        "the set's own target over one device's, split into the epochs each "
+                        "needed and the seconds each took per epoch")
     p.add_argument("--ablation", action="store_true",
                    help="with --from-results: one table, a row per option, a column per "
                         "dataset and device set: the option's time and final P@1 against the "
@@ -178,6 +182,8 @@ def main(argv=None) -> int:
         if args.at_seconds:
             for result in results:
                 print_at_seconds(result, args.at_seconds)
+        elif args.decompose:
+            print_decomposition(results, args.target_frac)
         elif args.summary:
             print_summary(results, args.target_frac if args.per_set_target else None)
         elif args.ablation:
@@ -344,6 +350,44 @@ def print_summary(results, per_set_frac: float | None = None) -> None:
             best = max(finals, key=finals.get)
             print(f"| {result['args']['data']} | `{setup}` |{target} " + " | ".join(cells)
                   + f" | {finals['adaptive']:.4f} / {finals[best]:.4f} ({best}) |")
+
+
+def _at_target(run, target: float) -> tuple[float, float]:
+    """``(epoch, seconds)`` where a saved run first reached ``target``, both interpolated
+    between the evaluations around the crossing as :func:`_tta.time_to_target` interpolates
+    the seconds (``inf`` for never)."""
+    t = _tta.time_to_target(run["curve"], target)
+    seconds = [0.0] + [c[0] for c in run["curve"]]
+    epochs = [0.0] + [c[1] for c in run["curve"]]
+    return float(np.interp(t, seconds, epochs)) if np.isfinite(t) else np.inf, t
+
+
+def print_decomposition(results, frac: float) -> None:
+    """Why one device alone is sooner (or later) than ``adaptive`` on a device set: at the
+    set's own target (:func:`set_target`), the median epochs each needed and the median of
+    each run's training seconds per epoch up to the target; the time ratio is about their
+    product."""
+    print("| data | devices | target | epochs: one device / adaptive | s per epoch: one device "
+          "/ adaptive | adaptive's time over one device's |")
+    print("|---|---|---:|---|---|---:|")
+    for result in results:
+        rows = [r for r in result["rows"] if not r["config"]["params"]]
+        for setup, listed, _ in by_setup(rows):
+            mine = {r["config"]["algorithm"]: r for r in listed}
+            if "single" not in mine or "adaptive" not in mine:
+                continue
+            target, _ = set_target(listed, frac)
+            stats = {}
+            for a in ("single", "adaptive"):
+                at = [_at_target(x, target) for x in mine[a]["runs"]]
+                ep = float(np.median([e for e, _ in at]))
+                rate = [t / e for e, t in at if np.isfinite(t) and e > 0]
+                stats[a] = (ep, float(np.median(rate)) if rate else np.nan,
+                            float(np.median([t for _, t in at])))
+            (e1, r1, t1), (e2, r2, t2) = stats["single"], stats["adaptive"]
+            ratio = f"{t2 / t1:.2f}" if np.isfinite(t1) and np.isfinite(t2) else ""
+            print(f"| {result['args']['data']} | `{setup}` | {target:.4f} | {e1:.2f} / {e2:.2f} "
+                  f"| {r1:.3f} / {r2:.3f} | {ratio} |")
 
 
 def p1_at(curve, seconds: float) -> float:

@@ -300,6 +300,25 @@ def test_sweep_summary_per_set_target_reads_each_set_s_times_again_from_its_curv
                       "| 0.6000 / 0.6000 (adaptive) |")
     assert out[3].startswith("| toy | `c,d` | 0.9000 | not reached | 1.00 (1.00) |")
 
+def test_sweep_decomposition_splits_the_time_ratio_into_epochs_and_seconds_per_epoch(capsys):
+    from bench_tta_sweep import print_decomposition
+
+    def row(algorithm, devices, curves):
+        return {"config": {"algorithm": algorithm, "devices": devices, "params": {},
+                           "label": algorithm, "setups": ["cpu,cpu"]},
+                "median_time_to_target_s": None,  # the file's target: not what is read
+                "runs": [{"best_P@1": max(c[2] for c in cv), "curve": cv} for cv in curves]}
+
+    # target 0.5 (5/6 of the best, 0.6): one device needs 0.75 epochs at 2 s an epoch
+    # (1.5 s), adaptive 0.5 epochs at 1 s an epoch (0.5 s): a third of the time
+    result = {"args": {"data": "toy"}, "rows": [
+        row("single", "cpu", [[(1.0, 0.5, 0.4), (2.0, 1.0, 0.6)]]),
+        row("adaptive", "cpu,cpu", [[(0.5, 0.5, 0.5), (1.0, 1.0, 0.6)]])]}
+    print_decomposition([result], 0.5 / 0.6)
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == "| toy | `cpu,cpu` | 0.5000 | 0.75 / 0.50 | 2.000 / 1.000 | 0.33 |"
+
+
 def test_sweep_ablation_compares_each_option_with_the_same_algorithm_s_defaults(capsys):
     from bench_tta_sweep import print_ablation
 
