@@ -680,3 +680,32 @@ def test_continue_probe_bench_pairs_two_commits_runs_by_dataset_setting_and_seed
     bench.print_compare([on, off], "continue_probe", before, after)
     out = capsys.readouterr().out
     assert "before: a, after: b" in out and "(1 changed)" in out
+
+
+def test_merge_prototype_gives_every_replica_one_models_accumulators():
+    import argparse
+
+    import numpy as np
+    from proto_merge_state import _acc_sum, parse_variant
+
+    class Replica:
+        def __init__(self, acc):
+            self.acc = [np.asarray(acc, dtype=np.float32)]
+
+        def accumulators(self):
+            return self.acc
+
+    class Policy:
+        pass
+
+    policy, reps = Policy(), [Replica([1.0, 2.0]), Replica([3.0, 0.0])]
+    _acc_sum(policy, reps)  # from zeros: the sum of both
+    assert all(r.acc[0].tolist() == [4.0, 2.0] for r in reps)
+    reps[0].acc[0] += [1.0, 0.0]  # increments since that merge: 1, 0 and 0, 5
+    reps[1].acc[0] += [0.0, 5.0]
+    _acc_sum(policy, reps)
+    assert all(r.acc[0].tolist() == [5.0, 7.0] for r in reps)
+    assert parse_variant("x:cpu,cpu:sum_all:keep:0.5") == {
+        "label": "x", "devices": "cpu,cpu", "params": "sum_all", "acc": "keep", "pow": 0.5}
+    with pytest.raises(argparse.ArgumentTypeError, match="LABEL:DEVICES"):
+        parse_variant("x:cpu,cpu:mean:keep")
