@@ -376,15 +376,15 @@ def print_decomposition(results, frac: float) -> None:
             mine = {r["config"]["algorithm"]: r for r in listed}
             if "single" not in mine or "adaptive" not in mine:
                 continue
-            target, _ = set_target(listed, frac)
+            target, times = set_target(listed, frac)
             stats = {}
             for a in ("single", "adaptive"):
                 at = [_at_target(x, target) for x in mine[a]["runs"]]
-                ep = float(np.median([e for e, _ in at]))
                 rate = [t / e for e, t in at if np.isfinite(t) and e > 0]
-                stats[a] = (ep, float(np.median(rate)) if rate else np.nan,
-                            float(np.median([t for _, t in at])))
-            (e1, r1, t1), (e2, r2, t2) = stats["single"], stats["adaptive"]
+                stats[a] = (float(np.median([e for e, _ in at])),
+                            float(np.median(rate)) if rate else np.nan)
+            (e1, r1), (e2, r2) = stats["single"], stats["adaptive"]
+            t1, t2 = times[id(mine["single"])], times[id(mine["adaptive"])]
             ratio = f"{t2 / t1:.2f}" if np.isfinite(t1) and np.isfinite(t2) else ""
             print(f"| {result['args']['data']} | `{setup}` | {target:.4f} | {e1:.2f} / {e2:.2f} "
                   f"| {r1:.3f} / {r2:.3f} | {ratio} |")

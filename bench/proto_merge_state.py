@@ -47,21 +47,26 @@ from bench_tta_sweep import median_quartiles, subset_test  # noqa: E402
 VARIANT = {"params": "default", "acc": "keep", "pow": 0.0}
 
 
+def _centre_plus_changes(arrays, centre) -> np.ndarray:
+    """``centre + sum_i (arrays[i] - centre)`` in float64."""
+    s = arrays[0].astype(np.float64)
+    for a in arrays[1:]:
+        s += a
+    s -= (len(arrays) - 1) * centre
+    return s
+
+
 def _acc_sum(policy, replicas) -> None:
     """Every replica's accumulators := base + sum_i (acc_i - base); base: the last merge's
     (zeros before the first: the bench's runs start from the initialisation)."""
     accs = [r.accumulators() for r in replicas]
     if not all(accs):
         return
-    n = len(accs)
     base = getattr(policy, "_proto_acc_base", None)
     if base is None:
         base = policy._proto_acc_base = [np.zeros_like(a) for a in accs[0]]
     for j, b in enumerate(base):
-        s = accs[0][j].astype(np.float64)
-        for a in accs[1:]:
-            s += a[j]
-        s -= (n - 1) * b
+        s = _centre_plus_changes([a[j] for a in accs], b)
         np.maximum(s, 0.0, out=s)
         np.copyto(b, s, casting="same_kind")
         for a in accs:
@@ -86,11 +91,8 @@ def patch_engine() -> None:
         params = [r.params() for r in replicas]
         n = len(params)
         for j, c in enumerate(self.central):
-            s = params[0][j].astype(np.float64)
-            for q in params[1:]:
-                s += q[j]
-            s -= (n - 1) * c
-            np.copyto(self._wbar[j], s, casting="same_kind")
+            np.copyto(self._wbar[j], _centre_plus_changes([q[j] for q in params], c),
+                      casting="same_kind")
         self.central, self._wbar = self._wbar, self.central
         self.broadcast(replicas, self.central)
         patched_opt_state(self, replicas, None)

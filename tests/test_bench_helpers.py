@@ -300,6 +300,7 @@ def test_sweep_summary_per_set_target_reads_each_set_s_times_again_from_its_curv
                       "| 0.6000 / 0.6000 (adaptive) |")
     assert out[3].startswith("| toy | `c,d` | 0.9000 | not reached | 1.00 (1.00) |")
 
+
 def test_sweep_decomposition_splits_the_time_ratio_into_epochs_and_seconds_per_epoch(capsys):
     from bench_tta_sweep import print_decomposition
 
