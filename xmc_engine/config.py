@@ -626,9 +626,9 @@ class AdaptiveConfig(AlgorithmConfig):
         paper's weights."""
         if self.merge_period != "auto":
             return int(self.merge_period)
-        touched = (row_weights in PER_ROW_WEIGHTS and self.sparse_merge and self.momentum == 0
+        per_row = (row_weights in PER_ROW_WEIGHTS and self.sparse_merge and self.momentum == 0
                    and tracks_rows)
-        return AUTO_MERGE_PERIOD_TOUCHED if touched else AUTO_MERGE_PERIOD_PAPER_WEIGHTS
+        return AUTO_MERGE_PERIOD_TOUCHED if per_row else AUTO_MERGE_PERIOD_PAPER_WEIGHTS
 
     def resolved(self, n_labels: int, loss: str, batch_size: int | None = None,
                  tracks_rows: bool = True) -> AdaptiveConfig:
