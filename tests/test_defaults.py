@@ -140,6 +140,23 @@ def test_weights_from_epoch_auto_follows_the_label_count():
     assert new.algorithm_params.weights_from_epoch == "auto"
 
 
+def test_sum_sqrt_row_weights_scale_the_shared_rows_sum():
+    """``row_weights="sum_sqrt"``: per-row weights with the sum of the changes (``row_sum``)
+    scaled by ``k ** -0.5`` (``row_sum_power``); the per-row merge period under ``"auto"``;
+    ``"sum"`` keeps the plain sum, the other weights have no sum; an unknown value is refused."""
+    from xmc_engine import config
+    from xmc_engine.config import AdaptiveConfig
+
+    c = AdaptiveConfig(row_weights="sum_sqrt")
+    assert c.per_row_weights and c.row_sum and c.row_sum_power == 0.5
+    assert c.resolved(1000, "softmax").merge_period == config.AUTO_MERGE_PERIOD_TOUCHED
+    assert AdaptiveConfig(row_weights="sum").row_sum_power == 0.0
+    for w in ("touched", "updates"):
+        assert not AdaptiveConfig(row_weights=w).row_sum
+    with pytest.raises(ConfigError, match="row_weights"):
+        AdaptiveConfig(row_weights="sqrt")
+
+
 def test_auto_merge_weights_follow_the_label_count():
     """``row_weights`` / ``label_weights`` ``'auto'`` (the defaults): with the softmax loss the
     per-row / per-label weights below :data:`AUTO_WEIGHTS_LABELS` labels, the paper's from there

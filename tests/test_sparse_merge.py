@@ -350,18 +350,24 @@ def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wi
         np.testing.assert_allclose(c, d, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("power", [0.0, 0.5])
 @pytest.mark.parametrize("n", [2, 3])
-def test_row_sum_adds_the_changes_of_the_replicas_that_changed_a_row(be, wide, n):
+def test_row_sum_adds_the_changes_of_the_replicas_that_changed_a_row(be, wide, n, power):
     """``row_sum`` (``row_weights="sum"``): a row several replicas changed becomes the central
-    row plus the sum of their changes, whatever the weights; a row one replica changed is that
-    replica's; the rest of the model the paper's merge; every replica holds the result."""
+    row plus the sum of their changes, whatever the weights (``row_sum_power=0.5``,
+    ``"sum_sqrt"``: that sum over the square root of their number); a row one replica changed
+    is that replica's; the rest of the model the paper's merge; every replica holds the
+    result."""
     reps, central, start, masks, params, p = _after_a_period(be, wide, n)
     assert (masks.sum(axis=0) > 1).any()  # the toy periods share rows between replicas
+    assert (masks.sum(axis=0) == 1).any()
     want = start.copy()
     for row in np.flatnonzero(masks.any(axis=0)):
-        want[row] = start[row] + sum(params[i][0][row] - start[row]
-                                     for i in range(n) if masks[i, row])
-    delta = merge_changed_rows(reps, p, central, be, per_row=True, row_sum=True)
+        k = int(masks[:, row].sum())
+        want[row] = start[row] + k ** -power * sum(params[i][0][row] - start[row]
+                                                   for i in range(n) if masks[i, row])
+    delta = merge_changed_rows(reps, p, central, be, per_row=True, row_sum=True,
+                               row_sum_power=power)
     assert delta == pytest.approx(sq64(central[0]) - sq64(start), rel=1e-9)
     np.testing.assert_allclose(central[0], want, rtol=1e-5, atol=1e-6)
     for r in reps:
@@ -622,11 +628,12 @@ def test_delta_stats_measure_each_replica_s_change_by_row_sharing_and_label_tail
 
 
 def _merge_weights_run(be, wide, monkeypatch, epochs, above_labels, loss="softmax",
-                       **params):
+                       kwargs_seen=None, **params):
     """``adaptive`` on ``cpu,cpu@0.5`` (simulated clock) for ``epochs`` epochs, replicas training
     ``loss``, with the 'auto' label threshold at the label count plus ``above_labels``
     (None: left alone); returns each merge's ``(per_row, per_label)``, the merge log, the
-    replicas and the policy's options."""
+    replicas and the policy's options; each merge's keyword arguments are appended to
+    ``kwargs_seen`` where given."""
     import xmc_engine.algorithms.base as base
     from xmc_engine import config
 
@@ -634,6 +641,8 @@ def _merge_weights_run(be, wide, monkeypatch, epochs, above_labels, loss="softma
 
     def spy(*args, **kwargs):
         calls.append((kwargs["per_row"], kwargs["per_label"]))
+        if kwargs_seen is not None:
+            kwargs_seen.append(kwargs)
         return merge_changed_rows(*args, **kwargs)
 
     monkeypatch.setattr(base, "merge_changed_rows", spy)
@@ -687,3 +696,16 @@ def test_auto_merge_weights_are_the_paper_s_on_a_large_label_space(be, wide, mon
     assert (resolved.row_weights, resolved.label_weights) == (
         ("sum", "positives") if per_row_weights else ("updates", "updates"))
     assert [r.seen_labels() is not None for r in reps] == [per_row_weights] * 2
+
+
+@pytest.mark.parametrize("row_weights, power", [("sum", 0.0), ("sum_sqrt", 0.5)])
+def test_row_weights_reach_the_merge_with_their_sum_power(be, wide, monkeypatch, row_weights,
+                                                          power):
+    """``row_weights="sum"`` / ``"sum_sqrt"``: every merge of the run is per-row with the sum,
+    scaled by ``k ** -power``."""
+    seen: list = []
+    calls, log, _, resolved = _merge_weights_run(be, wide, monkeypatch, 1, None,
+                                                 kwargs_seen=seen, row_weights=row_weights)
+    assert resolved.row_weights == row_weights and len(seen) == len(log.merges) >= 2
+    assert {(k["per_row"], k["row_sum"], k["row_sum_power"]) for k in seen} == {
+        (True, True, power)}

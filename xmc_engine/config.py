@@ -229,9 +229,12 @@ BATCH_RULES = ("step", "proportional", "fixed")
 #: When adaptive normalization applies (:class:`~xmc_engine.scheduler.merge.NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
 #: merge weights of a W1 row (AdaptiveConfig.row_weights; "auto" resolves to one of them)
-ROW_WEIGHTS = ("updates", "touched", "sum")
+ROW_WEIGHTS = ("updates", "touched", "sum", "sum_sqrt")
 #: the row weights of those that merge each W1 row over the replicas that changed it (per row)
-PER_ROW_WEIGHTS = ("touched", "sum")
+PER_ROW_WEIGHTS = ("touched", "sum", "sum_sqrt")
+#: the row weights that give a row ``k > 1`` replicas changed the sum of their changes, each
+#: with the power of ``k`` the sum is scaled by (``"sum_sqrt"``: the sum over ``sqrt(k)``)
+ROW_SUM_POWERS = {"sum": 0.0, "sum_sqrt": 0.5}
 #: merge weights of an output label (AdaptiveConfig.label_weights; "auto" likewise)
 LABEL_WEIGHTS = ("updates", "positives")
 #: The per-row / per-label merge weights that depart from the paper: what ``"auto"`` gives
@@ -426,16 +429,22 @@ class AlgorithmConfig(ConfigMixin):
     @property
     def per_row_weights(self) -> bool:
         """Whether a row-sparse merge weights each ``W1`` row over the replicas that changed
-        it (:attr:`AdaptiveConfig.row_weights` ``'touched'`` or ``'sum'``); the paper's
-        weights elsewhere."""
+        it (:attr:`AdaptiveConfig.row_weights` ``'touched'``, ``'sum'`` or ``'sum_sqrt'``);
+        the paper's weights elsewhere."""
         return getattr(self, "row_weights", "updates") in PER_ROW_WEIGHTS
 
     @property
     def row_sum(self) -> bool:
         """Whether the per-row merge gives a row several replicas changed the sum of their
-        changes (:attr:`AdaptiveConfig.row_weights` ``'sum'``) rather than their weighted
-        mean."""
-        return getattr(self, "row_weights", "updates") == "sum"
+        changes (:attr:`AdaptiveConfig.row_weights` ``'sum'`` or ``'sum_sqrt'``) rather than
+        their weighted mean."""
+        return getattr(self, "row_weights", "updates") in ROW_SUM_POWERS
+
+    @property
+    def row_sum_power(self) -> float:
+        """With :attr:`row_sum`: the sum of ``k`` replicas' changes to a row is scaled by
+        ``k ** -row_sum_power`` (0 for ``'sum'``, 0.5 for ``'sum_sqrt'``)."""
+        return ROW_SUM_POWERS.get(getattr(self, "row_weights", "updates"), 0.0)
 
     @property
     def per_label_weights(self) -> bool:
@@ -524,7 +533,7 @@ class AdaptiveConfig(AlgorithmConfig):
         Merge and broadcast only the ``W1`` rows the replicas changed in the period, where the
         backend tracks rows and ``momentum == 0``; the merged model is the same to float32
         rounding. ``False`` forces the dense merge.
-    row_weights : {'auto', 'touched', 'sum', 'updates'}
+    row_weights : {'auto', 'touched', 'sum', 'sum_sqrt', 'updates'}
         Merge weights of a ``W1`` row. ``'updates'`` (the paper): every row gets each replica's
         merge weight ``p_i`` (``weight_by``). ``'touched'``: a row's weights are
         renormalized over the replicas that changed it in the period, so a rare feature's row
@@ -533,6 +542,8 @@ class AdaptiveConfig(AlgorithmConfig):
         ``momentum == 0``; the paper's weights elsewhere). ``'sum'``: the same, and a row
         several replicas changed becomes the central row plus the sum of their changes (as if
         one model had made all their steps; ``'touched'`` gives their weighted mean).
+        ``'sum_sqrt'``: that sum over the square root of the number ``k`` of replicas that
+        changed the row (between ``'touched'``'s mean, ``1/k``, and ``'sum'``).
         ``'auto'`` (the default): ``'sum'`` with the softmax loss below
         :data:`AUTO_WEIGHTS_LABELS` labels (:data:`AUTO_PER_ITEM_WEIGHTS`), ``'updates'``
         from there on and with the logistic loss (:data:`AUTO_WEIGHTS_LOSSES`; :meth:`resolved`;

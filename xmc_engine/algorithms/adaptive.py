@@ -161,6 +161,7 @@ class AdaptiveSGD(Policy):
         delta = self.merge_rows_only(replicas, p, ctx,
                                      per_row=own and self.config.per_row_weights,
                                      row_sum=self.config.row_sum,
+                                     row_sum_power=self.config.row_sum_power,
                                      per_label=own and self.config.per_label_weights,
                                      stats=stats, norm=norm_rise)
         if delta is None:

@@ -200,18 +200,19 @@ class Policy:
         return c, bad
 
     def merge_rows_only(self, replicas: Sequence, p, ctx, *, per_row: bool = False,
-                        row_sum: bool = False, per_label: bool = False,
-                        stats: dict | None = None,
+                        row_sum: bool = False, row_sum_power: float = 0.0,
+                        per_label: bool = False, stats: dict | None = None,
                         norm: bool = False) -> float | None:
         """:func:`~xmc_engine.scheduler.merge.merge_changed_rows` into ``self.central`` where it
         applies (every replica merged with a weight > 0, none flagged, one node); returns its
-        result (``None``: merge densely). ``per_row``, ``row_sum``, ``per_label``, ``stats``
-        and ``norm`` are its own (``norm`` off unless asked for: only adaptive's L2-norm
-        trend reads it)."""
+        result (``None``: merge densely). ``per_row``, ``row_sum``, ``row_sum_power``,
+        ``per_label``, ``stats`` and ``norm`` are its own (``norm`` off unless asked for: only
+        adaptive's L2-norm trend reads it)."""
         if ctx.excluded or ctx.nonfinite or ctx.multi_node:
             return None
         return merge_changed_rows(replicas, p, self.central, self.backend, per_row=per_row,
-                                  row_sum=row_sum, per_label=per_label, stats=stats, norm=norm)
+                                  row_sum=row_sum, row_sum_power=row_sum_power,
+                                  per_label=per_label, stats=stats, norm=norm)
 
     @staticmethod
     def broadcast(replicas: Sequence, params: Sequence) -> None:

@@ -236,8 +236,8 @@ def _touch_counts(replicas: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
 
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
                        backend, *, per_row: bool = False, row_sum: bool = False,
-                       per_label: bool = False, stats: dict | None = None,
-                       norm: bool = True) -> float | None:
+                       row_sum_power: float = 0.0, per_label: bool = False,
+                       stats: dict | None = None, norm: bool = True) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
     only the ``W1`` rows some replica changed in the period and, where the replicas record them
     (the sampled output layer, ``changed_columns()``), only the ``W2`` columns and ``b2``
@@ -278,6 +278,10 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         of their changes, ``c(r) + sum_i m_i(r) (w_i(r) - c(r))``, as if one model had made
         all their steps (``AdaptiveConfig.row_weights = 'sum'``), instead of their weighted
         mean; a row one replica changed is that replica's row either way.
+    row_sum_power : float
+        With ``row_sum``: the sum of ``k`` replicas' changes is scaled by ``k **
+        -row_sum_power`` (``AdaptiveConfig.row_weights = 'sum_sqrt'``: 0.5; 1 gives their
+        plain mean).
     per_label : bool
         The same for the output layer by label (``AdaptiveConfig.label_weights =
         'positives'``): column ``l`` of ``W2`` and ``b2[l]`` get ``p_i s_i(l) / sum_j p_j
@@ -332,10 +336,12 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
             sel = np.array([(pattern >> i) & 1 for i in range(len(w))], dtype=bool)
             k = int(sel.sum())
             if row_sum and k > 1:
-                # c + sum_i (w_i - c): the central rows (unchanged since the last merge) enter
-                # the sum first, so each value is read before the merge overwrites it
+                # c + g sum_i (w_i - c), g = k ** -row_sum_power: the central rows (unchanged
+                # since the last merge) enter the sum first, so each value is read before the
+                # merge overwrites it
+                g = float(k) ** -row_sum_power
                 arrays = [central[0], *W1s]
-                q = np.concatenate([[1.0 - k], sel.astype(np.float64)])
+                q = np.concatenate([[1.0 - k * g], g * sel.astype(np.float64)])
             else:
                 arrays, q = W1s, np.where(sel, w, 0.0)
                 q = q / q.sum()
