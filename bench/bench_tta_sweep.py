@@ -141,8 +141,8 @@ def main(argv=None) -> int:
                    help="with --from-results: each configuration's median P@1 after T training "
                         "seconds (equal time rather than equal epochs)")
     p.add_argument("--per-set-target", action="store_true",
-                   help="with --from-results --summary: each device set's own target, "
-                        "--target-frac x the best median best P@1 of that set's "
+                   help="with --from-results --summary or --ablation: each device set's own "
+                        "target, --target-frac x the best median best P@1 of that set's "
                         "configurations (one device alone included), the times read again "
                         "from the saved curves")
     p.add_argument("--decompose", action="store_true",
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         elif args.summary:
             print_summary(results, args.target_frac if args.per_set_target else None)
         elif args.ablation:
-            print_ablation(results)
+            print_ablation(results, args.target_frac if args.per_set_target else None)
         else:
             for path, result in zip(args.from_results, results, strict=True):
                 print_markdown(result, path)
@@ -409,26 +409,35 @@ def print_at_seconds(result, seconds) -> None:
         print(f"| {r['config']['label']} | " + " | ".join(cells) + f" | {end:.1f} |")
 
 
-def print_ablation(results) -> None:
+def print_ablation(results, per_set_frac: float | None = None) -> None:
     """Saved sweeps of one algorithm's options as one Markdown table: per dataset and device set
     (a row) and per option (a column), the ratio of its median time to the target to that of
     the same algorithm with no options on the same devices (below 1: sooner), and the
-    difference of the median final P@1."""
-    columns, cells = [], {}
+    difference of the median final P@1. ``per_set_frac``: each device set's own target
+    (:func:`set_target` over that set's configurations, options included), in its own column,
+    instead of the file's."""
+    columns, cells, targets = [], {}, {}
     for result in results:
+        times = {id(r): _time(r["median_time_to_target_s"]) for r in result["rows"]}
+        if per_set_frac:
+            for devices in dict.fromkeys(r["config"]["devices"] for r in result["rows"]):
+                listed = [r for r in result["rows"] if r["config"]["devices"] == devices]
+                t_set, by_id = set_target(listed, per_set_frac)
+                targets[(result["args"]["data"], devices)] = t_set
+                times.update(by_id)
         for r in result["rows"]:
             c = r["config"]
             if c["params"]:
                 continue
             col = (result["args"]["data"], c["devices"])
-            ref_t = _time(r["median_time_to_target_s"])
+            ref_t = times[id(r)]
             ref_p = float(np.median(r["final_P@1_runs"]))
             for o in result["rows"]:
                 oc = o["config"]
                 if oc["algorithm"] != c["algorithm"] or oc["devices"] != c["devices"] \
                         or not oc["params"]:
                     continue
-                t = _time(o["median_time_to_target_s"])
+                t = times[id(o)]
                 ratio = f"{t / ref_t:.2f}" if np.isfinite(t) and np.isfinite(ref_t) else "-"
                 dp = float(np.median(o["final_P@1_runs"])) - ref_p
                 option = ", ".join(f"{k}={v}" for k, v in oc["params"].items())
@@ -436,12 +445,13 @@ def print_ablation(results) -> None:
                 columns.append(col)
     columns = list(dict.fromkeys(columns))
     options = list(dict.fromkeys(k[0] for k in cells))
-    print("| data | devices | " + " | ".join(options) + " |")
-    print("|---|---|" + "---|" * len(options))
+    target_col = " target |" if per_set_frac else ""
+    print("| data | devices |" + target_col + " " + " | ".join(options) + " |")
+    print("|---|---|" + ("---:|" if per_set_frac else "") + "---|" * len(options))
     for col in columns:
-        print(f"| {col[0]} | `{col[1]}` | "
+        target = f" {targets[col]:.4f} |" if per_set_frac else ""
+        print(f"| {col[0]} | `{col[1]}` |{target} "
               + " | ".join(cells.get((option, col), "") for option in options) + " |")
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -79,7 +79,7 @@ def test_budget_bench_timeline_accounts_for_every_merge():
     ap = r["algorithm_params"]
     assert ap["merge_period"] == 128
     assert (ap["row_weights"], ap["label_weights"], ap["weights_from_epoch"]) == (
-        "sum", "positives", 0)
+        "sum_sqrt_unequal", "positives", 0)
 
 
 def test_budget_bench_model_stats_describe_the_first_layer():

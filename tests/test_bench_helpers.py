@@ -338,6 +338,28 @@ def test_sweep_ablation_compares_each_option_with_the_same_algorithm_s_defaults(
     assert out[2:] == ["| toy | `cpu,cpu` | 0.50 / -0.010 | - / -0.110 |"]
 
 
+def test_sweep_ablation_with_each_set_s_own_target(capsys):
+    """``--per-set-target``: each device set's target from its own configurations' best P@1,
+    the times read again from the curves (a set whose best is lower gets a lower target)."""
+    from bench_tta_sweep import print_ablation
+
+    def row(devices, params, best):  # P@1 0, best/2, best at 1, 2, 3 s
+        curve = [[1.0, 0.5, 0.0], [2.0, 1.0, best / 2], [3.0, 1.5, best]]
+        run = {"best_P@1": best, "final_P@1": best, "curve": curve}
+        return {"config": {"algorithm": "adaptive", "devices": devices, "params": params},
+                "median_time_to_target_s": None, "final_P@1_runs": [best], "runs": [run]}
+
+    result = {"args": {"data": "toy"},
+              "rows": [row("cpu,cpu", {}, 0.8), row("cpu,cpu", {"x": 1}, 0.4),
+                       row("cpu,cpu@0.5", {}, 0.4), row("cpu,cpu@0.5", {"x": 1}, 0.4)]}
+    print_ablation([result], 0.5)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| data | devices | target | adaptive x=1 |"
+    # cpu,cpu: target 0.4, the default at 2 s, the option at 3 s; cpu,cpu@0.5: 0.2, both 2 s
+    assert out[2:] == ["| toy | `cpu,cpu` | 0.4000 | 1.50 / -0.400 |",
+                       "| toy | `cpu,cpu@0.5` | 0.2000 | 1.00 / +0.000 |"]
+
+
 def test_sweep_at_equal_time_takes_the_last_evaluation_before_it(capsys):
     from bench_tta_sweep import p1_at, print_at_seconds
 

@@ -142,15 +142,20 @@ def test_weights_from_epoch_auto_follows_the_label_count():
 
 def test_sum_sqrt_row_weights_scale_the_shared_rows_sum():
     """``row_weights="sum_sqrt"``: per-row weights with the sum of the changes (``row_sum``)
-    scaled by ``k ** -0.5`` (``row_sum_power``); the per-row merge period under ``"auto"``;
-    ``"sum"`` keeps the plain sum, the other weights have no sum; an unknown value is refused."""
+    scaled by ``k ** -0.5`` (``row_sum_power_for``); the per-row merge period under
+    ``"auto"``; ``"sum_sqrt_unequal"`` only where the batches differ; ``"sum"`` keeps the plain
+    sum, the other weights have no sum; an unknown value is refused."""
     from xmc_engine import config
     from xmc_engine.config import AdaptiveConfig
 
     c = AdaptiveConfig(row_weights="sum_sqrt")
-    assert c.per_row_weights and c.row_sum and c.row_sum_power == 0.5
+    assert c.per_row_weights and c.row_sum
+    assert c.row_sum_power_for([64, 64]) == c.row_sum_power_for([128, 64]) == 0.5
     assert c.resolved(1000, "softmax").merge_period == config.AUTO_MERGE_PERIOD_TOUCHED
-    assert AdaptiveConfig(row_weights="sum").row_sum_power == 0.0
+    u = AdaptiveConfig(row_weights="sum_sqrt_unequal")
+    assert u.per_row_weights and u.row_sum
+    assert (u.row_sum_power_for([64, 64, 64]), u.row_sum_power_for([128, 64, 32])) == (0.0, 0.5)
+    assert AdaptiveConfig(row_weights="sum").row_sum_power_for([128, 64]) == 0.0
     for w in ("touched", "updates"):
         assert not AdaptiveConfig(row_weights=w).row_sum
     with pytest.raises(ConfigError, match="row_weights"):
@@ -170,7 +175,7 @@ def test_auto_merge_weights_follow_the_label_count():
     assert (c.row_weights, c.label_weights) == ("auto", "auto")
     small, large = c.resolved(n - 1, "softmax"), c.resolved(n, "softmax")
     assert (small.row_weights, small.label_weights, small.weights_from_epoch) == (
-        "sum", "positives", 0)
+        "sum_sqrt_unequal", "positives", 0)
     assert small.row_sum and not large.row_sum
     assert (large.row_weights, large.label_weights, large.weights_from_epoch) == (
         "updates", "updates", 1)
@@ -249,7 +254,8 @@ def test_run_log_records_the_resolved_merge_weights(small, monkeypatch, threshol
         assert start["config"]["algorithm_params"][key] == "auto"
     assert start["loss"] == loss
     assert start["algorithm_params"]["weights_from_epoch"] == expected
-    assert start["algorithm_params"]["row_weights"] == ("sum" if per_item else "updates")
+    assert start["algorithm_params"]["row_weights"] == (
+        "sum_sqrt_unequal" if per_item else "updates")
     assert start["algorithm_params"]["label_weights"] == ("positives" if per_item else "updates")
     assert start["config"]["algorithm_params"]["weight_by"] == "auto"
     assert start["algorithm_params"]["weight_by"] == ("updates" if threshold == 1 else "samples")

@@ -72,7 +72,9 @@ not know. The events the engine writes:
     thread's CPU time), ``loss`` (its mean training loss in the period). The algorithm may add
     fields: ``adaptive``'s ``norm`` and ``flag`` (the adaptive-normalisation trend); its
     row-sparse merge's ``rows_touched`` and ``rows_single`` (``W1`` rows changed by any replica,
-    by exactly one), ``labels_seen`` and ``labels_single`` (labels some / exactly one replica
+    by exactly one), ``row_sum_power`` (with a per-row sum: the sum of ``k`` replicas'
+    changes to a shared row was scaled by ``k ** -row_sum_power``), ``labels_seen`` and
+    ``labels_single`` (labels some / exactly one replica
     held as a positive, with the per-label weights) and ``labels_changed`` (``W2`` columns
     changed, sampled layer); with ``delta_stats`` the per-replica RMS changes
     ``delta_w1_single``, ``delta_w1_shared``, ``delta_w2_head``, ``delta_w2_tail``;
