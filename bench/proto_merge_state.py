@@ -1,5 +1,7 @@
-"""A prototype of three merge variants that ``adaptive`` does not have (issue 15, step 2),
-patched into the engine for the run only; every variant measured lost, so none is an option.
+"""A prototype of merge variants that ``adaptive`` does not have (issue 15, step 2), patched
+into the engine for the run only: one Adagrad state and the sum of every change lost and are
+no option; the shared rows' sum over ``sqrt(k)`` became one (``row_weights="sum_sqrt"``), which
+``POW`` now selects.
 
 - ``--variant LABEL:DEVICES:PARAMS:ACC[:POW]`` trains ``adaptive`` (``single`` where
   ``DEVICES`` has one device) with every engine default but:
@@ -13,9 +15,11 @@ patched into the engine for the run only; every variant measured lost, so none i
   previous merge's plus the sum of every replica's increments since (the squared gradients of
   all the period's rows: one model's Adagrad state).
 
-  ``POW`` (default 0): a ``W1`` row that ``k > 1`` replicas changed, under
-  ``row_weights="sum"``, gets the centre plus ``k**-POW`` times the sum of their changes
-  (0: the engine's sum; 0.5: the sum over the square root of ``k``; 1: their plain mean).
+  ``POW`` (absent: the engine's ``row_weights``): 0 gives ``row_weights="sum"`` (a ``W1``
+  row that ``k > 1`` replicas changed gets the centre plus the sum of their changes), 0.5
+  ``"sum_sqrt"`` (that sum over ``sqrt(k)``). The committed files were measured while the
+  engine's default was ``"sum"`` and ``POW`` was patched in; the engine's ``"sum_sqrt"`` is
+  the same merge.
 
 - Reports each variant's median seconds to ``--target`` over the seeds (quartiles), the median
   epoch at which it was first seen and the median final P@1.
@@ -44,7 +48,9 @@ import _tta  # noqa: E402
 from bench_tta_sweep import median_quartiles, subset_test  # noqa: E402
 
 #: What the patched merge does in the run under way (set before each run).
-VARIANT = {"params": "default", "acc": "keep", "pow": 0.0}
+VARIANT = {"params": "default", "acc": "keep"}
+#: ``POW`` -> the engine's ``row_weights``
+ROW_WEIGHTS_BY_POW = {0.0: "sum", 0.5: "sum_sqrt"}
 
 
 def _centre_plus_changes(arrays, centre) -> np.ndarray:
@@ -75,10 +81,8 @@ def _acc_sum(policy, replicas) -> None:
 
 def patch_engine() -> None:
     from xmc_engine.algorithms.adaptive import AdaptiveSGD
-    from xmc_engine.backends.cpu import CPUBackend
 
-    merge, opt_state, merge_rows = (AdaptiveSGD.merge, AdaptiveSGD._merge_optimizer_state,
-                                    CPUBackend.merge_rows)
+    merge, opt_state = AdaptiveSGD.merge, AdaptiveSGD._merge_optimizer_state
 
     def patched_opt_state(self, replicas, p):
         if VARIANT["acc"] == "sum":
@@ -98,17 +102,8 @@ def patch_engine() -> None:
         patched_opt_state(self, replicas, None)
         return {"weights": [1.0 / n] * n, "flag": 0, "norm": None, "nonfinite": []}
 
-    def patched_merge_rows(arrays, weights, rows, out, broadcast=False, norm=True):
-        w = np.asarray(weights, dtype=np.float64)
-        if VARIANT["pow"] and len(w) > 1 and w[0] < 0:  # row_weights="sum": [1 - k, 1, ...]
-            k = 1.0 - w[0]
-            g = k ** -VARIANT["pow"]
-            w = np.concatenate([[1.0 - k * g], g * w[1:]])
-        return merge_rows(arrays, w, rows, out, broadcast=broadcast, norm=norm)
-
     AdaptiveSGD.merge = patched_merge
     AdaptiveSGD._merge_optimizer_state = patched_opt_state
-    CPUBackend.merge_rows = staticmethod(patched_merge_rows)
 
 
 def parse_variant(text: str) -> dict:
@@ -117,8 +112,15 @@ def parse_variant(text: str) -> dict:
             or parts[3] not in ("keep", "sum"):
         raise argparse.ArgumentTypeError(
             f"--variant {text!r}: expected LABEL:DEVICES:default|sum_all:keep|sum[:POW]")
+    engine = {}
+    if len(parts) == 5:
+        try:
+            engine["row_weights"] = ROW_WEIGHTS_BY_POW[float(parts[4])]
+        except (ValueError, KeyError):
+            raise argparse.ArgumentTypeError(
+                f"--variant {text!r}: POW must be one of 0, 0.5") from None
     return {"label": parts[0], "devices": parts[1], "params": parts[2], "acc": parts[3],
-            "pow": float(parts[4]) if len(parts) == 5 else 0.0}
+            "engine": engine}
 
 
 def main(argv=None) -> int:
@@ -138,10 +140,10 @@ def main(argv=None) -> int:
     runs: dict[str, list] = {v["label"]: [] for v in args.variant}
     for seed in args.seeds:
         for v in args.variant:
-            VARIANT.update(params=v["params"], acc=v["acc"], pow=v["pow"])
+            VARIANT.update(params=v["params"], acc=v["acc"])
             one = "," not in v["devices"]
             m = _tta.Method(v["label"], "single" if one else "adaptive", v["devices"],
-                            threads=1 if one else None)
+                            {} if one else dict(v["engine"]), threads=1 if one else None)
             r = _tta.run_method(m, data, epochs=args.epochs, lr=None, batch_size=None,
                                 hidden=None, seed=seed, optimizer=None,
                                 lr_decay=None, eval_every=args.eval_every)

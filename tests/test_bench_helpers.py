@@ -729,6 +729,11 @@ def test_merge_prototype_gives_every_replica_one_models_accumulators():
     _acc_sum(policy, reps)
     assert all(r.acc[0].tolist() == [5.0, 7.0] for r in reps)
     assert parse_variant("x:cpu,cpu:sum_all:keep:0.5") == {
-        "label": "x", "devices": "cpu,cpu", "params": "sum_all", "acc": "keep", "pow": 0.5}
+        "label": "x", "devices": "cpu,cpu", "params": "sum_all", "acc": "keep",
+        "engine": {"row_weights": "sum_sqrt"}}
+    assert parse_variant("x:cpu,cpu:default:sum")["engine"] == {}
     with pytest.raises(argparse.ArgumentTypeError, match="LABEL:DEVICES"):
         parse_variant("x:cpu,cpu:mean:keep")
+    with pytest.raises(argparse.ArgumentTypeError, match="POW must be"):
+        parse_variant("x:cpu,cpu:default:keep:1")
+
