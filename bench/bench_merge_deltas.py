@@ -2,8 +2,9 @@
 the merge can shrink it, on ``W1`` rows one replica changed alone against shared rows, and on
 ``W2``'s tail label columns against the head?
 
-Trains ``adaptive`` (engine defaults plus ``delta_stats=True``) and reports, per device, the
-median over merges of the root mean square of ``w_i - centre`` on each part
+Trains ``adaptive`` (engine defaults plus ``delta_stats=True``) and reports, per device, its
+median batch and merge weight and the median over merges of the root mean square of
+``w_i - centre`` on each part
 (:func:`xmc_engine.scheduler.merge.delta_stats`; tail = at most
 ``TAIL_MAX_POSITIVES`` = 5 positive training rows), with the share of changed rows that one
 replica changed alone and each device's merge weight. The paper's merge multiplies a replica's
@@ -46,8 +47,9 @@ def run(data, devices: str, epochs: float, seed: int) -> dict:
         raise RuntimeError("no merge logged delta_stats (too few samples for a merge period?)")
     n_dev = len(merges[0][KEYS[0]])
     out = {k: [float(np.median([m[k][i] for m in merges])) for i in range(n_dev)] for k in KEYS}
-    out["weight"] = [float(np.median([m["devices"][i]["weight"] for m in merges]))
-                     for i in range(n_dev)]
+    for key in ("weight", "batch_size"):
+        out[key] = [float(np.median([m["devices"][i][key] for m in merges]))
+                    for i in range(n_dev)]
     out["rows_single_share"] = _tta.rows_single_share(merges) or 0.0
     out["merges"] = len(merges)
     return out
@@ -68,15 +70,17 @@ def main(argv=None) -> int:
     print(f"{args.data}, {args.devices}: median over merges, then over {len(runs)} seeds; "
           f"{np.median([r['rows_single_share'] for r in runs]):.1%} of the changed W1 rows "
           "changed by one replica alone")
-    print(f"{'device':>6s} {'weight':>7s} " + " ".join(f"{k:>16s}" for k in KEYS)
+    print(f"{'device':>6s} {'batch':>6s} {'weight':>7s} " + " ".join(f"{k:>16s}" for k in KEYS)
           + f" {'single/shared':>13s} {'tail/head':>9s}")
     summary = []
     for i in range(n_dev):
-        med = {k: float(np.median([r[k][i] for r in runs])) for k in (*KEYS, "weight")}
+        med = {k: float(np.median([r[k][i] for r in runs]))
+               for k in (*KEYS, "weight", "batch_size")}
         med["single_over_shared"] = ratio(med["delta_w1_single"], med["delta_w1_shared"])
         med["tail_over_head"] = ratio(med["delta_w2_tail"], med["delta_w2_head"])
         summary.append(med)
-        print(f"{i:6d} {med['weight']:7.3f} " + " ".join(f"{med[k]:16.3e}" for k in KEYS)
+        print(f"{i:6d} {med['batch_size']:6.0f} {med['weight']:7.3f} "
+              + " ".join(f"{med[k]:16.3e}" for k in KEYS)
               + f" {med['single_over_shared']:13.2f} {med['tail_over_head']:9.2f}")
     tag = _tta.data_tag(args.data)
     out = Path(args.out or _common.RESULTS_DIR / "merge_deltas" / f"{tag}.json")
