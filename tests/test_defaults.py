@@ -143,8 +143,9 @@ def test_weights_from_epoch_auto_follows_the_label_count():
 def test_sum_sqrt_row_weights_scale_the_shared_rows_sum():
     """``row_weights="sum_sqrt"``: per-row weights with the sum of the changes (``row_sum``)
     scaled by ``k ** -0.5`` (``row_sum_power_for``); the per-row merge period under
-    ``"auto"``; ``"sum_sqrt_unequal"`` only where the batches differ; ``"sum"`` keeps the plain
-    sum, the other weights have no sum; an unknown value is refused."""
+    ``"auto"``; ``"sum_sqrt_unequal"`` only where the batches differ, from ``sqrt_from_epoch``
+    (1) on; ``"sum"`` keeps the plain sum, the other weights have no sum; an unknown value is
+    refused."""
     from xmc_engine import config
     from xmc_engine.config import AdaptiveConfig
 
@@ -153,13 +154,18 @@ def test_sum_sqrt_row_weights_scale_the_shared_rows_sum():
     assert c.row_sum_power_for([64, 64]) == c.row_sum_power_for([128, 64]) == 0.5
     assert c.resolved(1000, "softmax").merge_period == config.AUTO_MERGE_PERIOD_TOUCHED
     u = AdaptiveConfig(row_weights="sum_sqrt_unequal")
-    assert u.per_row_weights and u.row_sum
-    assert (u.row_sum_power_for([64, 64, 64]), u.row_sum_power_for([128, 64, 32])) == (0.0, 0.5)
+    assert u.per_row_weights and u.row_sum and u.sqrt_from_epoch == 1
+    assert [u.row_sum_power_for(b, e) for b, e in (([64, 64, 64], 1), ([128, 64, 32], 1),
+                                                   ([128, 64, 32], 0))] == [0.0, 0.5, 0.0]
+    assert AdaptiveConfig(row_weights="sum_sqrt_unequal",
+                          sqrt_from_epoch=0).row_sum_power_for([128, 64], 0) == 0.5
     assert AdaptiveConfig(row_weights="sum").row_sum_power_for([128, 64]) == 0.0
     for w in ("touched", "updates"):
         assert not AdaptiveConfig(row_weights=w).row_sum
     with pytest.raises(ConfigError, match="row_weights"):
         AdaptiveConfig(row_weights="sqrt")
+    with pytest.raises(ConfigError, match="sqrt_from_epoch"):
+        AdaptiveConfig(sqrt_from_epoch=-1)
 
 
 def test_auto_merge_weights_follow_the_label_count():

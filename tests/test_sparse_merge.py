@@ -698,19 +698,28 @@ def test_auto_merge_weights_are_the_paper_s_on_a_large_label_space(be, wide, mon
     assert [r.seen_labels() is not None for r in reps] == [per_row_weights] * 2
 
 
-@pytest.mark.parametrize("row_weights", ["sum", "sum_sqrt", "sum_sqrt_unequal"])
-def test_row_weights_reach_the_merge_with_their_sum_power(be, wide, monkeypatch, row_weights):
+@pytest.mark.parametrize("row_weights, from_epoch", [("sum", 1), ("sum_sqrt", 1),
+                                                     ("sum_sqrt_unequal", 0),
+                                                     ("sum_sqrt_unequal", 1)])
+def test_row_weights_reach_the_merge_with_their_sum_power(be, wide, monkeypatch, row_weights,
+                                                          from_epoch):
     """``row_weights="sum"`` / ``"sum_sqrt"``: every merge of the run is per-row with the sum,
     scaled by ``k ** -power`` (0, 0.5); ``"sum_sqrt_unequal"``: 0.5 in the periods whose
-    batches differed (the step rule grows the fast device's after the first), 0 in those at
-    equal batches; the run log's merge record gives the power."""
+    batches differed (the step rule grows the fast device's after the first) from epoch
+    ``sqrt_from_epoch`` on, 0 in those at equal batches and before it; the run log's merge
+    record gives the power."""
     seen: list = []
-    calls, log, _, resolved = _merge_weights_run(be, wide, monkeypatch, 1, None,
-                                                 kwargs_seen=seen, row_weights=row_weights)
-    assert resolved.row_weights == row_weights and len(seen) == len(log.merges) >= 2
+    calls, log, _, resolved = _merge_weights_run(be, wide, monkeypatch, 2, None,
+                                                 kwargs_seen=seen, row_weights=row_weights,
+                                                 sqrt_from_epoch=from_epoch)
+    assert resolved.row_weights == row_weights and len(seen) == len(log.merges) >= 4
     unequal = [len({d["batch_size"] for d in m["devices"]}) > 1 for m in log.merges]
-    assert True in unequal and False in unequal
-    for k, m, u in zip(seen, log.merges, unequal, strict=True):
-        power = {"sum": 0.0, "sum_sqrt": 0.5, "sum_sqrt_unequal": 0.5 if u else 0.0}[row_weights]
+    late = [m["epoch"] >= from_epoch for m in log.merges]
+    assert True in unequal and False in unequal and (False in late) == (from_epoch > 0)
+    for k, m, u, e in zip(seen, log.merges, unequal, late, strict=True):
+        power = {"sum": 0.0, "sum_sqrt": 0.5,
+                 "sum_sqrt_unequal": 0.5 if u and e else 0.0}[row_weights]
         assert (k["per_row"], k["row_sum"], k["row_sum_power"]) == (True, True, power)
         assert m["row_sum_power"] == power
+    if row_weights == "sum_sqrt_unequal" and from_epoch == 1:  # both kinds of merge happened
+        assert {m["row_sum_power"] for m in log.merges} == {0.0, 0.5}

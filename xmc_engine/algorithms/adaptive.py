@@ -160,7 +160,8 @@ class AdaptiveSGD(Policy):
         own = ctx.epoch >= self.config.weights_from_epoch
         per_row = own and self.config.per_row_weights
         if per_row and self.config.row_sum:  # the batches of the period that ends here
-            stats["row_sum_power"] = self.config.row_sum_power_for(self.batch_sizes())
+            stats["row_sum_power"] = self.config.row_sum_power_for(self.batch_sizes(),
+                                                                   ctx.epoch)
         delta = self.merge_rows_only(replicas, p, ctx, per_row=per_row,
                                      row_sum=self.config.row_sum,
                                      row_sum_power=stats.get("row_sum_power", 0.0),
