@@ -254,7 +254,8 @@ LABEL_WEIGHTS = ("updates", "positives")
 #: (mean +0.004 P@1; +0.004 to +0.011 at 100,000 labels, within the runs' spread at 30,000),
 #: level in time (0.74-1.30x); on two equal devices (equal batches) the plain sum ended 0.008
 #: higher at 10,000 and 30,000 labels, so it stays there (5 seeds each, "The sum over the
-#: square root of the number of replicas where the batches differ").
+#: square root of the number of replicas where the batches differ"); and only from the second
+#: epoch (``AdaptiveConfig.sqrt_from_epoch``), "The square root from the second epoch".
 AUTO_PER_ITEM_WEIGHTS = {"row_weights": "sum_sqrt_unequal", "label_weights": "positives"}
 #: What configs saved before ``"auto"`` existed merged with (their ``from_saved`` value).
 PER_ITEM_WEIGHTS = {"row_weights": "touched", "label_weights": "positives"}
