@@ -453,5 +453,6 @@ def print_ablation(results, per_set_frac: float | None = None) -> None:
         print(f"| {col[0]} | `{col[1]}` |{target} "
               + " | ".join(cells.get((option, col), "") for option in options) + " |")
 
+
 if __name__ == "__main__":
     sys.exit(main())

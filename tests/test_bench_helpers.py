@@ -736,4 +736,3 @@ def test_merge_prototype_gives_every_replica_one_models_accumulators():
         parse_variant("x:cpu,cpu:mean:keep")
     with pytest.raises(argparse.ArgumentTypeError, match="POW must be"):
         parse_variant("x:cpu,cpu:default:keep:1")
-

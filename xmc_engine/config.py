@@ -603,7 +603,7 @@ class AdaptiveConfig(AlgorithmConfig):
         sum is divided by ``sqrt(k)`` in the periods whose batches differed; the merges of
         earlier epochs give it the plain sum. 1 (the default): on debian_builddeps and
         delicious trained with the softmax, which reach the target within about an epoch, the
-        square root from the start reached it 1.1x-1.8x later than the plain sum, from epoch 1
+        square root from the start reached it 1.1x-2.1x later than the plain sum, from epoch 1
         on level with the sum, while keeping its final P@1 on the synthetic shapes
         (``bench/RESULTS.md``, "The square root from the second epoch").
     optimizer_state : {'keep', 'average', 'reset'}

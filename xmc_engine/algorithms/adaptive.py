@@ -159,12 +159,12 @@ class AdaptiveSGD(Policy):
         # the per-row / per-label weights from c.weights_from_epoch on, the paper's before
         own = ctx.epoch >= self.config.weights_from_epoch
         per_row = own and self.config.per_row_weights
+        power = 0.0
         if per_row and self.config.row_sum:  # the batches of the period that ends here
-            stats["row_sum_power"] = self.config.row_sum_power_for(self.batch_sizes(),
-                                                                   ctx.epoch)
+            power = stats["row_sum_power"] = self.config.row_sum_power_for(
+                self.batch_sizes(), ctx.epoch)
         delta = self.merge_rows_only(replicas, p, ctx, per_row=per_row,
-                                     row_sum=self.config.row_sum,
-                                     row_sum_power=stats.get("row_sum_power", 0.0),
+                                     row_sum=self.config.row_sum, row_sum_power=power,
                                      per_label=own and self.config.per_label_weights,
                                      stats=stats, norm=norm_rise)
         if delta is None:
