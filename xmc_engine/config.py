@@ -615,6 +615,10 @@ class AdaptiveConfig(AlgorithmConfig):
     lr_scaling : {'linear', 'sqrt', 'none'}
         Device ``i``'s learning rate against its batch ``b_i``: ``lr(t) b_i / B`` (the paper's
         linear scaling), ``lr(t) sqrt(b_i / B)``, or ``lr(t)`` for every device.
+    solo_epochs : float
+        The first device alone trains the periods that start before this many epochs (the
+        others wait); at the first period after, every replica starts from its model and its
+        Adagrad accumulators. 0 (the default): every device trains from the start.
     delta_stats : bool
         Instrumentation: each merge logs the size of every replica's change since the last
         merge on the ``W1`` rows it alone changed and on shared rows, and on ``W2``'s head and
@@ -640,6 +644,7 @@ class AdaptiveConfig(AlgorithmConfig):
     sqrt_from_epoch: int = 1
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
+    solo_epochs: float = 0.0
     delta_stats: bool = False
 
     def weights_from_epoch_for(self, n_labels: int) -> int:
@@ -700,7 +705,7 @@ class AdaptiveConfig(AlgorithmConfig):
             self._check_min(1, "merge_period", "delta_b")
         if not self._is_auto("weights_from_epoch", "an epoch >= 0"):
             self._check_min(0, "weights_from_epoch")
-        self._check_min(0, "sqrt_from_epoch")
+        self._check_min(0, "sqrt_from_epoch", "solo_epochs")
         self._check_choice("row_weights", ("auto", *ROW_WEIGHTS))
         self._check_choice("label_weights", ("auto", *LABEL_WEIGHTS))
         self._check_choice("optimizer_state", OPTIMIZER_STATES)

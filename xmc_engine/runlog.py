@@ -70,7 +70,8 @@ not know. The events the engine writes:
     ``batch_size``, ``updates``, ``samples``, ``weight`` (merge weight ``p_i``), ``lr`` (its
     rate), ``busy_s``, ``idle_s`` (time computing vs. waiting at the barrier), ``cpu_s`` (its
     thread's CPU time), ``loss`` (its mean training loss in the period). The algorithm may add
-    fields: ``adaptive``'s ``norm`` and ``flag`` (the adaptive-normalisation trend); its
+    fields: ``adaptive``'s ``norm`` and ``flag`` (the adaptive-normalisation trend), ``solo``
+    (the device that trained the period alone, ``solo_epochs``); its
     row-sparse merge's ``rows_touched`` and ``rows_single`` (``W1`` rows changed by any replica,
     by exactly one), ``row_sum_power`` (with a per-row sum: the sum of ``k`` replicas'
     changes to a shared row was scaled by ``k ** -row_sum_power``), ``labels_seen`` and

@@ -28,7 +28,7 @@ import numpy as np
 from xmc_engine.algorithms.base import Policy
 from xmc_engine.backends.base import empty_like
 from xmc_engine.distributed import combine_nodes
-from xmc_engine.errors import ConfigError
+from xmc_engine.errors import ConfigError, DivergenceError
 from xmc_engine.scheduler.controller import BatchSizeController
 from xmc_engine.scheduler.merge import (
     TAIL_MAX_POSITIVES,
@@ -36,6 +36,8 @@ from xmc_engine.scheduler.merge import (
     adaptive_normalization,
     central_momentum,
     delta_stats,
+    find_nonfinite,
+    merge_changed_rows,
     merge_weights,
     sq_norms,
     weighted_merge,
@@ -86,6 +88,8 @@ class AdaptiveSGD(Policy):
             Y = replicas[0].Y
             counts = np.bincount(Y.indices, minlength=Y.shape[1])
             self._tail = counts <= TAIL_MAX_POSITIVES
+        self._solo: int | None = None  # the device training the open period alone
+        self._solo_last: int | None = None  # the last device that trained a period alone
         if c.momentum > 0:
             # z_{t-1} and z_{t-2} start at the initial model: the first merge has no momentum.
             self._z1 = self.central
@@ -100,8 +104,69 @@ class AdaptiveSGD(Policy):
         rule of ``lr_scaling``."""
         return self.controller.learning_rates(lr, self.config.lr_scaling)
 
+    def solo_device(self, replicas: Sequence, progress: float,
+                    alive: Sequence[bool]) -> int | None:
+        """``solo_epochs``: the first live device trains the periods that start before that
+        many epochs alone. At the first period after them every other replica becomes the
+        central model and gets that device's Adagrad accumulators (:meth:`_end_solo`); a
+        device that takes over the solo training (the one before it failed) starts from the
+        central model."""
+        live = [i for i, a in enumerate(alive) if a]
+        if progress < self.config.solo_epochs and len(live) > 1:
+            self._solo = live[0]
+            if self._solo_last is not None and self._solo_last != self._solo:
+                replicas[self._solo].set_params(self.central)
+            self._solo_last = self._solo
+            return self._solo
+        self._solo = None
+        if self._solo_last is not None:
+            self._end_solo(replicas, alive)
+        return None
+
+    def _end_solo(self, replicas: Sequence, alive: Sequence[bool]) -> None:
+        """The solo phase is over: every replica but the one that trained it becomes the
+        central model and takes its Adagrad accumulators (where it is still alive); the
+        momentum and the norm trend start afresh from the central model, as after
+        :meth:`load_model`."""
+        i, self._solo_last = self._solo_last, None
+        self.broadcast([r for j, r in enumerate(replicas) if j != i], self.central)
+        acc = (replicas[i].accumulators()
+               if alive[i] and hasattr(replicas[i], "accumulators") else [])
+        if acc:
+            for j, r in enumerate(replicas):
+                if j != i and r.accumulators():
+                    self.copy_params_into(r.accumulators(), acc)
+        if self.config.momentum > 0:
+            self.copy_params_into(self._z2, self.central)
+        self._sq_w1 = None
+        self.trend.norms = []
+
+    def _merge_solo(self, replicas: Sequence, ctx) -> dict[str, Any]:
+        """A period one device trained alone: the central model becomes its replica (the
+        ``W1`` rows it changed, by the row-sparse merge where it applies); the waiting
+        replicas are left as they are until :meth:`_end_solo`."""
+        i = self._solo
+        weights = [0.0] * len(replicas)
+        if i in ctx.excluded:  # it failed: its rows went back to the queue, the centre stays
+            return {"weights": weights, "flag": 0, "norm": None, "nonfinite": [], "solo": i}
+        r = replicas[i]
+        if i in ctx.nonfinite or find_nonfinite([r.params()], self.backend):
+            raise DivergenceError(f"device {i}, training alone, has non-finite parameters or "
+                                  f"loss; lower the learning rate and resume from the last "
+                                  f"checkpoint")
+        done = (None if ctx.multi_node
+                else merge_changed_rows([r], [1.0], self.central, self.backend, norm=False))
+        if done is None:  # no row tracking (a GPU): copy it whole
+            self.copy_params_into(self.central, r.params())
+            r.set_params(self.central)
+        weights[i] = 1.0
+        return {"weights": weights, "flag": 0, "norm": None, "nonfinite": [], "solo": i}
+
     def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
-        """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B)."""
+        """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B);
+        a period one device trained alone (``solo_epochs``) makes its model the central one."""
+        if self._solo is not None:
+            return self._merge_solo(replicas, ctx)
         c = self.config
         flag = self.trend.flag
         shares = self._weight_counts(updates, ctx)  # what p_i is the share of
@@ -216,6 +281,7 @@ class AdaptiveSGD(Policy):
         self.trend.norms = [float(x) for x in state.get("norms", [])][-2:]
 
     def end_period(self, progress, updates, samples, busy_s) -> None:
-        """Adapt the batch sizes (§III-C), except after a short epoch-remainder period."""
-        if 2 * sum(samples) >= self.merge_period:
+        """Adapt the batch sizes (§III-C), except after a short epoch-remainder period or a
+        period one device trained alone."""
+        if 2 * sum(samples) >= self.merge_period and self._solo is None:
             self.controller.update(progress, updates, samples, busy_s)

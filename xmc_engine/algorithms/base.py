@@ -132,6 +132,14 @@ class Policy:
         """Each device's learning rate for the next period, given the schedule's ``lr(t)``."""
         return [lr] * self.n_devices
 
+    def solo_device(self, replicas: Sequence, progress: float,
+                    alive: Sequence[bool]) -> int | None:
+        """The device that trains the next period alone while the others wait, or ``None``
+        (every live device trains; the default). Called by the trainer on the main thread
+        before each period of a run on one node, with ``progress`` the epochs done at the
+        period's start and ``alive`` the devices still in the run."""
+        return None
+
     def step(self, device: int, replica, rows: np.ndarray, lr: float) -> float:
         """One step of ``device`` on ``rows`` (in that device's worker); returns the summed
         loss. Default: a local SGD/Adagrad step (``replica.train_batch``)."""

@@ -227,6 +227,7 @@ class Trainer:
         self.period_global = 0
         self.virtual_time = 0.0
         self.alive = [True] * n
+        self._working = [True] * n  # the devices that train the open period
         self.dropped_at: list[int | None] = [None] * n  # period_global of the drop
         self.lr_scale = [1.0] * n  # halved at each non-finite period of the device
         self._broken: BaseException | None = None
@@ -337,7 +338,12 @@ class Trainer:
                 break
             done_before = self.n_samples - q.remaining
             self._rejoin(epoch)
-            q.set_active(self.alive)
+            solo = (self.policy.solo_device(self.replicas, epoch + done_before / self.n_samples,
+                                            list(self.alive))
+                    if self.comm is None or self.comm.size == 1 else None)
+            self._working = ([i == solo for i in range(n)] if solo is not None
+                             else list(self.alive))
+            q.set_active(self._working)
             acct = q.start_period(self.policy.batch_sizes())
             progress = epoch + (done_before + acct.budget) / self.n_samples
             lr_t = self.schedule(progress)
@@ -506,7 +512,7 @@ class Trainer:
         n = self.n_devices
         clock, busy, loss, cpu = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         failed: list[tuple[int, BaseException]] = []
-        active = [i for i in range(n) if self.alive[i]]
+        active = [i for i in range(n) if self._working[i]]
         while active:
             i = min(active, key=lambda j: (clock[j], j))
             rows = self.queue.take(i)
@@ -626,7 +632,7 @@ class Trainer:
     def _period_threads(self, lrs: Sequence[float]) -> dict[str, Any]:
         n = self.n_devices
         t0 = time.perf_counter()
-        pending = {i for i in range(n) if self.alive[i]}
+        pending = {i for i in range(n) if self._working[i]}
         for i in pending:
             self._inboxes[i].put(("period", lrs[i]))
         idle = {"busy_s": 0.0, "loss": 0.0, "cpu_s": 0.0}

@@ -1,0 +1,106 @@
+"""``AdaptiveConfig.solo_epochs``: the first device trains the first periods alone, then every
+replica starts from its model and its Adagrad accumulators."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests._trainer import ListLog, make_trainer
+from tests.test_sparse_merge import be, mlp, wide  # noqa: F401 - fixtures
+from xmc_engine.config import AdaptiveConfig
+from xmc_engine.devices import parse_devices
+from xmc_engine.errors import ConfigError
+from xmc_engine.scheduler import FakeReplica
+
+SIM = {"mode": "simulated", "cost": lambda i, b: 1e-3 * b}
+
+
+def _merges(log):
+    return [f for e, f in log.records if e == "merge"]
+
+
+def test_solo_epochs_is_a_number_of_epochs_at_least_zero():
+    assert AdaptiveConfig().solo_epochs == 0.0
+    assert AdaptiveConfig(solo_epochs=0.25).solo_epochs == 0.25
+    with pytest.raises(ConfigError, match="solo_epochs"):
+        AdaptiveConfig(solo_epochs=-0.5)
+
+
+def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be, wide):  # noqa: F811
+    """The periods that start before ``solo_epochs`` are trained by device 0 alone, whose
+    model after them is exactly a one-device run's over the same rows; the first period after
+    them starts every replica from that model and its Adagrad accumulators, and from then on
+    every device trains and the step rule adapts the batches."""
+    X, Y = wide
+    n = X.shape[0]  # 400 rows, periods of 128: periods 0 and 1 start before 0.5 epochs
+    common = dict(lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128, seed=3,
+                  **SIM)
+    single = [mlp(be, X, Y, optimizer="adagrad")]
+    with make_trainer(single, parse_devices("cpu"), "single", n, **common) as tr:
+        tr.run_epoch(0, stop_after=256)
+        alone = [np.array(p) for p in tr.central_params()]
+    reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+    log = ListLog()
+    with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", n,
+                      solo_epochs=0.5, log=log, **common) as tr:
+        tr.run_epoch(0, stop_after=256)
+        for a, b in zip(tr.central_params(), alone, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        acc0 = [np.array(a) for a in reps[0].accumulators()]
+        assert not np.array_equal(acc0[0], np.array(reps[1].accumulators()[0]))
+        tr.policy.solo_device(reps, 256 / n, [True, True])  # the first period after the phase
+        for a, b in zip(reps[1].params(), alone, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        for a, b in zip(reps[1].accumulators(), acc0, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        tr.run_epoch(0)
+        tr.run_epoch(1)
+    merges = _merges(log)
+    solo, rest = merges[:2], merges[2:]
+    for m in solo:
+        assert m["solo"] == 0 and [d["samples"] for d in m["devices"]][1] == 0
+        assert [d["weight"] for d in m["devices"]] == [1.0, 0.0]
+    assert len(rest) >= 4 and all("solo" not in m for m in rest)
+    assert all(min(d["samples"] for d in m["devices"]) > 0 for m in rest)
+    assert len({d["batch_size"] for d in rest[-1]["devices"]}) == 2  # the step rule went on
+
+
+def test_without_solo_epochs_every_device_trains_from_the_first_period(be, wide):  # noqa: F811
+    X, Y = wide
+    log = ListLog()
+    reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+    with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", X.shape[0],
+                      lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128,
+                      seed=3, log=log, **SIM) as tr:
+        tr.run_epoch(0)
+    assert all(min(d["samples"] for d in m["devices"]) > 0 and "solo" not in m
+               for m in _merges(log))
+
+
+def test_a_device_that_fails_alone_hands_the_solo_phase_to_the_next():
+    """The solo device fails in the second of its periods: its rows go back, the centre keeps
+    its first period's model, and the next live device trains the rest of the phase alone,
+    starting from that centre (no row tracking here: the merge copies the replica whole)."""
+    n = 256  # periods of 64 rows, batches of 32: two steps a period; the phase: 0.5 epochs
+    reps = [FakeReplica(n, sleep=False, seed=0, fail_at_step=3),
+            FakeReplica(n, sleep=False, seed=0), FakeReplica(n, sleep=False, seed=0)]
+    log = ListLog()
+    with make_trainer(reps, parse_devices("cpu,cpu@0.5,cpu@0.25", cores=2), "adaptive", n,
+                      lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=64,
+                      solo_epochs=0.5, seed=1, log=log, **SIM) as tr:
+        w = [np.array(p) for p in tr.central_params()]
+        tr.run_epoch(0, stop_after=128)
+        central = [np.array(p) for p in tr.central_params()]
+        tr.run_epoch(0)
+    merges = _merges(log)
+    assert [m.get("solo") for m in merges[:3]] == [0, 0, 1]
+    assert [d["weight"] for d in merges[1]["devices"]] == [0.0] * 3  # the failed period
+    assert all("solo" not in m and m["devices"][2]["samples"] > 0 for m in merges[3:])
+    # device 0's two steps of period 0, then device 1's two of the period it trained alone
+    assert len(reps[1].history) > 2 and len(reps[2].history) > 0
+    for rows, lr in reps[0].history[:2] + reps[1].history[:2]:
+        for p, t in zip(w, reps[1]._targets, strict=True):
+            p -= lr * (p - t[rows].mean(axis=0))
+    for a, b in zip(central, w, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
