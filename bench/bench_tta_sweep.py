@@ -149,6 +149,9 @@ def main(argv=None) -> int:
                    help="with --from-results: per dataset and device set, adaptive's time to "
                         "the set's own target over one device's, split into the epochs each "
                         "needed and the seconds each took per epoch")
+    p.add_argument("--levels", type=float, nargs="+", default=None, metavar="F",
+                   help="with --decompose: the median epochs one device and adaptive needed to "
+                        "reach each fraction F of the set's best P@1, and their ratio")
     p.add_argument("--ablation", action="store_true",
                    help="with --from-results: one table, a row per option, a column per "
                         "dataset and device set: the option's time and final P@1 against the "
@@ -182,6 +185,8 @@ def main(argv=None) -> int:
         if args.at_seconds:
             for result in results:
                 print_at_seconds(result, args.at_seconds)
+        elif args.decompose and args.levels:
+            print_levels(results, args.levels)
         elif args.decompose:
             print_decomposition(results, args.target_frac)
         elif args.summary:
@@ -341,10 +346,13 @@ def print_summary(results, per_set_frac: float | None = None) -> None:
                 times = {a: by_id[id(r)] for a, r in mine.items()}
                 ref = times.get("adaptive")
                 target = f" {t_set:.4f} |"
+            if "adaptive" not in mine:  # a set of one device's rows alone
+                continue
             cells = []
             for a in algos:
                 t = times[a] if a in mine else np.nan
-                ratio = f" ({t / ref:.2f})" if np.isfinite(t) and np.isfinite(ref) else ""
+                ratio = (f" ({t / ref:.2f})" if np.isfinite(t) and ref is not None
+                         and np.isfinite(ref) else "")
                 cells.append(_fmt_s(t) + ratio if a in mine else "")
             finals = {a: float(np.median(r["final_P@1_runs"])) for a, r in mine.items()}
             best = max(finals, key=finals.get)
@@ -388,6 +396,36 @@ def print_decomposition(results, frac: float) -> None:
             ratio = f"{t2 / t1:.2f}" if np.isfinite(t1) and np.isfinite(t2) else ""
             print(f"| {result['args']['data']} | `{setup}` | {target:.4f} | {e1:.2f} / {e2:.2f} "
                   f"| {r1:.3f} / {r2:.3f} | {ratio} |")
+
+
+def print_levels(results, levels) -> None:
+    """Where averaging costs samples: per dataset and device set, the median epochs one device
+    and ``adaptive`` (with its defaults, or with the options of each configuration that has
+    some) needed to reach each fraction in ``levels`` of the set's best median best P@1, and
+    their ratio (``inf``: the median run never reached it)."""
+    print("| data | devices | configuration | " + " | ".join(f"{f:g} of the best" for f in levels)
+          + " |")
+    print("|---|---|---|" + "---|" * len(levels))
+    for result in results:
+        for setup, listed, _ in by_setup(result["rows"]):
+            single = next((r for r in listed if r["config"]["algorithm"] == "single"), None)
+            if single is None:
+                continue
+            best = max(float(np.median([x["best_P@1"] for x in r["runs"]])) for r in listed)
+            ones = {f: float(np.median([_at_target(x, f * best)[0] for x in single["runs"]]))
+                    for f in levels}
+            for r in listed:
+                if r["config"]["algorithm"] != "adaptive" or r["config"]["devices"] != setup:
+                    continue
+                cells = []
+                for f in levels:
+                    e = float(np.median([_at_target(x, f * best)[0] for x in r["runs"]]))
+                    ratio = (f" ({e / ones[f]:.2f}x)" if np.isfinite(e) and np.isfinite(ones[f])
+                             else "")
+                    cells.append(f"{ones[f]:.2f} / {e:.2f}{ratio}")
+                options = " ".join(f"{k}={v}" for k, v in r["config"]["params"].items())
+                print(f"| {result['args']['data']} | `{setup}` | adaptive {options} | "
+                      + " | ".join(cells) + " |")
 
 
 def p1_at(curve, seconds: float) -> float:

@@ -20,11 +20,25 @@ def _merges(log):
     return [f for e, f in log.records if e == "merge"]
 
 
-def test_solo_epochs_is_a_number_of_epochs_at_least_zero():
-    assert AdaptiveConfig().solo_epochs == 0.0
-    assert AdaptiveConfig(solo_epochs=0.25).solo_epochs == 0.25
-    with pytest.raises(ConfigError, match="solo_epochs"):
+def test_solo_epochs_auto_is_half_an_epoch_on_the_logistic_loss_below_the_label_threshold():
+    """``'auto'`` (the default) resolves to :data:`AUTO_SOLO_EPOCHS` where the merge is the
+    paper's weighted mean on the logistic loss below :data:`AUTO_WEIGHTS_LABELS` labels, to 0
+    with the softmax and on larger label spaces; a number given stays; a negative one or
+    another string is refused."""
+    from xmc_engine import config
+
+    n = config.AUTO_WEIGHTS_LABELS
+    c = AdaptiveConfig()
+    assert c.solo_epochs == "auto" and config.AUTO_SOLO_EPOCHS == 0.5
+    assert c.resolved(n - 1, "bce").solo_epochs == config.AUTO_SOLO_EPOCHS
+    assert c.resolved(n - 1, "softmax").solo_epochs == 0.0
+    assert c.resolved(n, "bce").solo_epochs == 0.0
+    assert AdaptiveConfig(solo_epochs=0.25).resolved(n - 1, "softmax").solo_epochs == 0.25
+    assert AdaptiveConfig(solo_epochs=0).resolved(n - 1, "bce").solo_epochs == 0
+    with pytest.raises(ConfigError, match="solo_epochs must be >= 0"):
         AdaptiveConfig(solo_epochs=-0.5)
+    with pytest.raises(ConfigError, match="solo_epochs must be a number of epochs"):
+        AdaptiveConfig(solo_epochs="half")
 
 
 def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be, wide):  # noqa: F811
@@ -104,3 +118,24 @@ def test_a_device_that_fails_alone_hands_the_solo_phase_to_the_next():
             p -= lr * (p - t[rows].mean(axis=0))
     for a, b in zip(central, w, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("loss, solo", [("bce", True), ("softmax", False)])
+def test_a_default_adaptive_fit_trains_the_first_half_epoch_on_one_device(loss, solo):
+    """With every default, ``adaptive`` on the logistic loss starts with device 0 alone (the
+    start record says 0.5 epochs), with the softmax on every device at once."""
+    from tests.test_estimator import tiny_data
+    from xmc_engine import XMCClassifier
+
+    X, Y = tiny_data(n=600, n_features=300)
+    clf = XMCClassifier(epochs=1, devices="cpu,cpu@0.5", algorithm="adaptive", loss=loss,
+                        batch_size=32, algorithm_params={"merge_period": 128}, seed=0)
+    clf.fit(X, Y)
+    start = next(r for r in clf.history_ if r.get("event") == "start")
+    assert start["algorithm_params"]["solo_epochs"] == (0.5 if solo else 0.0)
+    merges = [r for r in clf.history_ if r.get("event") == "merge"]
+    alone = [m for m in merges if "solo" in m]
+    assert all(m["solo"] == 0 and m["devices"][1]["samples"] == 0 for m in alone)
+    # periods of 128 of 600 rows: those starting at 0, 128 and 256 (< 300) train alone
+    assert [m["period"] for m in alone] == ([0, 1, 2] if solo else [])
+    assert len(merges) >= 4

@@ -296,6 +296,15 @@ AUTO_MERGE_PERIOD_TOUCHED = 1024
 #: ``bench/RESULTS.md``'s "The merge period against the label count" (no shorter period served
 #: the real sets better).
 AUTO_MERGE_PERIOD_PAPER_WEIGHTS = 4096
+#: ``AdaptiveConfig.solo_epochs="auto"``: the epochs the first device trains alone at the start
+#: of a run on the logistic loss below :data:`AUTO_WEIGHTS_LABELS` labels (none elsewhere).
+#: There the merge is the paper's weighted mean, and early in training the mean of ``k``
+#: replicas' steps makes about ``1/k`` of one model's progress: in step 3's runs ``adaptive``
+#: needed 1.9x-3.7x one device's epochs to 80 % of the best P@1 on debian_debtags, delicious
+#: and rcv1sub1, and 1.3x-2.4x to 97 % on the four real sets (``bench/RESULTS.md``, "One
+#: device first, then the replicas"), where the synthetic shapes, trained with the softmax and
+#: the per-row sum, need fewer epochs than one device from the start (they keep none).
+AUTO_SOLO_EPOCHS = 0.5
 #: The training losses with which ``"auto"`` gives the per-row / per-label weights (below
 #: :data:`AUTO_WEIGHTS_LABELS` labels); with the one-vs-all logistic loss it gives the paper's.
 #: Measured with the defaults of ``ec71655`` (``bench/RESULTS.md``, "The merge weights by the
@@ -615,10 +624,15 @@ class AdaptiveConfig(AlgorithmConfig):
     lr_scaling : {'linear', 'sqrt', 'none'}
         Device ``i``'s learning rate against its batch ``b_i``: ``lr(t) b_i / B`` (the paper's
         linear scaling), ``lr(t) sqrt(b_i / B)``, or ``lr(t)`` for every device.
-    solo_epochs : float
+    solo_epochs : float or 'auto'
         The first device alone trains the periods that start before this many epochs (the
         others wait); at the first period after, every replica starts from its model and its
-        Adagrad accumulators. 0 (the default): every device trains from the start.
+        Adagrad accumulators (one node only; a multi-node run ignores it). 0: every device
+        trains from the start. ``'auto'`` (the default): :data:`AUTO_SOLO_EPOCHS` (0.5) on the
+        logistic loss below :data:`AUTO_WEIGHTS_LABELS` labels, where the merge is the paper's
+        weighted mean, which early in training loses most of the replicas' progress; 0
+        elsewhere. A run that goes on from the loss probe's fit starts where that fit, one
+        device's training, stopped.
     delta_stats : bool
         Instrumentation: each merge logs the size of every replica's change since the last
         merge on the ``W1`` rows it alone changed and on shared rows, and on ``W2``'s head and
@@ -644,7 +658,7 @@ class AdaptiveConfig(AlgorithmConfig):
     sqrt_from_epoch: int = 1
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
-    solo_epochs: float = 0.0
+    solo_epochs: float | str = "auto"
     delta_stats: bool = False
 
     def weights_from_epoch_for(self, n_labels: int) -> int:
@@ -690,6 +704,8 @@ class AdaptiveConfig(AlgorithmConfig):
                 for name, value in AUTO_PER_ITEM_WEIGHTS.items() if getattr(self, name) == "auto"}
         if self.weight_by == "auto":
             auto["weight_by"] = "updates" if large else "samples"
+        if self.solo_epochs == "auto":
+            auto["solo_epochs"] = AUTO_SOLO_EPOCHS if paper and not large else 0.0
         if batch_size is not None:
             auto["b_max"] = self.b_max_for(batch_size)
         auto["merge_period"] = self.merge_period_for(auto.get("row_weights", self.row_weights),
@@ -705,7 +721,9 @@ class AdaptiveConfig(AlgorithmConfig):
             self._check_min(1, "merge_period", "delta_b")
         if not self._is_auto("weights_from_epoch", "an epoch >= 0"):
             self._check_min(0, "weights_from_epoch")
-        self._check_min(0, "sqrt_from_epoch", "solo_epochs")
+        self._check_min(0, "sqrt_from_epoch")
+        if not self._is_auto("solo_epochs", "a number of epochs >= 0"):
+            self._check_min(0, "solo_epochs")
         self._check_choice("row_weights", ("auto", *ROW_WEIGHTS))
         self._check_choice("label_weights", ("auto", *LABEL_WEIGHTS))
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
