@@ -20,11 +20,11 @@ def _merges(log):
     return [f for e, f in log.records if e == "merge"]
 
 
-def test_solo_epochs_auto_is_half_an_epoch_on_the_logistic_loss_below_the_label_threshold():
+def test_solo_epochs_auto_is_half_an_epoch_on_the_logistic_loss_of_a_small_set():
     """``'auto'`` (the default) resolves to :data:`AUTO_SOLO_EPOCHS` where the merge is the
-    paper's weighted mean on the logistic loss below :data:`AUTO_WEIGHTS_LABELS` labels, to 0
-    with the softmax and on larger label spaces; a number given stays; a negative one or
-    another string is refused."""
+    paper's weighted mean on the logistic loss below :data:`AUTO_WEIGHTS_LABELS` labels and
+    :data:`AUTO_SOLO_MAX_ROWS` training rows, to 0 with the softmax, on larger label spaces
+    and on more rows; a number given stays; a negative one or another string is refused."""
     from xmc_engine import config
 
     n = config.AUTO_WEIGHTS_LABELS
@@ -33,6 +33,9 @@ def test_solo_epochs_auto_is_half_an_epoch_on_the_logistic_loss_below_the_label_
     assert c.resolved(n - 1, "bce").solo_epochs == config.AUTO_SOLO_EPOCHS
     assert c.resolved(n - 1, "softmax").solo_epochs == 0.0
     assert c.resolved(n, "bce").solo_epochs == 0.0
+    rows = config.AUTO_SOLO_MAX_ROWS
+    assert c.resolved(n - 1, "bce", n_rows=rows - 1).solo_epochs == config.AUTO_SOLO_EPOCHS
+    assert c.resolved(n - 1, "bce", n_rows=rows).solo_epochs == 0.0
     assert AdaptiveConfig(solo_epochs=0.25).resolved(n - 1, "softmax").solo_epochs == 0.25
     assert AdaptiveConfig(solo_epochs=0).resolved(n - 1, "bce").solo_epochs == 0
     with pytest.raises(ConfigError, match="solo_epochs must be >= 0"):

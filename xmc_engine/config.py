@@ -305,6 +305,12 @@ AUTO_MERGE_PERIOD_PAPER_WEIGHTS = 4096
 #: device first, then the replicas"), where the synthetic shapes, trained with the softmax and
 #: the per-row sum, need fewer epochs than one device from the start (they keep none).
 AUTO_SOLO_EPOCHS = 0.5
+#: ``AdaptiveConfig.solo_epochs="auto"`` gives :data:`AUTO_SOLO_EPOCHS` on data of fewer
+#: training rows than this (the plateau rule's threshold, :data:`PLATEAU_MIN_ROWS`). Measured:
+#: it helped on the four real sets of 4,800-27,235 rows and cost imdb (96,735 rows, where the
+#: averaged replicas need fewer epochs than one device from the start) 2.2x the time to its
+#: target on two of three device sets and 0.003-0.005 of final P@1; not measured in between.
+AUTO_SOLO_MAX_ROWS = PLATEAU_MIN_ROWS
 #: The training losses with which ``"auto"`` gives the per-row / per-label weights (below
 #: :data:`AUTO_WEIGHTS_LABELS` labels); with the one-vs-all logistic loss it gives the paper's.
 #: Measured with the defaults of ``ec71655`` (``bench/RESULTS.md``, "The merge weights by the
@@ -629,10 +635,11 @@ class AdaptiveConfig(AlgorithmConfig):
         others wait); at the first period after, every replica starts from its model and its
         Adagrad accumulators (one node only; a multi-node run ignores it). 0: every device
         trains from the start. ``'auto'`` (the default): :data:`AUTO_SOLO_EPOCHS` (0.5) on the
-        logistic loss below :data:`AUTO_WEIGHTS_LABELS` labels, where the merge is the paper's
-        weighted mean, which early in training loses most of the replicas' progress; 0
-        elsewhere. A run that goes on from the loss probe's fit starts where that fit, one
-        device's training, stopped.
+        logistic loss below :data:`AUTO_WEIGHTS_LABELS` labels and :data:`AUTO_SOLO_MAX_ROWS`
+        training rows, where the merge is the paper's weighted mean, which early in training
+        loses most of the replicas' progress; 0 elsewhere. A run that goes on from the loss
+        probe's fit (the default where the probe runs) starts where that fit, one device's
+        training of 0.7-0.9 epochs on such a set, stopped: the phase is then over.
     delta_stats : bool
         Instrumentation: each merge logs the size of every replica's change since the last
         merge on the ``W1`` rows it alone changed and on shared rows, and on ``W2``'s head and
@@ -691,13 +698,14 @@ class AdaptiveConfig(AlgorithmConfig):
         return AUTO_MERGE_PERIOD_TOUCHED if per_row else AUTO_MERGE_PERIOD_PAPER_WEIGHTS
 
     def resolved(self, n_labels: int, loss: str, batch_size: int | None = None,
-                 tracks_rows: bool = True) -> AdaptiveConfig:
+                 tracks_rows: bool = True, n_rows: int | None = None) -> AdaptiveConfig:
         """These options with every ``'auto'`` replaced by its value for data with
         ``n_labels`` labels trained with ``loss`` (``"softmax"`` or ``"bce"``;
         :data:`AUTO_WEIGHTS_LABELS`, :data:`AUTO_WEIGHTS_LOSSES`), ``merge_period`` by the
         ``row_weights`` that gives and ``tracks_rows`` (:meth:`merge_period_for`) and, where
-        ``batch_size`` (the base batch) is given, ``b_max`` (:meth:`b_max_for`): what a run
-        uses and logs."""
+        ``batch_size`` (the base batch) is given, ``b_max`` (:meth:`b_max_for`), and
+        ``solo_epochs`` by the loss, the labels and ``n_rows`` (the training rows; ``None``:
+        not known, no limit): what a run uses and logs."""
         large = n_labels >= AUTO_WEIGHTS_LABELS
         paper = large or loss not in AUTO_WEIGHTS_LOSSES
         auto = {name: "updates" if paper else value
@@ -705,7 +713,8 @@ class AdaptiveConfig(AlgorithmConfig):
         if self.weight_by == "auto":
             auto["weight_by"] = "updates" if large else "samples"
         if self.solo_epochs == "auto":
-            auto["solo_epochs"] = AUTO_SOLO_EPOCHS if paper and not large else 0.0
+            few = n_rows is None or n_rows < AUTO_SOLO_MAX_ROWS
+            auto["solo_epochs"] = AUTO_SOLO_EPOCHS if paper and not large and few else 0.0
         if batch_size is not None:
             auto["b_max"] = self.b_max_for(batch_size)
         auto["merge_period"] = self.merge_period_for(auto.get("row_weights", self.row_weights),

@@ -185,7 +185,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     if hasattr(algo, "resolved"):
         cfg = dataclasses.replace(cfg, algorithm_params=algo.resolved(
             Y.shape[1], cfg.loss, cfg.batch_size,
-            tracks_rows=all(d.kind == "cpu" for d in devices)))
+            tracks_rows=all(d.kind == "cpu" for d in devices), n_rows=n_all))
     state = {"epoch": 0, "samples": 0, "train_time": 0.0}
     extra: dict = {}
     if probe is not None:

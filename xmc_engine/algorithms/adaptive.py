@@ -55,18 +55,20 @@ class AdaptiveSGD(Policy):
     static = False
     supports_nodes = True
 
-    def prepare(self, replicas: Sequence, batch_size: int) -> None:
-        """The ``'auto'`` options (merge weights, period, ``b_max``) by the label count (the
-        output bias's length), the replicas' loss, whether their backends track changed rows
-        and the base batch; :func:`fit_model` has resolved them already, a trainer built
-        directly has not."""
+    def prepare(self, replicas: Sequence, batch_size: int, n_samples: int | None = None) -> None:
+        """The ``'auto'`` options (merge weights, period, ``b_max``, ``solo_epochs``) by the
+        label count (the output bias's length), the replicas' loss, whether their backends
+        track changed rows, the base batch and the training rows; :func:`fit_model` has
+        resolved them already (by the rows of every node), a trainer built directly has not."""
         self.config = self.config.resolved(
             len(replicas[0].params()[-1]), getattr(replicas[0], "loss", "softmax"), batch_size,
-            tracks_rows=all(getattr(r.backend, "tracks_rows", False) for r in replicas))
+            tracks_rows=all(getattr(r.backend, "tracks_rows", False) for r in replicas),
+            n_rows=n_samples)
 
     def setup(self, replicas: Sequence, **kw) -> None:
         super().setup(replicas, **kw)
-        self.prepare(replicas, self.batch_size)  # where setup is called without the trainer
+        # where setup is called without the trainer
+        self.prepare(replicas, self.batch_size, self.n_samples)
         c = self.config
         if not c.b_min <= self.batch_size <= c.b_max:
             raise ConfigError(f"adaptive: batch_size {self.batch_size} is outside "

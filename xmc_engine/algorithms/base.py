@@ -82,9 +82,10 @@ class Policy:
         self.config = config
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def prepare(self, replicas: Sequence, batch_size: int) -> None:
+    def prepare(self, replicas: Sequence, batch_size: int, n_samples: int | None = None) -> None:
         """Called by the trainer first, before :meth:`period_samples`: options that depend on
-        the model or the loss (``'auto'`` values) can be resolved here. Nothing by default."""
+        the model, the loss or the ``n_samples`` training rows (``'auto'`` values) can be
+        resolved here. Nothing by default."""
 
     def period_samples(self, n_devices: int, batch_size: int) -> int:
         """``S``, the samples of one merge period on ``n_devices`` devices of base batch

@@ -207,7 +207,7 @@ class Trainer:
 
         self.faults = FaultInjector.from_spec(faults)
         self.comm = comm
-        policy.prepare(self.replicas, self.batch_size)
+        policy.prepare(self.replicas, self.batch_size, n_samples=self.n_samples)
         period = policy.period_samples(n, self.batch_size)
         if assignment != "shared" or (comm is not None and comm.size > 1):
             from xmc_engine.distributed import LocalComm, node_queue
