@@ -423,8 +423,9 @@ def print_levels(results, levels) -> None:
                     ratio = (f" ({e / ones[f]:.2f}x)" if np.isfinite(e) and np.isfinite(ones[f])
                              else "")
                     cells.append(f"{ones[f]:.2f} / {e:.2f}{ratio}")
-                options = " ".join(f"{k}={v}" for k, v in r["config"]["params"].items())
-                print(f"| {result['args']['data']} | `{setup}` | adaptive {options} | "
+                name = " ".join(["adaptive", *(f"{k}={v}" for k, v in
+                                              r["config"]["params"].items())])
+                print(f"| {result['args']['data']} | `{setup}` | {name} | "
                       + " | ".join(cells) + " |")
 
 

@@ -360,6 +360,34 @@ def test_sweep_ablation_with_each_set_s_own_target(capsys):
                        "| toy | `cpu,cpu@0.5` | 0.2000 | 1.00 / +0.000 |"]
 
 
+def test_sweep_levels_give_each_device_set_s_epochs_to_fractions_of_its_best(capsys):
+    """``--decompose --levels``: per device set, the median epochs one device and each
+    ``adaptive`` configuration needed to reach each fraction of the set's best median best P@1,
+    interpolated between evaluations, with their ratio; a level never reached reads ``inf``."""
+    from bench_tta_sweep import print_levels
+
+    def row(algorithm, devices, setups, params, curve):
+        best = max(c[2] for c in curve)
+        return {"config": {"algorithm": algorithm, "devices": devices, "params": params,
+                           "setups": setups},
+                "median_time_to_target_s": None, "final_P@1_runs": [best],
+                "runs": [{"best_P@1": best, "final_P@1": best, "curve": curve}]}
+
+    # (seconds, epoch, P@1): one device 0.4 at epoch 0.5 and 0.8 at 1; adaptive half as fast
+    one = [[1.0, 0.5, 0.4], [2.0, 1.0, 0.8]]
+    slow = [[1.0, 0.5, 0.2], [2.0, 1.0, 0.4], [3.0, 2.0, 0.8]]
+    result = {"args": {"data": "toy"},
+              "rows": [row("single", "cpu", ["cpu,cpu"], {}, one),
+                       row("adaptive", "cpu,cpu", ["cpu,cpu"], {}, slow),
+                       row("adaptive", "cpu,cpu", ["cpu,cpu"], {"solo_epochs": 0.5}, one[:1])]}
+    print_levels([result], [0.5, 1.0])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| data | devices | configuration | 0.5 of the best | 1 of the best |"
+    assert out[2:] == ["| toy | `cpu,cpu` | adaptive | 0.50 / 1.00 (2.00x) | 1.00 / 2.00 (2.00x) |",
+                       "| toy | `cpu,cpu` | adaptive solo_epochs=0.5 | 0.50 / 0.50 (1.00x) "
+                       "| 1.00 / inf |"]
+
+
 def test_sweep_at_equal_time_takes_the_last_evaluation_before_it(capsys):
     from bench_tta_sweep import p1_at, print_at_seconds
 
