@@ -142,3 +142,18 @@ def test_a_default_adaptive_fit_trains_the_first_half_epoch_on_one_device(loss, 
     # periods of 128 of 600 rows: those starting at 0, 128 and 256 (< 300) train alone
     assert [m["period"] for m in alone] == ([0, 1, 2] if solo else [])
     assert len(merges) >= 4
+
+
+def test_fixed_shards_have_no_solo_phase():
+    """With ``assignment="fixed"`` (each device its own rows, the single-process stand-in of a
+    multi-node run) no period goes to one device alone: the others' shards would wait."""
+    n = 256
+    reps = [FakeReplica(n, sleep=False, seed=0), FakeReplica(n, sleep=False, seed=0)]
+    log = ListLog()
+    with make_trainer(reps, parse_devices("cpu,cpu", cores=2), "adaptive", n, lr=0.1,
+                      batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=64,
+                      solo_epochs=0.5, seed=1, log=log, assignment="fixed", **SIM) as tr:
+        tr.run_epoch(0)
+    merges = _merges(log)
+    assert len(merges) >= 2 and all("solo" not in m for m in merges)
+    assert all(min(d["samples"] for d in m["devices"]) > 0 for m in merges)

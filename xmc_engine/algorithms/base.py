@@ -137,8 +137,9 @@ class Policy:
                     alive: Sequence[bool]) -> int | None:
         """The device that trains the next period alone while the others wait, or ``None``
         (every live device trains; the default). Called by the trainer on the main thread
-        before each period of a run on one node, with ``progress`` the epochs done at the
-        period's start and ``alive`` the devices still in the run."""
+        before each period of a run on one node whose devices share one queue (not with
+        ``assignment="fixed"``), with ``progress`` the epochs done at the period's start and
+        ``alive`` the devices still in the run."""
         return None
 
     def step(self, device: int, replica, rows: np.ndarray, lr: float) -> float:

@@ -209,6 +209,9 @@ class Trainer:
         self.comm = comm
         policy.prepare(self.replicas, self.batch_size, n_samples=self.n_samples)
         period = policy.period_samples(n, self.batch_size)
+        # a period may go to one device alone (Policy.solo_device) only where the devices
+        # draw from one shared queue on one node: with fixed shards the others' rows would wait
+        self._solo_allowed = assignment == "shared" and (comm is None or comm.size == 1)
         if assignment != "shared" or (comm is not None and comm.size > 1):
             from xmc_engine.distributed import LocalComm, node_queue
 
@@ -340,7 +343,7 @@ class Trainer:
             self._rejoin(epoch)
             solo = (self.policy.solo_device(self.replicas, epoch + done_before / self.n_samples,
                                             list(self.alive))
-                    if self.comm is None or self.comm.size == 1 else None)
+                    if self._solo_allowed else None)
             self._working = ([i == solo for i in range(n)] if solo is not None
                              else list(self.alive))
             q.set_active(self._working)
