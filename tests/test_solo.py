@@ -3,6 +3,8 @@ replica starts from its model and its Adagrad accumulators."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -66,6 +68,18 @@ def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be
             np.testing.assert_array_equal(np.asarray(a), b)
         acc0 = [np.array(a) for a in reps[0].accumulators()]
         assert not np.array_equal(acc0[0], np.array(reps[1].accumulators()[0]))
+        state = tr.state_dict()["policy"]
+        assert state["solo_last"] == 0
+        # a run resumed here still hands device 0's accumulators to the others
+        again = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
+        with make_trainer(again, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", n,
+                          solo_epochs=0.5, **common) as resumed:
+            for dst, src in zip(again[0].accumulators(), acc0, strict=True):
+                dst[...] = src
+            resumed.policy.load_state_dict(json.loads(json.dumps(state)))
+            assert resumed.policy.solo_device(again, 256 / n, [True, True]) is None
+            for a, b in zip(again[1].accumulators(), acc0, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), b)
         tr.policy.solo_device(reps, 256 / n, [True, True])  # the first period after the phase
         for a, b in zip(reps[1].params(), alone, strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)

@@ -271,16 +271,20 @@ class AdaptiveSGD(Policy):
         self.trend.norms = []
 
     def state_dict(self) -> dict[str, Any]:
-        """Batch sizes and the norm history of the trend flag (momentum buffers restart at the
-        central model on resume)."""
+        """Batch sizes, the norm history of the trend flag and the device that trained the
+        last period alone (``solo_last``: a run resumed at the end of the solo phase still
+        hands its accumulators to the others; momentum buffers restart at the central model
+        on resume)."""
         return {"name": self.name, "batch_sizes": self.batch_sizes(),
-                "norms": list(self.trend.norms)}
+                "norms": list(self.trend.norms), "solo_last": self._solo_last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         b = [int(x) for x in state.get("batch_sizes", self.batch_sizes())]
         if len(b) == self.n_devices:
             self.controller.batch_sizes = b
         self.trend.norms = [float(x) for x in state.get("norms", [])][-2:]
+        solo = state.get("solo_last")
+        self._solo_last = solo if isinstance(solo, int) and 0 <= solo < self.n_devices else None
 
     def end_period(self, progress, updates, samples, busy_s) -> None:
         """Adapt the batch sizes (§III-C), except after a short epoch-remainder period or a
