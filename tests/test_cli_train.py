@@ -77,6 +77,25 @@ def test_the_rate_line_names_the_schedule_in_effect(start, says):
     assert _rate_line(start) == says
 
 
+def test_the_solo_line_names_the_periods_one_device_trained_alone():
+    """``solo:``: the merge periods the first device trained alone (``solo_epochs``), their
+    samples and the flag that turns it off; nothing where every device trained from the
+    start."""
+    from xmc_engine.cli.train import _solo_line
+
+    def merge(solo, samples):
+        return {"event": "merge", **({"solo": solo} if solo is not None else {}),
+                "devices": [{"name": "cpu", "samples": samples[0]},
+                            {"name": "cpu@0.5", "samples": samples[1]}]}
+
+    history = [{"event": "start"}, merge(0, (4096, 0)), merge(0, (4096, 0)),
+               merge(None, (3000, 1096))]
+    assert _solo_line(history) == (
+        "solo:  cpu trained the first 2 merge periods (8,192 samples) alone, then every device "
+        "from its model (--algo-param solo_epochs=0 trains every device from the start)")
+    assert _solo_line(history[:1] + history[-1:]) == ""
+
+
 @pytest.mark.parametrize("values, says, not_says", [
     # 0.4 after epoch 2 is 1.8 standard errors behind epoch 1's 0.5 on 30 rows: training goes
     # on from the last model; the last model's 0.3 is 2.7 behind: the run ends with epoch 1's

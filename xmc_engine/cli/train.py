@@ -83,6 +83,19 @@ def _rate_line(start: dict) -> str:
     return f"lr {lr:g}, no decay{why}"
 
 
+def _solo_line(history) -> str:
+    """``"solo:  ..."``: the merge periods one device trained alone at the start of an
+    ``adaptive`` run (``solo_epochs``), from the merge records; empty where none did."""
+    alone = [r for r in history if r.get("event") == "merge" and r.get("solo") is not None]
+    if not alone:
+        return ""
+    rows = sum(r["devices"][r["solo"]]["samples"] for r in alone)
+    name = alone[0]["devices"][alone[0]["solo"]]["name"]
+    return (f"solo:  {name} trained the first {len(alone)} merge periods ({rows:,} samples) "
+            f"alone, then every device from its model (--algo-param solo_epochs=0 trains every "
+            f"device from the start)")
+
+
 def _ended_early(model, final: dict) -> str:
     """``", 23 of 40 epochs (...)"``: why a run ended before its epochs (the ``final`` record's
     ``status``), for the line after training; empty when it trained them all."""
@@ -412,6 +425,9 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     start = next((r for r in model.history_ if r.get("event") == "start"), None)
     if start is not None:
         print("rate:  " + _rate_line(start))
+    line = _solo_line(model.history_)
+    if line:
+        print(line)
     ens = next((r for r in model.history_ if r.get("event") == "ensemble"), None)
     if ens is not None:
         each = ", ".join(f"{m['P@1']:.4f}" for m in ens["member_metrics"] if m)
