@@ -338,13 +338,20 @@ def test_fit_on_cuda0_equals_the_cpu_fit(stand_in_cuda, loss):
     clean(stand_in_cuda)
 
 
-def test_fit_with_two_workers_on_one_gpu_orders_every_access(stand_in_cuda):
+@pytest.mark.parametrize("loss", ["auto", "bce"])
+def test_fit_with_two_workers_on_one_gpu_orders_every_access(stand_in_cuda, loss):
+    """``adaptive`` on two workers of one GPU; with the logistic loss its first half epoch
+    goes to the first device alone (``solo_epochs``: the merge copies its replica whole, the
+    backend tracking no rows, then hands the model and accumulators to the other)."""
     from tests.test_estimator import tiny_data
     from xmc_engine import XMCClassifier
 
     X, Y = tiny_data()
-    est = XMCClassifier(devices="cuda:0,cuda:0@0.5", algorithm="adaptive", **FIT).fit(X, Y)
+    est = XMCClassifier(devices="cuda:0,cuda:0@0.5", algorithm="adaptive", loss=loss,
+                        **FIT).fit(X, Y)
     assert all(np.isfinite(np.asarray(p)).all() for p in est.params_)
+    alone = [r for r in est.history_ if r.get("event") == "merge" and "solo" in r]
+    assert bool(alone) is (loss == "bce")
     clean(stand_in_cuda)
 
 
