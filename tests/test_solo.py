@@ -171,3 +171,23 @@ def test_fixed_shards_have_no_solo_phase():
     merges = _merges(log)
     assert len(merges) >= 2 and all("solo" not in m for m in merges)
     assert all(min(d["samples"] for d in m["devices"]) > 0 for m in merges)
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_a_solo_device_gone_non_finite_stops_the_run(step):
+    """Alone, a device whose parameters went NaN has no replica to fall back on: the run stops
+    with ``DivergenceError`` at that period's merge, before any merge is logged, whether its
+    period loss said so (NaN at the first of two steps) or only its parameters (at the last,
+    whose loss was computed before)."""
+    from xmc_engine.errors import DivergenceError
+
+    n = 256
+    reps = [FakeReplica(n, sleep=False, seed=0, nan_at_step=step),
+            FakeReplica(n, sleep=False, seed=0)]
+    log = ListLog()
+    with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", n, lr=0.1,
+                      batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=64,
+                      solo_epochs=0.5, seed=1, log=log, **SIM) as tr:
+        with pytest.raises(DivergenceError, match="device 0, training alone"):
+            tr.run_epoch(0)
+    assert _merges(log) == []

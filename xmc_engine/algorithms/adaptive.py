@@ -142,10 +142,7 @@ class AdaptiveSGD(Policy):
             for j, r in enumerate(replicas):
                 if j != i and r.accumulators():
                     self.copy_params_into(r.accumulators(), acc)
-        if self.config.momentum > 0:
-            self.copy_params_into(self._z2, self.central)
-        self._sq_w1 = None
-        self.trend.norms = []
+        self._start_afresh()
 
     def _merge_solo(self, replicas: Sequence, ctx) -> dict[str, Any]:
         """A period one device trained alone: the central model becomes its replica (the
@@ -156,15 +153,16 @@ class AdaptiveSGD(Policy):
         if i in ctx.excluded:  # it failed: its rows went back to the queue, the centre stays
             return {"weights": weights, "flag": 0, "norm": None, "nonfinite": [], "solo": i}
         r = replicas[i]
-        if i in ctx.nonfinite or find_nonfinite([r.params()], self.backend):
-            raise DivergenceError(f"device {i}, training alone, has non-finite parameters or "
-                                  f"loss; lower the learning rate and resume from the last "
-                                  f"checkpoint")
-        done = (None if ctx.multi_node
-                else merge_changed_rows([r], [1.0], self.central, self.backend, norm=False))
-        if done is None:  # no row tracking (a GPU): copy it whole
+        diverged = (f"device {i}, training alone, has non-finite parameters or loss; lower the "
+                    f"learning rate and resume from the last checkpoint")
+        if i in ctx.nonfinite:
+            raise DivergenceError(diverged)
+        # the row-sparse merge checks what it reads for NaN/inf and returns None where it does
+        # not apply (no row tracking: a GPU) or finds one: then a full check and a whole copy
+        if merge_changed_rows([r], [1.0], self.central, self.backend, norm=False) is None:
+            if find_nonfinite([r.params()], self.backend):
+                raise DivergenceError(diverged)
             self.copy_params_into(self.central, r.params())
-            r.set_params(self.central)
         weights[i] = 1.0
         return {"weights": weights, "flag": 0, "norm": None, "nonfinite": [], "solo": i}
 
@@ -269,6 +267,11 @@ class AdaptiveSGD(Policy):
         """As the base policy's; the momentum and the norm trend start afresh from it, as at
         the start (no momentum and no boost at the first merges after it)."""
         super().load_model(replicas, params)
+        self._start_afresh()
+
+    def _start_afresh(self) -> None:
+        """The momentum and the norm trend start from the central model as it now is, as at
+        the start: no momentum and no boost at the first merges after it."""
         if self.config.momentum > 0:  # z_{t-1} is the central model; z_{t-2} becomes it too
             self.copy_params_into(self._z2, self.central)
         self._sq_w1 = None
