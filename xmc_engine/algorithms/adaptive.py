@@ -92,12 +92,10 @@ class AdaptiveSGD(Policy):
             self._tail = counts <= TAIL_MAX_POSITIVES
         self._solo: int | None = None  # the device training the open period alone
         self._solo_last: int | None = None  # the last device that trained a period alone
-        self.solo_period = int(c.solo_period)  # one device's barriers while it trains alone
         if c.solo_epochs > 0 and self.n_devices > 1:
             logger.info("adaptive: the first device trains the periods that start before %g "
-                        "epochs alone, %d samples each, then every device from its model "
-                        "(solo_epochs; 0 trains every device from the start)", c.solo_epochs,
-                        c.solo_period)
+                        "epochs alone, then every device from its model (solo_epochs; 0 "
+                        "trains every device from the start)", c.solo_epochs)
         if c.momentum > 0:
             # z_{t-1} and z_{t-2} start at the initial model: the first merge has no momentum.
             self._z1 = self.central
