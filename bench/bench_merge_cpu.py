@@ -19,7 +19,9 @@ defaults but ``--loss`` (``softmax``, the default here; ``bce``; ``auto``, the e
 probes before every run) on ``--devices`` (``cpu,cpu@0.5``) for ``--epochs`` (1), ``--rounds``
 runs per dataset (seeds 0, 1, ...), and prints per dataset the median milliseconds of a merge
 (the run log's ``merge_s``, the devices waiting), the merges' share of the training time, and
-the training seconds. With the softmax the per-row / per-label merge weights apply (below
+the training seconds; where the first device trained the first periods alone
+(``solo_epochs``), also the median of those merges and of one device's barriers at the same
+period and seed. With the softmax the per-row / per-label merge weights apply (below
 200,000 labels), with the logistic loss the paper's. Copied into an older checkout and run
 there and here in turn, it is the before / after of a change to the merge::
 
@@ -63,15 +65,22 @@ def touched_fraction(name: str, period: int, periods: int = 5) -> float:
     return float(np.mean(fracs))
 
 
+def _median_ms(seconds) -> float | None:
+    return 1e3 * float(np.median(seconds)) if seconds else None
+
+
 def in_runs(names, devices: str, epochs: float, rounds: int, loss: str) -> list[dict]:
     """Per dataset, ``rounds`` runs of ``adaptive`` with the defaults but ``loss`` on
     ``devices``: the median merge (ms), the merges' share of the training seconds, and the
-    training seconds."""
+    training seconds. Where the first device trained periods alone (``solo_epochs``), also
+    the median of those periods' merges, and of one device's barriers (``single`` on the same
+    rows with ``adaptive``'s merge period, the same seed): what a solo period costs beyond one
+    device's."""
     from xmc_engine import XMCClassifier
 
     out = []
     print(f"{'data':<18} {'loss':<8} {'merge ms (median)':>17} {'merges':>7} {'share':>6} "
-          f"{'train s':>8}")
+          f"{'train s':>8} {'solo merge ms':>13} {'one device ms':>13}")
     for name in names:
         X, Y = _common.load_dataset(name)[:2]
         _common.warm_engine(X, Y, devices=devices, algorithm="adaptive",
@@ -79,15 +88,30 @@ def in_runs(names, devices: str, epochs: float, rounds: int, loss: str) -> list[
         for seed in range(rounds):
             clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, devices=devices,
                                 algorithm="adaptive", loss=loss).fit(X, Y)
-            merges = [r["merge_s"] for r in clf.history_ if r.get("event") == "merge"]
+            records = [r for r in clf.history_ if r.get("event") == "merge"]
+            merges = [r["merge_s"] for r in records]
+            solo = [r["merge_s"] for r in records if r.get("solo") is not None]
             train = max(r["train_time"] for r in clf.history_ if "train_time" in r)
+            single_ms = None
+            if solo:
+                start = next(r for r in clf.history_ if r.get("event") == "start")
+                one = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, devices="cpu",
+                                    threads=1, algorithm="single", loss=clf.loss_,
+                                    algorithm_params={"merge_period":
+                                                      start["algorithm_params"]["merge_period"]})
+                one.fit(X, Y)
+                single_ms = _median_ms([r["merge_s"] for r in one.history_
+                                        if r.get("event") == "merge"])
             row = {"dataset": name, "seed": seed, "loss": clf.loss_,
                    "merge_ms": [1e3 * m for m in merges],
-                   "median_merge_ms": 1e3 * float(np.median(merges)),
+                   "median_merge_ms": _median_ms(merges),
+                   "median_solo_merge_ms": _median_ms(solo), "solo_merges": len(solo),
+                   "median_single_barrier_ms": single_ms,
                    "merge_share": sum(merges) / train, "train_s": train}
             out.append(row)
+            extra = (f" {row['median_solo_merge_ms']:>13.2f} {single_ms:>13.2f}" if solo else "")
             print(f"{name:<18} {clf.loss_:<8} {row['median_merge_ms']:>17.2f} {len(merges):>7} "
-                  f"{row['merge_share']:>6.1%} {train:>8.3f}", flush=True)
+                  f"{row['merge_share']:>6.1%} {train:>8.3f}{extra}", flush=True)
     return out
 
 

@@ -764,3 +764,22 @@ def test_merge_prototype_gives_every_replica_one_models_accumulators():
         parse_variant("x:cpu,cpu:mean:keep")
     with pytest.raises(argparse.ArgumentTypeError, match="POW must be"):
         parse_variant("x:cpu,cpu:default:keep:1")
+
+
+def test_merges_in_runs_time_the_solo_periods_beside_one_device_s_barriers(monkeypatch, capsys):
+    """``bench_merge_cpu.py --in-runs`` with the logistic loss: the first periods go to one
+    device alone (``solo_epochs``), and the row gives their median merge beside the median
+    barrier of ``single`` at the same period."""
+    import bench_merge_cpu
+
+    from tests.test_estimator import tiny_data
+
+    X, Y = tiny_data(n=600, n_features=300)
+    monkeypatch.setattr(_common, "load_dataset", lambda name: (X, Y, X, Y))
+    monkeypatch.setattr(_common, "warm_engine", lambda *a, **k: None)
+    (row,) = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu@0.5", 1.0, 1, "bce")
+    assert row["loss"] == "bce" and row["solo_merges"] >= 1
+    assert row["median_solo_merge_ms"] > 0 and row["median_single_barrier_ms"] >= 0
+    assert len(capsys.readouterr().out.splitlines()[-1].split()) == 8
+    (row,) = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu@0.5", 1.0, 1, "softmax")
+    assert row["solo_merges"] == 0 and row["median_single_barrier_ms"] is None
