@@ -92,10 +92,14 @@ class AdaptiveSGD(Policy):
             self._tail = counts <= TAIL_MAX_POSITIVES
         self._solo: int | None = None  # the device training the open period alone
         self._solo_last: int | None = None  # the last device that trained a period alone
+        self._behind: int | None = None  # the solo device the centre has not caught up with
+        self._replicas = list(replicas)
+        self.solo_period = int(c.solo_period)  # one device's barriers while it trains alone
         if c.solo_epochs > 0 and self.n_devices > 1:
             logger.info("adaptive: the first device trains the periods that start before %g "
-                        "epochs alone, then every device from its model (solo_epochs; 0 "
-                        "trains every device from the start)", c.solo_epochs)
+                        "epochs alone, %d samples each, then every device from its model "
+                        "(solo_epochs; 0 trains every device from the start)", c.solo_epochs,
+                        c.solo_period)
         if c.momentum > 0:
             # z_{t-1} and z_{t-2} start at the initial model: the first merge has no momentum.
             self._z1 = self.central
@@ -116,7 +120,8 @@ class AdaptiveSGD(Policy):
         many epochs alone. At the first period after them every other replica becomes the
         central model and gets that device's Adagrad accumulators (:meth:`_end_solo`); a
         device that takes over the solo training (the one before it failed) starts from the
-        central model."""
+        central model as the solo device's last model read (:meth:`central_params`), or the
+        phase's start."""
         live = [i for i, a in enumerate(alive) if a]
         if progress < self.config.solo_epochs and len(live) > 1:
             self._solo = live[0]
@@ -134,6 +139,7 @@ class AdaptiveSGD(Policy):
         central model and takes its Adagrad accumulators (where it is still alive); the
         momentum and the norm trend start afresh from the central model, as after
         :meth:`load_model`."""
+        self._catch_up()
         i, self._solo_last = self._solo_last, None
         self.broadcast([r for j, r in enumerate(replicas) if j != i], self.central)
         acc = (replicas[i].accumulators()
@@ -145,26 +151,51 @@ class AdaptiveSGD(Policy):
         self._start_afresh()
 
     def _merge_solo(self, replicas: Sequence, ctx) -> dict[str, Any]:
-        """A period one device trained alone: the central model becomes its replica (the
-        ``W1`` rows it changed, by the row-sparse merge where it applies); the waiting
-        replicas are left as they are until :meth:`_end_solo`."""
+        """A period one device trained alone: nothing to merge. Its replica is the model, and
+        the central model catches up with it only where it is read (:meth:`central_params`:
+        an evaluation, a checkpoint) and at the end of the phase (:meth:`_end_solo`), so the
+        barrier costs what one device's does (copying the changed rows at each barrier cost
+        0.5-4 ms on the real sets, against 0.03 ms: ``bench/RESULTS.md``, "A longer solo phase,
+        and one device's periods in it"). A non-finite loss stops the run here, as on one
+        device; one in the parameters alone at the catch-up or in the next period's loss. A
+        solo device that fails takes the periods since the last catch-up with it: the next
+        device starts from the central model as it then was (its own period's rows go back to
+        the queue, those periods' do not)."""
         i = self._solo
         weights = [0.0] * len(replicas)
-        if i in ctx.excluded:  # it failed: its rows went back to the queue, the centre stays
+        if i in ctx.excluded:  # it failed: the centre stays as it was last brought up to date
+            self._behind = None
             return {"weights": weights, "flag": 0, "norm": None, "nonfinite": [], "solo": i}
-        r = replicas[i]
-        diverged = (f"device {i}, training alone, has non-finite parameters or loss; lower the "
-                    f"learning rate and resume from the last checkpoint")
         if i in ctx.nonfinite:
-            raise DivergenceError(diverged)
+            raise DivergenceError(self._diverged_alone(i))
+        self._behind = i
+        weights[i] = 1.0
+        return {"weights": weights, "flag": 0, "norm": None, "nonfinite": [], "solo": i}
+
+    @staticmethod
+    def _diverged_alone(i: int) -> str:
+        return (f"device {i}, training alone, has non-finite parameters or loss; lower the "
+                f"learning rate and resume from the last checkpoint")
+
+    def _catch_up(self) -> None:
+        """The central model becomes the solo device's replica where it is behind (the ``W1``
+        rows the device changed since, by the row-sparse merge where it applies; else a whole
+        copy); ``DivergenceError`` where that replica has non-finite parameters."""
+        i, self._behind = self._behind, None
+        if i is None:
+            return
+        r = self._replicas[i]
         # the row-sparse merge checks what it reads for NaN/inf and returns None where it does
         # not apply (no row tracking: a GPU) or finds one: then a full check and a whole copy
         if merge_changed_rows([r], [1.0], self.central, self.backend, norm=False) is None:
             if find_nonfinite([r.params()], self.backend):
-                raise DivergenceError(diverged)
+                raise DivergenceError(self._diverged_alone(i))
             self.copy_params_into(self.central, r.params())
-        weights[i] = 1.0
-        return {"weights": weights, "flag": 0, "norm": None, "nonfinite": [], "solo": i}
+
+    def central_params(self) -> list:
+        """The central model, caught up with the device training alone (:meth:`_merge_solo`)."""
+        self._catch_up()
+        return self.central
 
     def merge(self, replicas: Sequence, updates: Sequence[int], ctx) -> dict[str, Any]:
         """Normalized merge + adaptive normalization + central momentum + broadcast (§III-B);
@@ -266,6 +297,7 @@ class AdaptiveSGD(Policy):
     def load_model(self, replicas: Sequence, params: Sequence) -> None:
         """As the base policy's; the momentum and the norm trend start afresh from it, as at
         the start (no momentum and no boost at the first merges after it)."""
+        self._behind = None  # every replica, the solo one too, becomes ``params``
         super().load_model(replicas, params)
         self._start_afresh()
 
