@@ -97,48 +97,6 @@ def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be
     assert len({d["batch_size"] for d in rest[-1]["devices"]}) == 2  # the step rule went on
 
 
-@pytest.mark.parametrize("solo_period", [64, 256])
-def test_the_solo_phase_has_one_device_s_periods(be, wide, solo_period):  # noqa: F811
-    """``solo_period``: the periods one device trains alone have that many samples (``'auto'``:
-    :data:`ONE_DEVICE_PERIOD`, one device's, or the merge period where shorter). With one
-    device's period (64 here) the phase is bitwise a one-device run with that period under a
-    warm-up, whose rate ramps period by period, and ends within a period of ``solo_epochs``;
-    then the merge period (256) again. With the merges' 256 samples the rates differ, and the
-    model."""
-    from xmc_engine import config
-
-    assert AdaptiveConfig().resolved(100, "bce").solo_period == config.ONE_DEVICE_PERIOD
-    assert AdaptiveConfig(merge_period=64).resolved(100, "bce").solo_period == 64
-    assert AdaptiveConfig(solo_period=4096).resolved(100, "bce").solo_period == 4096
-    assert config.SingleConfig().merge_period == config.ONE_DEVICE_PERIOD
-    with pytest.raises(ConfigError, match="solo_period must be >= 1"):
-        AdaptiveConfig(solo_period=0)
-    with pytest.raises(ConfigError, match="solo_period must be a number of samples"):
-        AdaptiveConfig(solo_period="short")
-    X, Y = wide
-    n = X.shape[0]  # 400 rows: periods of 64 alone start at 0, 64, 128 and 192 (< 200)
-    common = dict(lr=0.1, batch_size=32, warmup_epochs=1, lr_decay=0, seed=3, **SIM)
-    with make_trainer([mlp(be, X, Y, optimizer="adagrad")], parse_devices("cpu"), "single", n,
-                      merge_period=64, **common) as tr:
-        tr.run_epoch(0, stop_after=256)
-        alone = [np.array(p) for p in tr.central_params()]
-    log = ListLog()
-    reps = [mlp(be, X, Y, optimizer="adagrad") for _ in range(2)]
-    with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", n,
-                      merge_period=256, solo_epochs=0.5, solo_period=solo_period, log=log,
-                      **common) as tr:
-        tr.run_epoch(0, stop_after=256)
-        same = all(np.array_equal(np.asarray(a), b)
-                   for a, b in zip(tr.central_params(), alone, strict=True))
-        tr.run_epoch(0)
-    assert same is (solo_period == 64)
-    merges = _merges(log)
-    k = sum("solo" in m for m in merges)
-    assert [m["devices"][0]["samples"] for m in merges[:k]] == [solo_period] * (256 // solo_period)
-    after = merges[k]["devices"]  # every device, the merge period (or the epoch's rest)
-    assert after[1]["samples"] > 0 and sum(d["samples"] for d in after) == min(256, n - 256)
-
-
 def test_without_solo_epochs_every_device_trains_from_the_first_period(be, wide):  # noqa: F811
     X, Y = wide
     log = ListLog()

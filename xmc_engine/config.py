@@ -315,12 +315,6 @@ AUTO_SOLO_EPOCHS = 0.5
 #: averaged replicas need fewer epochs than one device from the start) 2.2x the time to its
 #: target on two of three device sets and 0.003-0.005 of final P@1; not measured in between.
 AUTO_SOLO_MAX_ROWS = PLATEAU_MIN_ROWS
-#: Samples between one device's barriers (:class:`SingleConfig`'s ``merge_period``), and
-#: ``AdaptiveConfig.solo_period="auto"``'s ceiling: while one device trains alone, its
-#: periods are one device's, so the phase is that device's run barrier for barrier
-#: (evaluations and checkpoints at the same points, a warm-up's rate ramped at the same
-#: steps) and ends within a period of ``solo_epochs``.
-ONE_DEVICE_PERIOD = 1024
 #: The training losses with which ``"auto"`` gives the per-row / per-label weights (below
 #: :data:`AUTO_WEIGHTS_LABELS` labels); with the one-vs-all logistic loss it gives the paper's.
 #: Measured with the defaults of ``ec71655`` (``bench/RESULTS.md``, "The merge weights by the
@@ -514,7 +508,7 @@ class SingleConfig(AlgorithmConfig):
         fine-grained evaluation, large enough that a barrier costs nothing measurable.
     """
 
-    merge_period: int = ONE_DEVICE_PERIOD
+    merge_period: int = 1024
 
     def __post_init__(self):
         super().__post_init__()
@@ -649,15 +643,10 @@ class AdaptiveConfig(AlgorithmConfig):
         training rows, where the merge is the paper's weighted mean, which early in training
         loses most of the replicas' progress; 0 elsewhere. A run that goes on from the loss
         probe's fit (the default where the probe runs) starts where that fit, one device's
-        training of 0.7-0.9 epochs on such a set, stopped: the phase is then over.
-    solo_period : int or 'auto'
-        Samples of each period that one device trains alone (``solo_epochs``). ``'auto'``
-        (the default): one device's barriers, :data:`ONE_DEVICE_PERIOD` (1,024), or
-        ``merge_period`` where that is shorter: the solo phase is then a one-device run's
-        barrier for barrier (evaluated and checkpointed at the same points, a warm-up ramped
-        at the same steps) and ends within 1,024 samples of ``solo_epochs`` (in periods of
-        4,096 samples, the merge period of the paper's weights, it ran to 0.85 epochs on
-        rcv1sub1's 4,800 rows).
+        training of 0.7-0.9 epochs on such a set, stopped: the phase is then over. In the
+        phase the central model catches up with that device only where it is read (an
+        evaluation, a checkpoint) and at the phase's end, so its barriers cost what one
+        device's do; a solo device that fails loses the periods since the last catch-up.
     delta_stats : bool
         Instrumentation: each merge logs the size of every replica's change since the last
         merge on the ``W1`` rows it alone changed and on shared rows, and on ``W2``'s head and
@@ -684,7 +673,6 @@ class AdaptiveConfig(AlgorithmConfig):
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
     solo_epochs: float | str = "auto"
-    solo_period: int | str = "auto"
     delta_stats: bool = False
 
     def weights_from_epoch_for(self, n_labels: int) -> int:
@@ -738,8 +726,6 @@ class AdaptiveConfig(AlgorithmConfig):
             auto["b_max"] = self.b_max_for(batch_size)
         auto["merge_period"] = self.merge_period_for(auto.get("row_weights", self.row_weights),
                                                      tracks_rows)
-        if self.solo_period == "auto":
-            auto["solo_period"] = min(ONE_DEVICE_PERIOD, auto["merge_period"])
         return dataclasses.replace(self, **auto,
                                    weights_from_epoch=self.weights_from_epoch_for(n_labels))
 
@@ -754,8 +740,6 @@ class AdaptiveConfig(AlgorithmConfig):
         self._check_min(0, "sqrt_from_epoch")
         if not self._is_auto("solo_epochs", "a number of epochs >= 0"):
             self._check_min(0, "solo_epochs")
-        if not self._is_auto("solo_period", "a number of samples"):
-            self._check_min(1, "solo_period")
         self._check_choice("row_weights", ("auto", *ROW_WEIGHTS))
         self._check_choice("label_weights", ("auto", *LABEL_WEIGHTS))
         self._check_choice("optimizer_state", OPTIMIZER_STATES)

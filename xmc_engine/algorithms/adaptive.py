@@ -94,12 +94,10 @@ class AdaptiveSGD(Policy):
         self._solo_last: int | None = None  # the last device that trained a period alone
         self._behind: int | None = None  # the solo device the centre has not caught up with
         self._replicas = list(replicas)
-        self.solo_period = int(c.solo_period)  # one device's barriers while it trains alone
         if c.solo_epochs > 0 and self.n_devices > 1:
             logger.info("adaptive: the first device trains the periods that start before %g "
-                        "epochs alone, %d samples each, then every device from its model "
-                        "(solo_epochs; 0 trains every device from the start)", c.solo_epochs,
-                        c.solo_period)
+                        "epochs alone, then every device from its model (solo_epochs; 0 "
+                        "trains every device from the start)", c.solo_epochs)
         if c.momentum > 0:
             # z_{t-1} and z_{t-2} start at the initial model: the first merge has no momentum.
             self._z1 = self.central
@@ -120,8 +118,7 @@ class AdaptiveSGD(Policy):
         many epochs alone. At the first period after them every other replica becomes the
         central model and gets that device's Adagrad accumulators (:meth:`_end_solo`); a
         device that takes over the solo training (the one before it failed) starts from the
-        central model as the solo device's last model read (:meth:`central_params`), or the
-        phase's start."""
+        central model as it was last brought up to date (:meth:`_catch_up`)."""
         live = [i for i, a in enumerate(alive) if a]
         if progress < self.config.solo_epochs and len(live) > 1:
             self._solo = live[0]
@@ -155,8 +152,8 @@ class AdaptiveSGD(Policy):
         the central model catches up with it only where it is read (:meth:`central_params`:
         an evaluation, a checkpoint) and at the end of the phase (:meth:`_end_solo`), so the
         barrier costs what one device's does (copying the changed rows at each barrier cost
-        0.5-4 ms on the real sets, against 0.03 ms: ``bench/RESULTS.md``, "A longer solo phase,
-        and one device's periods in it"). A non-finite loss stops the run here, as on one
+        0.5-4 ms on the real sets, against 0.03 ms: ``bench/RESULTS.md``, "The solo phase
+        without a copy at each barrier"). A non-finite loss stops the run here, as on one
         device; one in the parameters alone at the catch-up or in the next period's loss. A
         solo device that fails takes the periods since the last catch-up with it: the next
         device starts from the central model as it then was (its own period's rows go back to

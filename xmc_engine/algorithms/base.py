@@ -61,9 +61,6 @@ class Policy:
         Whether its steps compute gradients without updating (the replicas' ``grad_batch`` /
         ``apply_grads``) instead of training in place (``train_batch``): the kernels
         :func:`xmc_engine.training.compile_kernels` compiles beforehand.
-    solo_period : int or None
-        Samples of a period that one device trains alone (:meth:`solo_device`); ``None``:
-        the merge period.
     """
 
     name = "base"
@@ -72,7 +69,6 @@ class Policy:
     supports_nodes = False
     max_steps_per_period: int | None = None
     steps_by_gradient = False
-    solo_period: int | None = None
 
     def __init__(self, config: AlgorithmConfig | dict | None = None, **overrides):
         expected = ALGORITHMS[self.name]
@@ -143,8 +139,7 @@ class Policy:
         (every live device trains; the default). Called by the trainer on the main thread
         before each period of a run on one node whose devices share one queue (not with
         ``assignment="fixed"``), with ``progress`` the epochs done at the period's start and
-        ``alive`` the devices still in the run; such a period has :attr:`solo_period`
-        samples."""
+        ``alive`` the devices still in the run."""
         return None
 
     def step(self, device: int, replica, rows: np.ndarray, lr: float) -> float:

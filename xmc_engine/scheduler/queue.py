@@ -198,20 +198,14 @@ class BatchQueue:
             self._taken -= n
         return n
 
-    def start_period(self, batch_sizes, period: int | None = None) -> PeriodAccount:
-        """Open the next merge period with per-device batch sizes ``b_i``; returns its account.
-
-        ``period``: this period's samples where they differ from ``merge_period`` (a period
-        one device trains alone, ``Policy.solo_period``); not with ``n_periods``."""
+    def start_period(self, batch_sizes) -> PeriodAccount:
+        """Open the next merge period with per-device batch sizes ``b_i``; returns its account."""
         b = [int(x) for x in batch_sizes]
         if len(b) != self.n_devices or min(b) < 1:
             raise ValueError(f"need {self.n_devices} batch sizes >= 1, got {b}")
         if self.epoch_done:
             raise RuntimeError("start_period() after the end of the epoch")
-        if period is not None and (period < 1 or self.n_periods is not None):
-            raise ValueError(f"a period of {period} samples: need >= 1, and not with a fixed "
-                             f"number of periods per epoch")
-        R, S, bmax = self.remaining, self.merge_period if period is None else int(period), max(b)
+        R, S, bmax = self.remaining, self.merge_period, max(b)
         self._last = R <= S + bmax
         budget = R if self._last else S
         if self.n_periods is not None:  # exactly n_periods per epoch (multi-node, DESIGN.md §6)
@@ -344,11 +338,8 @@ class FixedAssignmentQueue:
     def give_back(self, device_id: int) -> int:
         raise ValueError("the fixed-assignment queue cannot drop a device")
 
-    def start_period(self, batch_sizes, period: int | None = None):
-        """Open the next of the ``n_periods`` periods (their lengths are fixed: no
-        ``period``)."""
-        if period is not None:
-            raise ValueError("the fixed-assignment queue's periods have fixed lengths")
+    def start_period(self, batch_sizes):
+        """Open the next of the ``n_periods`` periods."""
         k = self.period + 1
         P = self.n_periods
         self._end = [(k + 1) * m // P for m in self.counts]

@@ -347,8 +347,7 @@ class Trainer:
             self._working = ([i == solo for i in range(n)] if solo is not None
                              else list(self.alive))
             q.set_active(self._working)
-            acct = q.start_period(self.policy.batch_sizes(),
-                                  None if solo is None else self.policy.solo_period)
+            acct = q.start_period(self.policy.batch_sizes())
             progress = epoch + (done_before + acct.budget) / self.n_samples
             lr_t = self.schedule(progress)
             lrs = [x * s for x, s in zip(self.policy.device_lrs(lr_t), self.lr_scale,
