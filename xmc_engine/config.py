@@ -308,6 +308,8 @@ AUTO_MERGE_PERIOD_PAPER_WEIGHTS = 4096
 #: on nine of twelve cells (a quarter epoch did less) and ended higher on eight; with every
 #: method in one run, one device's time was then 0.92x-1.22x of ``adaptive``'s on ten cells
 #: (before: 0.45x-0.89x on seven) and the final P@1 within 0.005 of the best on ten (seven).
+#: 0.75 and 1.0 epochs against 0.5 showed no direction (0.89x-1.17x the time, final P@1
+#: -0.007..+0.005: "A longer solo phase, and one device's periods in it").
 AUTO_SOLO_EPOCHS = 0.5
 #: ``AdaptiveConfig.solo_epochs="auto"`` gives :data:`AUTO_SOLO_EPOCHS` on data of fewer
 #: training rows than this (the plateau rule's threshold, :data:`PLATEAU_MIN_ROWS`). Measured:
