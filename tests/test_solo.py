@@ -46,11 +46,14 @@ def test_solo_epochs_auto_is_half_an_epoch_on_the_logistic_loss_of_a_small_set()
         AdaptiveConfig(solo_epochs="half")
 
 
-def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be, wide):  # noqa: F811
+@pytest.mark.parametrize("read", [True, False])
+def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be, wide,  # noqa: F811
+                                                                              read):
     """The periods that start before ``solo_epochs`` are trained by device 0 alone, whose
     model after them is exactly a one-device run's over the same rows; the first period after
-    them starts every replica from that model and its Adagrad accumulators, and from then on
-    every device trains and the step rule adapts the batches."""
+    them starts every replica from that model and its Adagrad accumulators (whether or not the
+    central model was read in between, which catches it up), and from then on every device
+    trains and the step rule adapts the batches."""
     X, Y = wide
     n = X.shape[0]  # 400 rows, periods of 128: periods 0 and 1 start before 0.5 epochs
     common = dict(lr=0.1, batch_size=32, warmup_epochs=0, lr_decay=0, merge_period=128, seed=3,
@@ -64,7 +67,7 @@ def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be
     with make_trainer(reps, parse_devices("cpu,cpu@0.5", cores=2), "adaptive", n,
                       solo_epochs=0.5, log=log, **common) as tr:
         tr.run_epoch(0, stop_after=256)
-        for a, b in zip(tr.central_params(), alone, strict=True):
+        for a, b in zip(tr.central_params() if read else reps[0].params(), alone, strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)
         acc0 = [np.array(a) for a in reps[0].accumulators()]
         assert not np.array_equal(acc0[0], np.array(reps[1].accumulators()[0]))
@@ -82,6 +85,8 @@ def test_the_solo_phase_is_one_device_s_run_then_every_replica_starts_from_it(be
                 np.testing.assert_array_equal(np.asarray(a), b)
         tr.policy.solo_device(reps, 256 / n, [True, True])  # the first period after the phase
         for a, b in zip(reps[1].params(), alone, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        for a, b in zip(tr.policy.central, alone, strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)
         for a, b in zip(reps[1].accumulators(), acc0, strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)
@@ -201,3 +206,23 @@ def test_a_solo_device_gone_non_finite_stops_the_run(step, logged):
         with pytest.raises(DivergenceError, match="device 0, training alone"):
             tr.run_epoch(0)
     assert len(_merges(log)) == logged
+
+
+def test_a_fit_that_ends_in_the_solo_phase_returns_the_solo_device_s_model():
+    """The central model catches up with the solo device at every read, the fitted model
+    included: a fit whose epochs lie inside the phase returns one device's model (the same
+    rows, batches and rates as ``single``), not the initial one the centre held."""
+    from tests.test_estimator import tiny_data
+    from xmc_engine import XMCClassifier
+
+    X, Y = tiny_data(n=600, n_features=300)
+    common = dict(epochs=1, loss="bce", batch_size=32, seed=0, eval_every=0)
+    one = XMCClassifier(devices="cpu", threads=1, algorithm="single",
+                        algorithm_params={"merge_period": 128}, **common).fit(X, Y)
+    alone = XMCClassifier(devices="cpu,cpu@0.5", algorithm="adaptive",
+                          algorithm_params={"merge_period": 128, "solo_epochs": 2.0},
+                          **common).fit(X, Y)
+    merges = [r for r in alone.history_ if r.get("event") == "merge"]
+    assert merges and all(m.get("solo") == 0 for m in merges)
+    for a, b in zip(alone.params_, one.params_, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
