@@ -315,7 +315,10 @@ AUTO_SOLO_EPOCHS = 0.5
 #: training rows than this (the plateau rule's threshold, :data:`PLATEAU_MIN_ROWS`). Measured:
 #: it helped on the four real sets of 4,800-27,235 rows and cost imdb (96,735 rows, where the
 #: averaged replicas need fewer epochs than one device from the start) 2.2x the time to its
-#: target on two of three device sets and 0.003-0.005 of final P@1; not measured in between.
+#: target on two of three device sets and 0.003-0.005 of final P@1. In between, the synthetic
+#: 10,000-label shape trained with the logistic loss gained from the phase at 30,000 and at
+#: 60,000 rows (final P@1 +0.008 to +0.028 on two device sets), so this limit is not where the
+#: phase stops helping; one shape and imdb (28 labels) do not place a better line.
 AUTO_SOLO_MAX_ROWS = PLATEAU_MIN_ROWS
 #: The training losses with which ``"auto"`` gives the per-row / per-label weights (below
 #: :data:`AUTO_WEIGHTS_LABELS` labels); with the one-vs-all logistic loss it gives the paper's.
