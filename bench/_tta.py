@@ -53,6 +53,7 @@ class Method:
     lr: float | None = None  # None: the script's --lr
     threads: int | None = None
     batch_size: int | None = None  # None: the script's --batch-size
+    lr_decay: float | None = None  # None: the script's --lr-decay
 
 
 def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd",
@@ -60,18 +61,19 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
     """Train once; returns a dict with the curve and totals. ``lr_decay`` and ``warmup_epochs``
     are the engine's schedule (``lr_warmup_epochs``; ``None``: each algorithm's own warm-up);
     ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier).
-    ``hidden``, ``optimizer``, ``lr_decay``, ``loss``, a batch size (``m.batch_size`` and
-    ``batch_size``) or a learning rate (``m.lr`` and ``lr``) that is ``None`` is left to the
-    engine's default. Every run starts from the initialisation (``continue_probe=False``):
-    the curves start level, each with its first evaluation; a run that went on from the loss
-    probe's fit (on one device) would start at that fit's samples, with no evaluation before
-    them."""
+    ``hidden``, ``optimizer``, ``loss``, a batch size (``m.batch_size`` and ``batch_size``), a
+    learning rate (``m.lr`` and ``lr``) or a decay (``m.lr_decay`` and ``lr_decay``) that is
+    ``None`` is left to the engine's default. Every run starts from the initialisation
+    (``continue_probe=False``): the curves start level, each with its first evaluation; a run
+    that went on from the loss probe's fit (on one device) would start at that fit's samples,
+    with no evaluation before them."""
     from xmc_engine import XMCClassifier
 
     Xtr, Ytr, Xte, Yte = data
     chosen = {"hidden": hidden, "optimizer": optimizer,
               "batch_size": m.batch_size if m.batch_size is not None else batch_size,
-              "lr": m.lr if m.lr is not None else lr, "lr_decay": lr_decay, "loss": loss}
+              "lr": m.lr if m.lr is not None else lr,
+              "lr_decay": m.lr_decay if m.lr_decay is not None else lr_decay, "loss": loss}
     clf = XMCClassifier(epochs=epochs, lr_warmup_epochs=warmup_epochs, devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
                         threads=m.threads, eval_every=eval_every, continue_probe=False,

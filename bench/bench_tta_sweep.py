@@ -67,10 +67,12 @@ def parse_config(text: str) -> dict:
 
 def _complete(cfg: dict) -> dict:
     """Fill a configuration's optional keys: ``lr`` (``None``: the engine's default),
-    ``batch_size`` (``None``: ``--batch-size``), ``params``, ``threads`` (``None``: the device
+    ``lr_decay`` (``None``: ``--lr-decay``), ``batch_size`` (``None``: ``--batch-size``),
+    ``params``, ``threads`` (``None``: the device
     set's share of the cores), ``setups`` (the device sets whose table lists it; default its
     own) and ``label``."""
     cfg.setdefault("lr", None)
+    cfg.setdefault("lr_decay", None)
     cfg.setdefault("batch_size", None)
     cfg.setdefault("params", {})
     cfg.setdefault("threads", None)
@@ -78,6 +80,7 @@ def _complete(cfg: dict) -> dict:
     cfg.setdefault("label", " ".join(
         [cfg["algorithm"], cfg["devices"]]
         + ([f"lr {cfg['lr']}"] if cfg["lr"] is not None else [])
+        + ([f"decay {cfg['lr_decay']}"] if cfg["lr_decay"] is not None else [])
         + ([f"B {cfg['batch_size']}"] if cfg["batch_size"] is not None else [])
         + ([f"threads {cfg['threads']}"] if cfg["threads"] is not None else [])
         + [f"{k}={v}" for k, v in cfg["params"].items()]))
@@ -207,7 +210,8 @@ def main(argv=None) -> int:
     data = subset_test(_tta.load_data(args.data), args.test_rows)
     out = Path(args.out or _common.RESULTS_DIR / "tta_sweep" / f"{_tta.data_tag(args.data)}.json")
     methods = [_tta.Method(cfg["label"], cfg["algorithm"], cfg["devices"], dict(cfg["params"]),
-                           lr=cfg["lr"], threads=cfg["threads"], batch_size=cfg["batch_size"])
+                           lr=cfg["lr"], threads=cfg["threads"], batch_size=cfg["batch_size"],
+                           lr_decay=cfg["lr_decay"])
                for cfg in configs]
     runs: list[list[dict]] = [[] for _ in methods]
     # Seeds outside, configurations inside: a drift of the machine's speed during the sweep

@@ -131,13 +131,16 @@ def test_run_method_takes_the_methods_batch_and_rate_over_the_scripts(monkeypatc
 
     monkeypatch.setattr(xmc_engine, "XMCClassifier", Fake)
     common = {"epochs": 1, "hidden": None, "seed": 0}
-    run_method(Method("a", "adaptive", "cpu,cpu", batch_size=32, lr=0.1), (None,) * 4,
-               lr=0.2, batch_size=64, **common)
-    run_method(Method("b", "adaptive", "cpu,cpu"), (None,) * 4, lr=0.2, batch_size=64, **common)
+    run_method(Method("a", "adaptive", "cpu,cpu", batch_size=32, lr=0.1, lr_decay=0.25),
+               (None,) * 4, lr=0.2, batch_size=64, lr_decay=0.5, **common)
+    run_method(Method("b", "adaptive", "cpu,cpu"), (None,) * 4, lr=0.2, batch_size=64,
+               lr_decay=0.5, **common)
     run_method(Method("c", "adaptive", "cpu,cpu"), (None,) * 4, lr=None, batch_size=None,
-               **common)
-    assert [(kw.get("batch_size"), kw.get("lr")) for kw in seen] == [(32, 0.1), (64, 0.2),
-                                                                      (None, None)]
+               lr_decay=None, **common)
+    assert [(kw.get("batch_size"), kw.get("lr"), kw.get("lr_decay")) for kw in seen] == [
+        (32, 0.1, 0.25), (64, 0.2, 0.5), (None, None, None)]
+    cfg = parse_config('{"algorithm": "adaptive", "devices": "cpu,cpu", "lr_decay": 0.25}')
+    assert cfg["lr_decay"] == 0.25 and cfg["label"] == "adaptive cpu,cpu decay 0.25"
 
 
 def test_standard_configs_share_one_single_run_per_device_and_thread_share(monkeypatch):
