@@ -58,6 +58,10 @@ def _mlp_replicas(X, Y, n):
 
 @pytest.mark.parametrize("algorithm,options", [
     ("adaptive", {"merge_period": 96, "rule": "step", "delta_b": 8, "b_min": 8}),
+    # stopped inside the solo phase (1.48 of its 1.5 epochs), whose central model is caught up
+    # by the checkpoint's read, and resumed there
+    ("adaptive", {"merge_period": 96, "rule": "step", "delta_b": 8, "b_min": 8,
+                  "solo_epochs": 1.5}),
     ("average", {"merge_period": 96}),
     ("sync", {}),
     ("single", {"merge_period": 96}),
@@ -83,6 +87,8 @@ def test_resume_mid_epoch_equals_the_uninterrupted_run(algorithm, options):
     part = first.run_epoch(1, stop_after=200)
     assert not part["done"] and 200 <= part["samples"] < X.shape[0]
     assert first.can_checkpoint()
+    if options.get("solo_epochs"):  # stopped inside the solo phase
+        assert first.policy.state_dict()["solo_last"] == 0
     params = host_params(first)
     extra = json.loads(json.dumps({k: v.tolist() for k, v in checkpoint_extra(first).items()}))
     extra = {k: np.asarray(v, dtype=np.uint8 if k == "trainer_state" else np.float32)
