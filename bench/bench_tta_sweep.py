@@ -68,9 +68,8 @@ def parse_config(text: str) -> dict:
 def _complete(cfg: dict) -> dict:
     """Fill a configuration's optional keys: ``lr`` (``None``: the engine's default),
     ``lr_decay`` (``None``: ``--lr-decay``), ``batch_size`` (``None``: ``--batch-size``),
-    ``params``, ``threads`` (``None``: the device
-    set's share of the cores), ``setups`` (the device sets whose table lists it; default its
-    own) and ``label``."""
+    ``params``, ``threads`` (``None``: the device set's share of the cores), ``setups`` (the
+    device sets whose table lists it; default its own) and ``label``."""
     cfg.setdefault("lr", None)
     cfg.setdefault("lr_decay", None)
     cfg.setdefault("batch_size", None)

@@ -212,7 +212,7 @@ class Trainer:
         # a period may go to one device alone (Policy.solo_device) only where the devices
         # draw from one shared queue on one node: with fixed shards the others' rows would wait
         self._solo_allowed = assignment == "shared" and (comm is None or comm.size == 1)
-        if assignment != "shared" or (comm is not None and comm.size > 1):
+        if not self._solo_allowed:  # per-node queues: fixed shards or several nodes
             from xmc_engine.distributed import LocalComm, node_queue
 
             self.queue, period, self.n_global = node_queue(
