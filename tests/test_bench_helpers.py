@@ -780,9 +780,37 @@ def test_merges_in_runs_time_the_solo_periods_beside_one_device_s_barriers(monke
     X, Y = tiny_data(n=600, n_features=300)
     monkeypatch.setattr(_common, "load_dataset", lambda name: (X, Y, X, Y))
     monkeypatch.setattr(_common, "warm_engine", lambda *a, **k: None)
-    (row,) = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu@0.5", 1.0, 1, "bce")
+    (row,) = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu@0.5", 2.0, 1, "bce")
     assert row["loss"] == "bce" and row["solo_merges"] >= 1
     assert row["median_solo_merge_ms"] > 0 and row["median_single_barrier_ms"] >= 0
-    assert len(capsys.readouterr().out.splitlines()[-1].split()) == 8
+    assert row["median_other_merge_ms"] > 0  # the merges of every device after the phase
+    assert len(capsys.readouterr().out.splitlines()[-1].split()) == 10
     (row,) = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu@0.5", 1.0, 1, "softmax")
     assert row["solo_merges"] == 0 and row["median_single_barrier_ms"] is None
+
+
+def test_merges_in_runs_with_each_shard_threshold_in_turn(monkeypatch):
+    """``--shard-min-values``: one run per seed and value, each row naming the value it ran
+    with, the engine's own value back in place afterwards."""
+    import bench_merge_cpu
+
+    from tests.test_estimator import tiny_data
+    from xmc_engine.scheduler import merge
+
+    X, Y = tiny_data(n=300, n_features=300)
+    monkeypatch.setattr(_common, "load_dataset", lambda name: (X, Y, X, Y))
+    monkeypatch.setattr(_common, "warm_engine", lambda *a, **k: None)
+    seen = []
+    real = merge.merge_changed_rows
+
+    def spy(*args, **kwargs):
+        seen.append(merge.SHARD_MIN_VALUES)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("xmc_engine.algorithms.base.merge_changed_rows", spy)
+    engine = merge.SHARD_MIN_VALUES
+    rows = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu", 1.0, 2, "softmax",
+                                   shard_min_values=(0, 1 << 62))
+    assert [(r["seed"], r["shard_min_values"]) for r in rows] == [(0, 0), (0, 1 << 62),
+                                                                   (1, 0), (1, 1 << 62)]
+    assert set(seen) == {0, 1 << 62} and merge.SHARD_MIN_VALUES == engine

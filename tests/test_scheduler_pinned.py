@@ -212,6 +212,41 @@ def test_run_on_devices_returns_each_live_devices_result(mode):
             assert all(name.startswith(f"xmc-device-{i}-") for i, name in call)
 
 
+class _ShardingAverage(ModelAveraging):
+    """Model averaging that also splits ``n_items`` over the devices at each merge
+    (:attr:`MergeContext.run_shards`) and keeps what each part saw."""
+
+    n_items = 0
+
+    def merge(self, replicas, updates, ctx):
+        self.calls.append(ctx.run_shards(
+            self.n_items, lambda a, b: (a, b, threading.current_thread().name)))
+        return super().merge(replicas, updates, ctx)
+
+
+@pytest.mark.parametrize("mode", ["threads", "simulated"])
+@pytest.mark.parametrize("spec, n_items, parts, on", [
+    ("cpu,cpu@0.5", 90, [(0, 60), (60, 90)], [0, 1]),
+    ("cpu,cpu@0.5,cpu@0.25", 7, [(0, 4), (4, 6), (6, 7)], [0, 1, 2]),
+    ("cpu,cpu", 1, [(0, 1)], [1]),  # device 0's part is empty (rounded): not run
+])
+def test_run_shards_splits_by_speed_over_the_device_workers(mode, spec, n_items, parts, on):
+    """``MergeContext.run_shards(n, fn)`` runs ``fn(start, stop)`` over contiguous parts of
+    ``range(n)``, one per live device in proportion to its speed factor (in that device's
+    worker thread in the threaded mode), and returns the results in device order."""
+    pol = _ShardingAverage(merge_period=16)
+    pol.calls, pol.n_items = [], n_items
+    devices = parse_devices(spec, cores=len(spec.split(",")))
+    reps = [FakeReplica(32, sleep=False, seed=0) for _ in devices]
+    with make_trainer(reps, devices, pol, 32, batch_size=4, mode=mode, timeout=30) as tr:
+        tr.run_epoch(0)
+    assert len(pol.calls) == 2
+    for call in pol.calls:
+        assert [(a, b) for a, b, _ in call] == parts
+        if mode == "threads":
+            assert [name.split("-")[2] for *_, name in call] == [str(i) for i in on]
+
+
 def test_threaded_busy_time_is_the_devices_step_time():
     """Threaded mode: ``busy_s`` of a device is the time its steps took (each fake step sleeps
     at least its latency), stretched by ``1 / s`` on a device of speed factor ``s`` (the

@@ -350,6 +350,55 @@ def test_per_row_weights_renormalize_over_the_replicas_that_changed_a_row(be, wi
         np.testing.assert_allclose(c, d, rtol=1e-6, atol=1e-7)
 
 
+def _in_parts(k, calls):
+    """A ``run_shards`` that splits ``range(n)`` into ``k`` contiguous parts and runs them one
+    after the other, recording each ``(start, stop)`` in ``calls``."""
+    def run(n, fn):
+        bounds = np.linspace(0, n, k + 1).round().astype(int)
+        calls.extend(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+        return [fn(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if a < b]
+    return run
+
+
+@pytest.mark.parametrize("weights", ["paper", "per_row", "row_sum"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_merge_in_parts_gives_the_merge_in_one_pass(be, wide, n, weights, monkeypatch):
+    """``run_shards``: the changed rows merged in parts (each part by one device worker in a
+    run) give the model of one pass bit for bit, and the same change of the norm up to the
+    order of its sums; below :data:`SHARD_MIN_VALUES` the rows are merged in one pass."""
+    import xmc_engine.scheduler.merge as merge
+
+    opts = {"paper": {}, "per_row": {"per_row": True},
+            "row_sum": {"per_row": True, "row_sum": True, "row_sum_power": 0.5}}[weights]
+    merged = []  # the rows of each merge_rows call: every changed row once, in one part
+
+    def merge_rows(arrays, weights, rows, *args, **kwargs):
+        merged.append(np.array(rows))
+        return type(be).merge_rows(arrays, weights, rows, *args, **kwargs)
+
+    monkeypatch.setattr(be, "merge_rows", merge_rows)
+    out = {}
+    for k in (1, 3):
+        monkeypatch.setattr(merge, "SHARD_MIN_VALUES", 0 if k > 1 else 1 << 62)
+        reps, central, *_, p = _after_a_period(be, wide, n)
+        calls, stats = [], {}
+        merged.clear()
+        delta = merge_changed_rows(reps, p, central, be, run_shards=_in_parts(3, calls),
+                                   stats=stats, **opts)
+        assert delta is not None
+        rows = np.concatenate(merged)
+        assert rows.size == np.unique(rows).size == stats["rows_touched"]
+        out[k] = (central, [r.params() for r in reps], delta, calls)
+    (one, one_reps, d1, calls1), (parts, part_reps, d3, calls3) = out[1], out[3]
+    assert calls1 == [] and len(calls3) == 3 and calls3[-1][1] > 100  # 3 parts of the rows
+    for a, b in zip(one, parts, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for ra, rb in zip(one_reps, part_reps, strict=True):
+        for a, b in zip(ra, rb, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert d3 == pytest.approx(d1, rel=1e-9)
+
+
 @pytest.mark.parametrize("power", [0.0, 0.5])
 @pytest.mark.parametrize("n", [2, 3])
 def test_row_sum_adds_the_changes_of_the_replicas_that_changed_a_row(be, wide, n, power):

@@ -222,7 +222,8 @@ class Policy:
             return None
         return merge_changed_rows(replicas, p, self.central, self.backend, per_row=per_row,
                                   row_sum=row_sum, row_sum_power=row_sum_power,
-                                  per_label=per_label, stats=stats, norm=norm)
+                                  per_label=per_label, stats=stats, norm=norm,
+                                  run_shards=ctx.run_shards)
 
     @staticmethod
     def broadcast(replicas: Sequence, params: Sequence) -> None:

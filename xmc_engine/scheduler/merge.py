@@ -29,6 +29,7 @@ __all__ = [
     "elastic_update",
     "find_nonfinite",
     "l2_norm",
+    "SHARD_MIN_VALUES",
     "merge_changed_rows",
     "merge_weights",
     "reduce_gradients",
@@ -38,6 +39,17 @@ __all__ = [
 
 #: Rules for the L2-norm trend flag of adaptive normalization (see :class:`NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
+#: :func:`merge_changed_rows` splits the changed ``W1`` rows over the device workers (its
+#: ``run_shards``) from this many values (rows x hidden units, 1 MiB of float32) on. The
+#: workers wait idle at the barrier, each on its own core and thread budget, so the split
+#: costs no OpenMP helper spinning on a core as two numba threads on the main thread do
+#: (``runner.MERGE_ONE_THREAD_MAX_S``). Two workers merged debian_debtags' and
+#: debian_builddeps' changed rows (about 17,000 x 128 values a period) in about 20 % less
+#: time per merge on ``cpu,cpu``, delicious' 500 x 128 in no less (``bench/bench_merge_cpu.py
+#: --in-runs ... --shard-min-values``, ``bench/RESULTS.md``, "The merge's rows split over
+#: the device workers"); the line between is placed where handing out the parts (about
+#: 0.1 ms) is paid back at a merge rate of about 1 ns a value.
+SHARD_MIN_VALUES = 1 << 18
 
 
 def merge_weights(updates: Sequence[float]) -> np.ndarray:
@@ -237,7 +249,8 @@ def _touch_counts(replicas: Sequence) -> tuple[np.ndarray, np.ndarray] | None:
 def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence,
                        backend, *, per_row: bool = False, row_sum: bool = False,
                        row_sum_power: float = 0.0, per_label: bool = False,
-                       stats: dict | None = None, norm: bool = True) -> float | None:
+                       stats: dict | None = None, norm: bool = True,
+                       run_shards=None) -> float | None:
     """The row-sparse merge: ``central = sum_i p_i w_i`` and its broadcast, reading and writing
     only the ``W1`` rows some replica changed in the period and, where the replicas record them
     (the sampled output layer, ``changed_columns()``), only the ``W2`` columns and ``b2``
@@ -296,6 +309,14 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         Compute the change of ``sum(central[0]**2)`` (the return value); ``False`` (a caller
         without the L2-norm trend) spares the merge a pass over the old rows and returns
         ``0.0`` in its place.
+    run_shards : callable ``(n, fn) -> list``, optional
+        Runs ``fn(start, stop)`` over contiguous parts of ``range(n)``, in parallel, and
+        returns the results (:attr:`xmc_engine.scheduler.runner.MergeContext.run_shards`: one
+        part per device worker, which wait idle at the barrier). Where given and the changed
+        rows of ``W1`` hold at least :data:`SHARD_MIN_VALUES` values, they are merged in
+        such parts, each part's rows by one worker (the parts are disjoint, so are their
+        writes); the merged model is the same, row for row. ``None``: one pass on the
+        calling thread.
 
     Returns
     -------
@@ -328,11 +349,19 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         stats["rows_touched"] = int(rows.size)
         stats["rows_single"] = int(np.count_nonzero(n_touch == 1))
     W1s = [ps[0] for ps in params]
-    if per_row and len(replicas) > 1:
+    per_row = per_row and len(replicas) > 1
+    # which replicas changed each touched row, as a bit pattern: one group per pattern
+    code = ((touched[:, rows].astype(np.int64) << np.arange(len(w))[:, None]).sum(axis=0)
+            if per_row else None)
+
+    def merge_w1(start: int, stop: int) -> tuple[bool, float]:
+        """Merge (and write back) the changed rows ``rows[start:stop]`` of ``W1``."""
+        part = rows[start:stop]
+        if not per_row:
+            return backend.merge_rows(W1s, w, part, central[0], broadcast=True, norm=norm)
         finite, delta = True, 0.0
-        # which replicas changed each touched row, as a bit pattern: one group per pattern
-        code = (touched[:, rows].astype(np.int64) << np.arange(len(w))[:, None]).sum(axis=0)
-        for pattern in np.unique(code):
+        codes = code[start:stop]
+        for pattern in np.unique(codes):
             sel = np.array([(pattern >> i) & 1 for i in range(len(w))], dtype=bool)
             k = int(sel.sum())
             if row_sum and k > 1:
@@ -345,14 +374,18 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
             else:
                 arrays, q = W1s, np.where(sel, w, 0.0)
                 q = q / q.sum()
-            ok, d = backend.merge_rows(arrays, q, rows[code == pattern], central[0],
+            ok, d = backend.merge_rows(arrays, q, part[codes == pattern], central[0],
                                        broadcast=True, norm=norm)
             finite, delta = finite and ok, delta + d
+        return finite, delta
+
+    if run_shards is not None and rows.size * central[0].shape[1] >= SHARD_MIN_VALUES:
+        parts = run_shards(int(rows.size), merge_w1)
     else:
-        finite, delta = backend.merge_rows(W1s, w, rows, central[0], broadcast=True,
-                                           norm=norm)
-    if not finite:
+        parts = [merge_w1(0, int(rows.size))]
+    if not all(ok for ok, _ in parts):
         return None
+    delta = sum(d for _, d in parts)
     seen = [r.seen_labels() if hasattr(r, "seen_labels") else None for r in replicas]
     per_label = per_label and len(replicas) > 1 and all(m is not None for m in seen)
     # The sampled output layer: only the W2 columns (b2 entries) some replica changed.

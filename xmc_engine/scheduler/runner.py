@@ -85,6 +85,13 @@ class MergeContext:
     run_on_devices : callable ``(fn) -> list``
         Runs ``fn(i)`` for every live device ``i`` in that device's worker (in parallel in the
         threaded mode, in order on the main thread in the simulated one); returns the results.
+    run_shards : callable ``(n, fn) -> list``
+        Splits ``range(n)`` into contiguous parts, one per live device in proportion to its
+        speed factor, and runs ``fn(start, stop)`` for each non-empty part in that device's
+        worker, as ``run_on_devices`` does; returns the results in device order. The
+        row-sparse merge hands it the changed rows of ``W1``
+        (:func:`~xmc_engine.scheduler.merge.merge_changed_rows`). Default: ``fn(0, n)`` on
+        the calling thread.
     epoch, period : int
         Where the run is (for messages and logs).
     """
@@ -95,6 +102,8 @@ class MergeContext:
     samples: list | None = None
     comm: Any = None
     run_on_devices: Callable[[Callable[[int], Any]], list] = lambda fn: []
+    run_shards: Callable[[int, Callable[[int, int], Any]], list] = (
+        lambda n, fn: [fn(0, n)])
     epoch: int = 0
     period: int = 0
 
@@ -366,7 +375,8 @@ class Trainer:
             ctx = MergeContext(excluded={i for i in range(n) if not self.alive[i]},
                                nonfinite=nonfinite, lrs=lrs, samples=list(acct.samples),
                                comm=self.comm,
-                               run_on_devices=self._run_on_devices, epoch=epoch,
+                               run_on_devices=self._run_on_devices,
+                               run_shards=self._run_shards, epoch=epoch,
                                period=acct.period)
             with self._merge_budget():
                 info = self.policy.merge(self.replicas, acct.updates, ctx)
@@ -489,6 +499,32 @@ class Trainer:
             waiting.discard(i)
             out[i] = res
         return [out[i] for i in live]
+
+    def _run_shards(self, n: int, fn: Callable[[int, int], Any]) -> list:
+        """``fn(start, stop)`` over parts of ``range(n)`` on the live devices' workers, a part's
+        size in proportion to its device's speed factor (:attr:`MergeContext.run_shards`). In
+        threaded mode an emulated slow device idles after its part as after a step, ``(1/s -
+        1)`` times its wall time, so that the parts take about equally long."""
+        live = [i for i in range(self.n_devices) if self.alive[i]]
+        speeds = [self.devices[i].speed for i in live]
+        total, acc, bounds = sum(speeds), 0.0, {}
+        for i, s in zip(live, speeds, strict=True):
+            start = round(n * acc / total)
+            acc += s
+            bounds[i] = (start, round(n * acc / total))
+
+        def part(i: int):
+            start, stop = bounds[i]
+            if start == stop:
+                return None
+            t0 = time.perf_counter()
+            out = fn(start, stop)
+            speed = self.devices[i].speed
+            if speed < 1.0 and self.mode == "threads":
+                time.sleep((time.perf_counter() - t0) * (1.0 / speed - 1.0))
+            return (out,)
+
+        return [r[0] for r in self._run_on_devices(part) if r is not None]
 
     # simulated mode ---------------------------------------------------------------------------
     def _budget(self, i: int):
