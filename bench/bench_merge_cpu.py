@@ -28,9 +28,14 @@ there and here in turn, it is the before / after of a change to the merge::
     python bench/bench_merge_cpu.py --in-runs debian_debtags debian_builddeps delicious \
         --loss bce --out bench/results/merge_in_runs.json
 
-``--shard-min-values N [N ...]`` runs each seed once per value, in turn, with the merge
-splitting the changed rows of ``W1`` over the device workers from ``N`` values on (a huge ``N``:
-never): where that split pays.
+``--shard-alternate`` alternates the merges of each run between splitting the changed rows of
+``W1`` over the device workers (the engine's way from ``SHARD_MIN_VALUES`` values on) and one
+pass on the main thread, and prints the median of each: the two under the same conditions,
+which separate runs on this shared machine are not (their merges moved by 2x from run to run)::
+
+    python bench/bench_merge_cpu.py --in-runs debian_debtags debian_builddeps rcv1sub1 \
+        --devices cpu,cpu --loss bce --epochs 3 --rounds 3 --shard-alternate \
+        --out bench/results/merge_shards/alternate_cpu_cpu.json
 
 Default shape: two replicas of the debian_debtags model at hidden 256 (29,261 features, 590
 labels: a 30 MB ``W1``). Usage::
@@ -74,35 +79,50 @@ def _median_ms(seconds) -> float | None:
 
 
 def in_runs(names, devices: str, epochs: float, rounds: int, loss: str,
-            shard_min_values=(None,)) -> list[dict]:
+            alternate: bool = False) -> list[dict]:
     """Per dataset, ``rounds`` runs of ``adaptive`` with the defaults but ``loss`` on
     ``devices``: the median merge (ms), the merges' share of the training seconds, and the
     training seconds. Where the first device trained periods alone (``solo_epochs``), also
     the median of those periods' merges and of the others (every device's), and of one
     device's barriers (``single`` on the same rows with ``adaptive``'s merge period, the same
-    seed): what a solo period costs beyond one device's. Each value of ``shard_min_values``
-    (``None``: the engine's :data:`~xmc_engine.scheduler.merge.SHARD_MIN_VALUES`) is one run
-    per seed, in turn: from how many values the merge splits ``W1``'s rows over the
-    devices' workers."""
+    seed): what a solo period costs beyond one device's. With ``alternate`` the merges of
+    every device (after the solo phase) alternate, within each run, between the engine's
+    split of ``W1``'s changed rows over the device workers (from
+    :data:`~xmc_engine.scheduler.merge.SHARD_MIN_VALUES` values on) and one pass on the main
+    thread (the seed's parity picks which comes first); the row then gives each one's
+    merges: the two measured under the same conditions, merge by merge."""
     from xmc_engine import XMCClassifier
+    from xmc_engine.algorithms import base
     from xmc_engine.scheduler import merge
 
-    engine_min = merge.SHARD_MIN_VALUES
+    engine_min, real = merge.SHARD_MIN_VALUES, base.merge_changed_rows
+    turn = [0]
+
+    def alternating(*args, **kwargs):  # even calls split (the engine's line), odd ones do not
+        merge.SHARD_MIN_VALUES = engine_min if turn[0] % 2 == 0 else 1 << 62
+        turn[0] += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            merge.SHARD_MIN_VALUES = engine_min
+
     out = []
-    print(f"{'data':<18} {'loss':<8} {'shard from':>10} {'merge ms (median)':>17} {'merges':>7} "
+    print(f"{'data':<18} {'loss':<8} {'merge ms (median)':>17} {'merges':>7} "
           f"{'share':>6} {'train s':>8} {'solo merge ms':>13} {'others ms':>9} "
           f"{'one device ms':>13}")
     for name in names:
         X, Y = _common.load_dataset(name)[:2]
         _common.warm_engine(X, Y, devices=devices, algorithm="adaptive",
                             loss="softmax" if loss == "auto" else loss)
-        for seed, smv in ((s, v) for s in range(rounds) for v in shard_min_values):
-            merge.SHARD_MIN_VALUES = engine_min if smv is None else smv
+        for seed in range(rounds):
+            turn[0] = seed % 2
+            if alternate:
+                base.merge_changed_rows = alternating
             try:
                 clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, devices=devices,
                                     algorithm="adaptive", loss=loss).fit(X, Y)
             finally:
-                merge.SHARD_MIN_VALUES = engine_min
+                base.merge_changed_rows = real
             records = [r for r in clf.history_ if r.get("event") == "merge"]
             merges = [r["merge_s"] for r in records]
             solo = [r["merge_s"] for r in records if r.get("solo") is not None]
@@ -119,20 +139,32 @@ def in_runs(names, devices: str, epochs: float, rounds: int, loss: str,
                 single_ms = _median_ms([r["merge_s"] for r in one.history_
                                         if r.get("event") == "merge"])
             row = {"dataset": name, "seed": seed, "loss": clf.loss_,
-                   "shard_min_values": engine_min if smv is None else smv,
+                   "shard_min_values": engine_min,
                    "merge_ms": [1e3 * m for m in merges],
                    "median_merge_ms": _median_ms(merges),
                    "median_solo_merge_ms": _median_ms(solo), "solo_merges": len(solo),
                    "median_other_merge_ms": _median_ms(others),
                    "median_single_barrier_ms": single_ms,
                    "merge_share": sum(merges) / train, "train_s": train}
+            if alternate:  # the merge after the phase that ran first split its rows
+                first = seed % 2
+                row["split_merge_ms"] = [1e3 * m for j, m in enumerate(others)
+                                         if (first + j) % 2 == 0]
+                row["one_pass_merge_ms"] = [1e3 * m for j, m in enumerate(others)
+                                            if (first + j) % 2 == 1]
             out.append(row)
             extra = (f" {row['median_solo_merge_ms']:>13.2f} "
                      f"{row['median_other_merge_ms'] or float('nan'):>9.2f} {single_ms:>13.2f}"
                      if solo else "")
-            print(f"{name:<18} {clf.loss_:<8} {row['shard_min_values']:>10} "
+            print(f"{name:<18} {clf.loss_:<8} "
                   f"{row['median_merge_ms']:>17.2f} {len(merges):>7} "
                   f"{row['merge_share']:>6.1%} {train:>8.3f}{extra}", flush=True)
+        if alternate:
+            split = [m for r in out if r["dataset"] == name for m in r["split_merge_ms"]]
+            one = [m for r in out if r["dataset"] == name for m in r["one_pass_merge_ms"]]
+            print(f"{name}: W1's rows split over the workers: median {np.median(split):.2f} ms "
+                  f"({len(split)} merges); in one pass: {np.median(one):.2f} ms ({len(one)}); "
+                  f"ratio {np.median(split) / np.median(one):.2f}", flush=True)
     return out
 
 
@@ -155,16 +187,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="with --in-runs: runs per dataset")
     p.add_argument("--loss", choices=("softmax", "bce", "auto"), default="softmax",
                    help="with --in-runs: the training loss")
-    p.add_argument("--shard-min-values", type=int, nargs="+", default=None, metavar="N",
-                   help="with --in-runs: one run per seed and value, with the merge splitting "
-                        "W1's changed rows over the devices' workers from N values (rows x "
-                        "hidden) on (default: the engine's SHARD_MIN_VALUES only)")
+    p.add_argument("--shard-alternate", action="store_true",
+                   help="with --in-runs: alternate each run's merges between splitting W1's "
+                        "changed rows over the device workers (the engine's) and one pass")
     p.add_argument("--out", default=str(_common.RESULTS_DIR / "merge_cpu.json"))
     args = p.parse_args(argv)
     meta = _common.result_metadata()
     if args.in_runs:
         rows = in_runs(args.in_runs, args.devices, args.epochs, args.rounds, args.loss,
-                       args.shard_min_values or (None,))
+                       args.shard_alternate)
         path = _common.write_result(args.out, {**meta, "benchmark": "merge_in_runs",
                                                "args": vars(args), "rows": rows})
         print(f"wrote {path}")

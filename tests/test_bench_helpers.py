@@ -784,20 +784,23 @@ def test_merges_in_runs_time_the_solo_periods_beside_one_device_s_barriers(monke
     assert row["loss"] == "bce" and row["solo_merges"] >= 1
     assert row["median_solo_merge_ms"] > 0 and row["median_single_barrier_ms"] >= 0
     assert row["median_other_merge_ms"] > 0  # the merges of every device after the phase
-    assert len(capsys.readouterr().out.splitlines()[-1].split()) == 10
+    assert len(capsys.readouterr().out.splitlines()[-1].split()) == 9
     (row,) = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu@0.5", 1.0, 1, "softmax")
     assert row["solo_merges"] == 0 and row["median_single_barrier_ms"] is None
 
 
-def test_merges_in_runs_with_each_shard_threshold_in_turn(monkeypatch):
-    """``--shard-min-values``: one run per seed and value, each row naming the value it ran
-    with, the engine's own value back in place afterwards."""
+def test_merges_in_runs_alternate_the_split_of_w1_s_rows(monkeypatch):
+    """``--shard-alternate``: within each run the merges alternate between the engine's split
+    of the changed rows (from ``SHARD_MIN_VALUES`` values on) and one pass, the seed's parity
+    choosing the first; the row lists each one's merges, and the engine's value and merge
+    function are back in place afterwards."""
     import bench_merge_cpu
 
     from tests.test_estimator import tiny_data
+    from xmc_engine.algorithms import base
     from xmc_engine.scheduler import merge
 
-    X, Y = tiny_data(n=300, n_features=300)
+    X, Y = tiny_data(n=2000, n_features=300)  # two merge periods of 1,024 rows an epoch
     monkeypatch.setattr(_common, "load_dataset", lambda name: (X, Y, X, Y))
     monkeypatch.setattr(_common, "warm_engine", lambda *a, **k: None)
     seen = []
@@ -807,10 +810,15 @@ def test_merges_in_runs_with_each_shard_threshold_in_turn(monkeypatch):
         seen.append(merge.SHARD_MIN_VALUES)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("xmc_engine.algorithms.base.merge_changed_rows", spy)
+    monkeypatch.setattr(base, "merge_changed_rows", spy)
     engine = merge.SHARD_MIN_VALUES
-    rows = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu", 1.0, 2, "softmax",
-                                   shard_min_values=(0, 1 << 62))
-    assert [(r["seed"], r["shard_min_values"]) for r in rows] == [(0, 0), (0, 1 << 62),
-                                                                   (1, 0), (1, 1 << 62)]
-    assert set(seen) == {0, 1 << 62} and merge.SHARD_MIN_VALUES == engine
+    rows = bench_merge_cpu.in_runs(["tiny"], "cpu,cpu", 3.0, 2, "softmax", alternate=True)
+    per_run = len(seen) // 2
+    assert per_run >= 4 and len(seen) == 2 * per_run
+    assert seen[:per_run:2] == [engine] * len(seen[:per_run:2])  # seed 0: split first
+    assert seen[1:per_run:2] == [1 << 62] * len(seen[1:per_run:2])
+    assert seen[per_run] == 1 << 62  # seed 1: one pass first
+    for r in rows:
+        assert len(r["split_merge_ms"]) + len(r["one_pass_merge_ms"]) == len(r["merge_ms"])
+        assert abs(len(r["split_merge_ms"]) - len(r["one_pass_merge_ms"])) <= 1
+    assert merge.SHARD_MIN_VALUES == engine and base.merge_changed_rows is spy
