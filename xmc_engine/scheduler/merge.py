@@ -42,13 +42,14 @@ FLAG_RULES = ("norm_rise", "always", "never")
 #: :func:`merge_changed_rows` splits the changed ``W1`` rows over the device workers (its
 #: ``run_shards``) from this many values (rows x hidden units, 1 MiB of float32) on. The
 #: workers wait idle at the barrier, each on its own core and thread budget, so the split
-#: costs no OpenMP helper spinning on a core as two numba threads on the main thread do
-#: (``runner.MERGE_ONE_THREAD_MAX_S``). Two workers merged debian_debtags' and
-#: debian_builddeps' changed rows (about 17,000 x 128 values a period) in about 20 % less
-#: time per merge on ``cpu,cpu``, delicious' 500 x 128 in no less (``bench/bench_merge_cpu.py
-#: --in-runs ... --shard-min-values``, ``bench/RESULTS.md``, "The merge's rows split over
-#: the device workers"); the line between is placed where handing out the parts (about
-#: 0.1 ms) is paid back at a merge rate of about 1 ns a value.
+#: leaves no OpenMP helper spinning on a core, as two numba threads on the main thread do
+#: (``runner.MERGE_ONE_THREAD_MAX_S``). Measured with the merges of each run alternating
+#: between the split and one pass (``bench/bench_merge_cpu.py --in-runs ... --shard-alternate``,
+#: ``bench/RESULTS.md``, "The merge's rows split over the device workers"): debian_debtags',
+#: debian_builddeps' and rcv1sub1's merges (some 17,000 changed rows x 128 a period) took
+#: 0.49-0.88x the time on ``cpu,cpu`` and ``cpu,cpu@0.5``. The line itself is not measured:
+#: it is an estimate of where handing out the parts (two queue hand-offs, of the order of 0.1
+#: ms) is paid back at about 1 ns a merged value; delicious' 500 x 128 stays under it.
 SHARD_MIN_VALUES = 1 << 18
 
 
