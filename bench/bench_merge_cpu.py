@@ -14,7 +14,9 @@ plain NumPy way, in the same run.
 (rows of ``W1``) that a period of ``--period`` random training rows touches (mean of 5 periods),
 and records it: what the row-sparse merge saves on that data.
 
-``--in-runs DATASET [DATASET ...]`` measures merges where they happen: ``adaptive`` with the
+``--in-runs DATASET [DATASET ...]`` (a shared dataset, or a synthetic shape
+``synthetic:N_TRAIN:N_FEATURES:N_LABELS`` as ``bench_tta_sweep.py`` takes it) measures merges
+where they happen: ``adaptive`` with the
 defaults but ``--loss`` (``softmax``, the default here; ``bce``; ``auto``, the engine's default,
 probes before every run) on ``--devices`` (``cpu,cpu@0.5``) for ``--epochs`` (1), ``--rounds``
 runs per dataset (seeds 0, 1, ...), and prints per dataset the median milliseconds of a merge
@@ -56,6 +58,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
+import _tta  # noqa: E402
 
 
 def _ms(fn, repeats: int) -> float:
@@ -111,7 +114,8 @@ def in_runs(names, devices: str, epochs: float, rounds: int, loss: str,
           f"{'share':>6} {'train s':>8} {'solo merge ms':>13} {'others ms':>9} "
           f"{'one device ms':>13}")
     for name in names:
-        X, Y = _common.load_dataset(name)[:2]
+        X, Y = (_tta.load_data(name) if name.startswith("synthetic:")
+                else _common.load_dataset(name))[:2]
         _common.warm_engine(X, Y, devices=devices, algorithm="adaptive",
                             loss="softmax" if loss == "auto" else loss)
         for seed in range(rounds):
