@@ -399,39 +399,6 @@ def test_merge_in_parts_gives_the_merge_in_one_pass(be, wide, n, weights, monkey
     assert d3 == pytest.approx(d1, rel=1e-9)
 
 
-@pytest.mark.parametrize("per_label", [False, True])
-def test_sampled_merge_in_parts_gives_the_merge_in_one_pass(be, many_labels, per_label,
-                                                             monkeypatch):
-    """With the sampled output layer the changed ``W2`` columns are split into parts too
-    (``run_shards``), and the merged model and the replicas are those of one pass bit for
-    bit."""
-    import xmc_engine.scheduler.merge as merge
-
-    X, Y = many_labels
-    out = {}
-    for k in (1, 3):
-        monkeypatch.setattr(merge, "SHARD_MIN_VALUES", 0 if k > 1 else 1 << 62)
-        reps = [mlp(be, X, Y, seed=i, optimizer="adagrad", output="sampled") for i in range(3)]
-        for r in reps[1:]:
-            r.set_params(reps[0].params())
-        if per_label:
-            for r in reps:
-                r.track_labels()
-        central = [np.array(a) for a in reps[0].params()]
-        _period(reps)
-        calls = []
-        assert merge_changed_rows(reps, [0.5, 0.3, 0.2], central, be, per_label=per_label,
-                                  run_shards=_in_parts(3, calls)) is not None
-        out[k] = (central, [r.params() for r in reps], calls)
-    (one, one_reps, calls1), (parts, part_reps, calls3) = out[1], out[3]
-    assert calls1 == [] and len(calls3) == 6  # 3 parts of W1's rows, 3 of W2's columns
-    for a, b in zip(one, parts, strict=True):
-        np.testing.assert_array_equal(a, b)
-    for ra, rb in zip(one_reps, part_reps, strict=True):
-        for a, b in zip(ra, rb, strict=True):
-            np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize("power", [0.0, 0.5])
 @pytest.mark.parametrize("n", [2, 3])
 def test_row_sum_adds_the_changes_of_the_replicas_that_changed_a_row(be, wide, n, power):

@@ -313,12 +313,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     run_shards : callable ``(n, fn) -> list``, optional
         Runs ``fn(start, stop)`` over contiguous parts of ``range(n)``, in parallel, and
         returns the results (:attr:`xmc_engine.scheduler.runner.MergeContext.run_shards`: one
-        part per device worker, which wait idle at the barrier). Where given, the changed
-        rows of ``W1`` and the ``W2`` columns merged column by column (the sampled output
-        layer's changed ones, or every column with ``per_label``) are merged in such parts
-        where they hold at least :data:`SHARD_MIN_VALUES` values, each part by one worker
-        (the parts are disjoint, so are their writes); the merged model is the same, value
-        for value. ``None``: one pass on the calling thread.
+        part per device worker, which wait idle at the barrier). Where given and the changed
+        rows of ``W1`` hold at least :data:`SHARD_MIN_VALUES` values, they are merged in
+        such parts, each part's rows by one worker (the parts are disjoint, so are their
+        writes); the merged model is the same, row for row. ``None``: one pass on the
+        calling thread.
 
     Returns
     -------
@@ -415,20 +414,10 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
             Q = np.repeat(np.asarray(w, np.float64)[:, None], cols.size, axis=1)
         Q = Q.astype(np.float32)
         idx = np.arange(central[-1].shape[0], dtype=np.int64) if cols is None else cols
-        W2s = [ps[-2] for ps in params]
-
-        def merge_w2(start: int, stop: int) -> bool:
-            """Merge (and write back) the columns ``idx[start:stop]`` of ``W2``."""
-            return backend.merge_columns(W2s, np.ascontiguousarray(Q[:, start:stop]),
-                                         idx[start:stop], central[-2], broadcast=True)
-
-        if run_shards is not None and idx.size * central[-2].shape[0] >= SHARD_MIN_VALUES:
-            finite = all(run_shards(int(idx.size), merge_w2))
-        else:
-            finite = merge_w2(0, int(idx.size))
-        if not finite or not backend.merge_columns([ps[-1] for ps in params], Q, idx,
-                                                   central[-1], broadcast=True):
-            return None
+        for k in (-2, -1):
+            if not backend.merge_columns([ps[k] for ps in params], Q, idx, central[k],
+                                         broadcast=True):
+                return None
         if stats is not None and cols is not None:
             stats["labels_changed"] = int(cols.size)
     for r in replicas:
