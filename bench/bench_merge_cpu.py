@@ -30,10 +30,11 @@ there and here in turn, it is the before / after of a change to the merge::
     python bench/bench_merge_cpu.py --in-runs debian_debtags debian_builddeps delicious \
         --loss bce --out bench/results/merge_in_runs.json
 
-``--shard-alternate`` alternates the merges of each run between splitting the changed rows of
-``W1`` over the device workers (the engine's way from ``SHARD_MIN_VALUES`` values on) and one
-pass on the main thread, and prints the median of each: the two under the same conditions,
-which separate runs on this shared machine are not (their merges moved by 2x from run to run)::
+``--shard-alternate`` alternates the row-sparse merges of each run between splitting the changed
+rows of ``W1`` over the device workers (the engine's way from ``SHARD_MIN_VALUES`` values on)
+and one pass on the main thread, and prints the median wall time of each: the two under the
+same conditions, which separate runs on this shared machine are not (their merges moved by 2x
+from run to run)::
 
     python bench/bench_merge_cpu.py --in-runs debian_debtags debian_builddeps rcv1sub1 \
         --devices cpu,cpu --loss bce --epochs 3 --rounds 3 --shard-alternate \
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -88,25 +90,30 @@ def in_runs(names, devices: str, epochs: float, rounds: int, loss: str,
     training seconds. Where the first device trained periods alone (``solo_epochs``), also
     the median of those periods' merges and of the others (every device's), and of one
     device's barriers (``single`` on the same rows with ``adaptive``'s merge period, the same
-    seed): what a solo period costs beyond one device's. With ``alternate`` the merges of
-    every device (after the solo phase) alternate, within each run, between the engine's
-    split of ``W1``'s changed rows over the device workers (from
-    :data:`~xmc_engine.scheduler.merge.SHARD_MIN_VALUES` values on) and one pass on the main
-    thread (the seed's parity picks which comes first); the row then gives each one's
-    merges: the two measured under the same conditions, merge by merge."""
+    seed): what a solo period costs beyond one device's. With ``alternate`` the row-sparse
+    merges (:func:`~xmc_engine.scheduler.merge.merge_changed_rows`, every device's, after the
+    solo phase) alternate, within each run, between the engine's split of ``W1``'s changed
+    rows over the device workers (from :data:`~xmc_engine.scheduler.merge.SHARD_MIN_VALUES`
+    values on) and one pass on the main thread (the seed's parity picks which comes first);
+    the row then gives each one's wall milliseconds (``split_merge_ms``,
+    ``one_pass_merge_ms``): the two measured under the same conditions, merge by merge."""
     from xmc_engine import XMCClassifier
     from xmc_engine.algorithms import base
     from xmc_engine.scheduler import merge
 
     engine_min, real = merge.SHARD_MIN_VALUES, base.merge_changed_rows
     turn = [0]
+    timed: dict[bool, list] = {True: [], False: []}  # split?: ms of each row-sparse merge
 
     def alternating(*args, **kwargs):  # even calls split (the engine's line), odd ones do not
-        merge.SHARD_MIN_VALUES = engine_min if turn[0] % 2 == 0 else 1 << 62
+        split = turn[0] % 2 == 0
+        merge.SHARD_MIN_VALUES = engine_min if split else 1 << 62
         turn[0] += 1
+        t0 = time.perf_counter()
         try:
             return real(*args, **kwargs)
         finally:
+            timed[split].append(1e3 * (time.perf_counter() - t0))
             merge.SHARD_MIN_VALUES = engine_min
 
     out = []
@@ -150,12 +157,9 @@ def in_runs(names, devices: str, epochs: float, rounds: int, loss: str,
                    "median_other_merge_ms": _median_ms(others),
                    "median_single_barrier_ms": single_ms,
                    "merge_share": sum(merges) / train, "train_s": train}
-            if alternate:  # the merge after the phase that ran first split its rows
-                first = seed % 2
-                row["split_merge_ms"] = [1e3 * m for j, m in enumerate(others)
-                                         if (first + j) % 2 == 0]
-                row["one_pass_merge_ms"] = [1e3 * m for j, m in enumerate(others)
-                                            if (first + j) % 2 == 1]
+            if alternate:  # the row-sparse merges themselves, by the way they ran
+                row["split_merge_ms"], row["one_pass_merge_ms"] = timed[True], timed[False]
+                timed[True], timed[False] = [], []
             out.append(row)
             extra = (f" {row['median_solo_merge_ms']:>13.2f} "
                      f"{row['median_other_merge_ms'] or float('nan'):>9.2f} {single_ms:>13.2f}"

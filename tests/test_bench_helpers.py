@@ -818,7 +818,8 @@ def test_merges_in_runs_alternate_the_split_of_w1_s_rows(monkeypatch):
     assert seen[:per_run:2] == [engine] * len(seen[:per_run:2])  # seed 0: split first
     assert seen[1:per_run:2] == [1 << 62] * len(seen[1:per_run:2])
     assert seen[per_run] == 1 << 62  # seed 1: one pass first
-    for r in rows:
-        assert len(r["split_merge_ms"]) + len(r["one_pass_merge_ms"]) == len(r["merge_ms"])
+    for r in rows:  # each row-sparse merge timed once, under the way it ran
+        assert len(r["split_merge_ms"]) + len(r["one_pass_merge_ms"]) == per_run
         assert abs(len(r["split_merge_ms"]) - len(r["one_pass_merge_ms"])) <= 1
+        assert min(r["split_merge_ms"] + r["one_pass_merge_ms"]) > 0
     assert merge.SHARD_MIN_VALUES == engine and base.merge_changed_rows is spy
