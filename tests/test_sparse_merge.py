@@ -363,9 +363,10 @@ def _in_parts(k, calls):
 @pytest.mark.parametrize("weights", ["paper", "per_row", "row_sum"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_merge_in_parts_gives_the_merge_in_one_pass(be, wide, n, weights, monkeypatch):
-    """``run_shards``: the changed rows merged in parts (each part by one device worker in a
-    run) give the model of one pass bit for bit, and the same change of the norm up to the
-    order of its sums; below :data:`SHARD_MIN_VALUES` the rows are merged in one pass."""
+    """``run_shards``: the changed rows merged with the weights ``p`` in parts (each part by
+    one device worker in a run) give the model of one pass bit for bit, and the same change
+    of the norm up to the order of its sums; below :data:`SHARD_MIN_VALUES`, and with the
+    per-row weights, the rows are merged in one pass."""
     import xmc_engine.scheduler.merge as merge
 
     opts = {"paper": {}, "per_row": {"per_row": True},
@@ -390,7 +391,11 @@ def test_merge_in_parts_gives_the_merge_in_one_pass(be, wide, n, weights, monkey
         assert rows.size == np.unique(rows).size == stats["rows_touched"]
         out[k] = (central, [r.params() for r in reps], delta, calls)
     (one, one_reps, d1, calls1), (parts, part_reps, d3, calls3) = out[1], out[3]
-    assert calls1 == [] and len(calls3) == 3 and calls3[-1][1] > 100  # 3 parts of the rows
+    assert calls1 == []
+    if weights == "paper":  # 3 parts of the rows
+        assert len(calls3) == 3 and calls3[-1][1] > 100
+    else:  # the per-row weights: one pass (the split measured slower with them)
+        assert calls3 == []
     for a, b in zip(one, parts, strict=True):
         np.testing.assert_array_equal(a, b)
     for ra, rb in zip(one_reps, part_reps, strict=True):

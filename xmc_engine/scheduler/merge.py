@@ -40,16 +40,19 @@ __all__ = [
 #: Rules for the L2-norm trend flag of adaptive normalization (see :class:`NormTrend`).
 FLAG_RULES = ("norm_rise", "always", "never")
 #: :func:`merge_changed_rows` splits the changed ``W1`` rows over the device workers (its
-#: ``run_shards``) from this many values (rows x hidden units, 1 MiB of float32) on. The
-#: workers wait idle at the barrier, each on its own core and thread budget, so the split
+#: ``run_shards``) from this many values (rows x hidden units, 1 MiB of float32) on, where
+#: they are merged with the replicas' weights ``p`` (the paper's; not the per-row weights).
+#: The workers wait idle at the barrier, each on its own core and thread budget, so the split
 #: leaves no OpenMP helper spinning on a core, as two numba threads on the main thread do
 #: (``runner.MERGE_ONE_THREAD_MAX_S``). Measured with the merges of each run alternating
 #: between the split and one pass (``bench/bench_merge_cpu.py --in-runs ... --shard-alternate``,
-#: ``bench/RESULTS.md``, "The merge's rows split over the device workers"): debian_debtags',
-#: debian_builddeps' and rcv1sub1's merges (some 17,000 changed rows x 128 a period) took
-#: 0.49-0.88x the time on ``cpu,cpu`` and ``cpu,cpu@0.5``. The line itself is not measured:
-#: it is an estimate of where handing out the parts (two queue hand-offs, of the order of 0.1
-#: ms) is paid back at about 1 ns a merged value; delicious' 500 x 128 stays under it.
+#: ``bench/RESULTS.md``, "The merge's rows split over the device workers"): with the paper's
+#: weights (the logistic loss) debian_debtags', debian_builddeps', rcv1sub1's and the
+#: synthetic 30,000-label shape's merges took 0.51-0.93x the time on ``cpu,cpu`` and
+#: ``cpu,cpu@0.5``; with the per-row weights (the softmax on that shape) 1.27x and 1.65x,
+#: so those rows are merged in one pass. The line itself is not measured: it is an estimate
+#: of where handing out the parts (two queue hand-offs, of the order of 0.1 ms) is paid back
+#: at about 1 ns a merged value; delicious' 500 x 128 stays under it.
 SHARD_MIN_VALUES = 1 << 18
 
 
@@ -313,11 +316,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
     run_shards : callable ``(n, fn) -> list``, optional
         Runs ``fn(start, stop)`` over contiguous parts of ``range(n)``, in parallel, and
         returns the results (:attr:`xmc_engine.scheduler.runner.MergeContext.run_shards`: one
-        part per device worker, which wait idle at the barrier). Where given and the changed
-        rows of ``W1`` hold at least :data:`SHARD_MIN_VALUES` values, they are merged in
-        such parts, each part's rows by one worker (the parts are disjoint, so are their
-        writes); the merged model is the same, row for row. ``None``: one pass on the
-        calling thread.
+        part per device worker, which wait idle at the barrier). Where given, the rows merged
+        with the weights ``p`` (not ``per_row``) and the changed rows of ``W1`` hold at least
+        :data:`SHARD_MIN_VALUES` values, they are merged in such parts, each part's rows by
+        one worker (the parts are disjoint, so are their writes); the merged model is the
+        same, row for row. ``None``: one pass on the calling thread.
 
     Returns
     -------
@@ -380,7 +383,8 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
             finite, delta = finite and ok, delta + d
         return finite, delta
 
-    if run_shards is not None and rows.size * central[0].shape[1] >= SHARD_MIN_VALUES:
+    if (run_shards is not None and not per_row
+            and rows.size * central[0].shape[1] >= SHARD_MIN_VALUES):
         parts = run_shards(int(rows.size), merge_w1)
     else:
         parts = [merge_w1(0, int(rows.size))]
