@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "FLAG_RULES",
+    "SHARD_MIN_VALUES",
     "NormTrend",
     "adaptive_normalization",
     "central_momentum",
@@ -29,7 +30,6 @@ __all__ = [
     "elastic_update",
     "find_nonfinite",
     "l2_norm",
-    "SHARD_MIN_VALUES",
     "merge_changed_rows",
     "merge_weights",
     "reduce_gradients",

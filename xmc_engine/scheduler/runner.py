@@ -89,9 +89,9 @@ class MergeContext:
         Splits ``range(n)`` into contiguous parts, one per live device in proportion to its
         speed factor, and runs ``fn(start, stop)`` for each non-empty part in that device's
         worker, as ``run_on_devices`` does; returns the results in device order. The
-        row-sparse merge hands it the changed rows of ``W1``
-        (:func:`~xmc_engine.scheduler.merge.merge_changed_rows`). Default: ``fn(0, n)`` on
-        the calling thread.
+        row-sparse merge hands it the changed rows of ``W1`` it merges with the replicas'
+        weights (:func:`~xmc_engine.scheduler.merge.merge_changed_rows`). Default:
+        ``fn(0, n)`` on the calling thread.
     epoch, period : int
         Where the run is (for messages and logs).
     """
