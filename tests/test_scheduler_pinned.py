@@ -247,6 +247,19 @@ def test_run_shards_splits_by_speed_over_the_device_workers(mode, spec, n_items,
             assert [name.split("-")[2] for *_, name in call] == [str(i) for i in on]
 
 
+def test_run_shards_stays_on_the_main_thread_where_it_merges_with_every_thread():
+    """Once the main thread merges with the full thread budget (merges longer than
+    ``MERGE_ONE_THREAD_MAX_S``), ``run_shards(n, fn)`` runs ``fn(0, n)`` there, in one part."""
+    pol = _ShardingAverage(merge_period=16)
+    pol.calls, pol.n_items = [], 90
+    devices = parse_devices("cpu,cpu@0.5", cores=2)
+    reps = [FakeReplica(32, sleep=False, seed=0) for _ in devices]
+    with make_trainer(reps, devices, pol, 32, batch_size=4, timeout=30) as tr:
+        tr._merge_threads = None  # as after a merge of more than MERGE_ONE_THREAD_MAX_S
+        tr.run_epoch(0)
+    assert pol.calls == [[(0, 90, threading.current_thread().name)]] * 2
+
+
 def test_threaded_busy_time_is_the_devices_step_time():
     """Threaded mode: ``busy_s`` of a device is the time its steps took (each fake step sleeps
     at least its latency), stretched by ``1 / s`` on a device of speed factor ``s`` (the

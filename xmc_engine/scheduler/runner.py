@@ -504,7 +504,14 @@ class Trainer:
         """``fn(start, stop)`` over parts of ``range(n)`` on the live devices' workers, a part's
         size in proportion to its device's speed factor (:attr:`MergeContext.run_shards`). In
         threaded mode an emulated slow device idles after its part as after a step, ``(1/s -
-        1)`` times its wall time, so that the parts take about equally long."""
+        1)`` times its wall time, so that the parts take about equally long. Where the main
+        thread merges with the CPU backend's full thread budget (merges longer than
+        :data:`MERGE_ONE_THREAD_MAX_S`, or one device), ``fn(0, n)`` runs there instead: its
+        threads already use the cores the workers would, and at the Amazon-670K shape on
+        ``cpu,cpu@0.5`` the parts took 1.31x its time (``bench/RESULTS.md``, "The merge's rows
+        split over the device workers")."""
+        if self.mode == "threads" and self._merge_threads is None:
+            return [fn(0, n)]
         live = [i for i in range(self.n_devices) if self.alive[i]]
         speeds = [self.devices[i].speed for i in live]
         total, acc, bounds = sum(speeds), 0.0, {}
