@@ -50,7 +50,9 @@ FLAG_RULES = ("norm_rise", "always", "never")
 #: weights (the logistic loss) debian_debtags', debian_builddeps', rcv1sub1's and the
 #: synthetic 30,000-label shape's merges took 0.51-0.93x the time on ``cpu,cpu`` and
 #: ``cpu,cpu@0.5``; with the per-row weights (the softmax on that shape) 1.27x and 1.65x,
-#: so those rows are merged in one pass. The line itself is not measured: it is an estimate
+#: so those rows are merged in one pass; and only while the main thread merges on one
+#: thread (``Trainer._run_shards``: at the Amazon-670K shape, whose merges run on its full
+#: budget, the parts took 1.31x its time). The line itself is not measured: it is an estimate
 #: of where handing out the parts (two queue hand-offs, of the order of 0.1 ms) is paid back
 #: at about 1 ns a merged value; delicious' 500 x 128 stays under it.
 SHARD_MIN_VALUES = 1 << 18
