@@ -526,9 +526,8 @@ class Trainer:
                 return None
             t0 = time.perf_counter()
             out = fn(start, stop)
-            speed = self.devices[i].speed
-            if speed < 1.0 and self.mode == "threads":
-                time.sleep((time.perf_counter() - t0) * (1.0 / speed - 1.0))
+            if self.mode == "threads":
+                self._idle_for_speed(i, time.perf_counter() - t0)
             return (out,)
 
         return [r[0] for r in self._run_on_devices(part) if r is not None]
@@ -639,8 +638,16 @@ class Trainer:
         finally:
             self._ready[i].set()
 
-    def _run_period(self, i: int, lr: float) -> dict[str, Any]:
+    def _idle_for_speed(self, i: int, wall: float) -> float:
+        """Device ``i``'s speed factor ``s`` after work of ``wall`` seconds in its worker: it
+        idles ``(1/s - 1)`` times as long (DESIGN.md §3; nothing at full speed); returns the
+        emulated duration, ``wall / s``."""
         speed = self.devices[i].speed
+        if speed < 1.0:
+            time.sleep(wall * (1.0 / speed - 1.0))
+        return wall / speed
+
+    def _run_period(self, i: int, lr: float) -> dict[str, Any]:
         busy = loss = 0.0
         cpu0 = time.thread_time()
         while True:
@@ -656,10 +663,7 @@ class Trainer:
                 if self.elastic:  # the main thread must see the rows back before the report
                     self.queue.give_back(i)
                 raise
-            if speed < 1.0:
-                time.sleep(wall * (1.0 / speed - 1.0))
-                wall /= speed
-            busy += wall
+            busy += self._idle_for_speed(i, wall)
             loss += step_loss
         return {"busy_s": busy, "loss": loss, "cpu_s": time.thread_time() - cpu0}
 
