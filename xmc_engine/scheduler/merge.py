@@ -355,19 +355,11 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
         stats["rows_touched"] = int(rows.size)
         stats["rows_single"] = int(np.count_nonzero(n_touch == 1))
     W1s = [ps[0] for ps in params]
-    per_row = per_row and len(replicas) > 1
-    # which replicas changed each touched row, as a bit pattern: one group per pattern
-    code = ((touched[:, rows].astype(np.int64) << np.arange(len(w))[:, None]).sum(axis=0)
-            if per_row else None)
-
-    def merge_w1(start: int, stop: int) -> tuple[bool, float]:
-        """Merge (and write back) the changed rows ``rows[start:stop]`` of ``W1``."""
-        part = rows[start:stop]
-        if not per_row:
-            return backend.merge_rows(W1s, w, part, central[0], broadcast=True, norm=norm)
+    if per_row and len(replicas) > 1:
         finite, delta = True, 0.0
-        codes = code[start:stop]
-        for pattern in np.unique(codes):
+        # which replicas changed each touched row, as a bit pattern: one group per pattern
+        code = (touched[:, rows].astype(np.int64) << np.arange(len(w))[:, None]).sum(axis=0)
+        for pattern in np.unique(code):
             sel = np.array([(pattern >> i) & 1 for i in range(len(w))], dtype=bool)
             k = int(sel.sum())
             if row_sum and k > 1:
@@ -380,19 +372,22 @@ def merge_changed_rows(replicas: Sequence, p: Sequence[float], central: Sequence
             else:
                 arrays, q = W1s, np.where(sel, w, 0.0)
                 q = q / q.sum()
-            ok, d = backend.merge_rows(arrays, q, part[codes == pattern], central[0],
+            ok, d = backend.merge_rows(arrays, q, rows[code == pattern], central[0],
                                        broadcast=True, norm=norm)
             finite, delta = finite and ok, delta + d
-        return finite, delta
-
-    if (run_shards is not None and not per_row
-            and rows.size * central[0].shape[1] >= SHARD_MIN_VALUES):
-        parts = run_shards(int(rows.size), merge_w1)
     else:
-        parts = [merge_w1(0, int(rows.size))]
-    if not all(ok for ok, _ in parts):
+        def merge_w1(start: int, stop: int) -> tuple[bool, float]:
+            """Merge (and write back) the changed rows ``rows[start:stop]`` of ``W1``."""
+            return backend.merge_rows(W1s, w, rows[start:stop], central[0], broadcast=True,
+                                      norm=norm)
+
+        if run_shards is not None and rows.size * central[0].shape[1] >= SHARD_MIN_VALUES:
+            parts = run_shards(int(rows.size), merge_w1)
+        else:
+            parts = [merge_w1(0, int(rows.size))]
+        finite, delta = all(ok for ok, _ in parts), sum(d for _, d in parts)
+    if not finite:
         return None
-    delta = sum(d for _, d in parts)
     seen = [r.seen_labels() if hasattr(r, "seen_labels") else None for r in replicas]
     per_label = per_label and len(replicas) > 1 and all(m is not None for m in seen)
     # The sampled output layer: only the W2 columns (b2 entries) some replica changed.
