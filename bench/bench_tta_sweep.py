@@ -142,6 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--at-seconds", type=float, nargs="+", default=None, metavar="T",
                    help="with --from-results: each configuration's median P@1 after T training "
                         "seconds (equal time rather than equal epochs)")
+    p.add_argument("--peak", action="store_true",
+                   help="with --from-results --summary: one more column, adaptive's median "
+                        "peak P@1 (each run's highest evaluation) against the best algorithm's")
     p.add_argument("--per-set-target", action="store_true",
                    help="with --from-results --summary or --ablation: each device set's own "
                         "target, --target-frac x the best median best P@1 of that set's "
@@ -192,7 +195,8 @@ def main(argv=None) -> int:
         elif args.decompose:
             print_decomposition(results, args.target_frac)
         elif args.summary:
-            print_summary(results, args.target_frac if args.per_set_target else None)
+            print_summary(results, args.target_frac if args.per_set_target else None,
+                          peak=args.peak)
         elif args.ablation:
             print_ablation(results, args.target_frac if args.per_set_target else None)
         else:
@@ -328,16 +332,25 @@ def set_target(listed, frac: float) -> tuple[float, dict[int, float]]:
                                              for x in r["runs"]])[0] for r in listed}
 
 
-def print_summary(results, per_set_frac: float | None = None) -> None:
+def _best_of(medians: dict[str, float]) -> str:
+    """``adaptive``'s median against the highest algorithm's, as a summary cell."""
+    best = max(medians, key=medians.get)
+    return f"{medians['adaptive']:.4f} / {medians[best]:.4f} ({best})"
+
+
+def print_summary(results, per_set_frac: float | None = None, peak: bool = False) -> None:
     """Saved sweeps of ``--methods`` as one Markdown table: per dataset and device set, each
     algorithm's median time to the target (its ratio to ``adaptive`` in brackets), then
     ``adaptive``'s median final P@1 against the best algorithm's. ``per_set_frac``: each
-    device set's own target (:func:`set_target`) instead of the file's, in its own column."""
+    device set's own target (:func:`set_target`) instead of the file's, in its own column.
+    ``peak``: one more column, the same for each run's highest evaluated P@1 along the run
+    (where a set overfits, the final P@1 favours the algorithm that learns slowest)."""
     algos = ("single", "adaptive", "sync", "average", "easgd", "crossbow")
     target_col = " target |" if per_set_frac else ""
     print("| data | devices |" + target_col + " " + " | ".join(algos)
-          + " | final P@1 adaptive / best |")
-    print("|---|---|" + ("---:|" if per_set_frac else "") + "---:|" * len(algos) + "---|")
+          + " | final P@1 adaptive / best |" + (" peak P@1 adaptive / best |" if peak else ""))
+    print("|---|---|" + ("---:|" if per_set_frac else "") + "---:|" * len(algos) + "---|"
+          + ("---|" if peak else ""))
     for result in results:
         rows = [r for r in result["rows"] if not r["config"]["params"]]
         for setup, listed, ref in by_setup(rows):
@@ -358,9 +371,12 @@ def print_summary(results, per_set_frac: float | None = None) -> None:
                          and np.isfinite(ref) else "")
                 cells.append(_fmt_s(t) + ratio if a in mine else "")
             finals = {a: float(np.median(r["final_P@1_runs"])) for a, r in mine.items()}
-            best = max(finals, key=finals.get)
+            peaks = ""
+            if peak:
+                peaks = " " + _best_of({a: float(np.median([x["best_P@1"] for x in r["runs"]]))
+                                        for a, r in mine.items()}) + " |"
             print(f"| {result['args']['data']} | `{setup}` |{target} " + " | ".join(cells)
-                  + f" | {finals['adaptive']:.4f} / {finals[best]:.4f} ({best}) |")
+                  + f" | {_best_of(finals)} |" + peaks)
 
 
 def _at_target(run, target: float) -> tuple[float, float]:

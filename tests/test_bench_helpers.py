@@ -280,6 +280,28 @@ def test_sweep_summary_gives_ratios_to_adaptive_and_the_best_final(capsys):
                        "| 0.6000 / 0.6000 (single) |")
 
 
+def test_sweep_summary_peak_column_reads_each_run_s_highest_evaluation(capsys):
+    from bench_tta_sweep import print_summary
+
+    def row(algorithm, devices, finals, peaks, setups=None):
+        return {"config": {"algorithm": algorithm, "devices": devices, "params": {},
+                           "label": algorithm, "setups": setups or [devices]},
+                "median_time_to_target_s": 1.0, "final_P@1_runs": finals,
+                "runs": [{"best_P@1": b} for b in peaks]}
+
+    # one device peaks highest and overfits; sync learns slowly and ends highest
+    result = {"args": {"data": "toy"},
+              "rows": [row("single", "cpu", [0.50, 0.52], [0.70, 0.72], ["cpu,cpu"]),
+                       row("adaptive", "cpu,cpu", [0.55, 0.55], [0.69, 0.71]),
+                       row("sync", "cpu,cpu", [0.60, 0.62], [0.62, 0.64])]}
+    print_summary([result], peak=True)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("| final P@1 adaptive / best | peak P@1 adaptive / best |")
+    assert out[-1].endswith("| 0.5500 / 0.6100 (sync) | 0.7000 / 0.7100 (single) |")
+    print_summary([result])  # without it, the table is as before
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| 0.5500 / 0.6100 (sync) |")
+
+
 def test_sweep_summary_per_set_target_reads_each_set_s_times_again_from_its_curves(capsys):
     from bench_tta_sweep import print_summary
 
