@@ -322,11 +322,16 @@ def print_markdown(result: dict, path: str = "") -> None:
                   f"{np.median(finals):.4f} ({min(finals):.4f}-{max(finals):.4f}) |")
 
 
+def _median_peak(row) -> float:
+    """A configuration's median over seeds of each run's highest evaluated P@1."""
+    return float(np.median([x["best_P@1"] for x in row["runs"]]))
+
+
 def set_target(listed, frac: float) -> tuple[float, dict[int, float]]:
     """A device set's own target, ``frac`` x the best median (over seeds) best P@1 of its
     configurations ``listed``, and each configuration's median time to it (by ``id``), read
     again from the saved curves (``inf``: never reached)."""
-    best = max(float(np.median([x["best_P@1"] for x in r["runs"]])) for r in listed)
+    best = max(_median_peak(r) for r in listed)
     target = frac * best
     return target, {id(r): median_quartiles([_tta.time_to_target(x["curve"], target)
                                              for x in r["runs"]])[0] for r in listed}
@@ -373,8 +378,7 @@ def print_summary(results, per_set_frac: float | None = None, peak: bool = False
             finals = {a: float(np.median(r["final_P@1_runs"])) for a, r in mine.items()}
             peaks = ""
             if peak:
-                peaks = " " + _best_of({a: float(np.median([x["best_P@1"] for x in r["runs"]]))
-                                        for a, r in mine.items()}) + " |"
+                peaks = " " + _best_of({a: _median_peak(r) for a, r in mine.items()}) + " |"
             print(f"| {result['args']['data']} | `{setup}` |{target} " + " | ".join(cells)
                   + f" | {_best_of(finals)} |" + peaks)
 
@@ -430,7 +434,7 @@ def print_levels(results, levels) -> None:
             single = next((r for r in listed if r["config"]["algorithm"] == "single"), None)
             if single is None:
                 continue
-            best = max(float(np.median([x["best_P@1"] for x in r["runs"]])) for r in listed)
+            best = max(_median_peak(r) for r in listed)
             ones = {f: float(np.median([_at_target(x, f * best)[0] for x in single["runs"]]))
                     for f in levels}
             for r in listed:
