@@ -18,8 +18,17 @@ would have ended with:
     python bench/bench_keep_best.py --from-results bench/results/keep_best_rule.json
 
 Only data of at least :data:`~xmc_engine.config.PLATEAU_MIN_ROWS` training rows has the plateau
-rule (and its held-out rows) by default. Names: a shared dataset, a shape of
-``bench_defaults.py`` (``synth100k``) or ``synthetic:N_TRAIN:N_FEATURES:N_LABELS``.
+rule (and its held-out rows) by default; with a fixed decay the run holds rows out for
+``keep_best`` from :data:`~xmc_engine.config.KEEP_BEST_MIN_ROWS` rows. ``--every-row`` chooses
+that threshold: each run holds rows out whatever its size (the threshold set to 0 for it), and
+one more run per dataset, epochs and seed trains every row and ends with its last model (the
+threshold set above the data's rows), scored as the rule ``every row``:
+
+    python bench/bench_keep_best.py --every-row --datasets debian_builddeps delicious \
+        --epochs 10 --seeds 0 1 2 --out bench/results/keep_best_small.json
+
+Names: a shared dataset, a shape of ``bench_defaults.py`` (``synth100k``) or
+``synthetic:N_TRAIN:N_FEATURES:N_LABELS``.
 """
 
 from __future__ import annotations
@@ -35,26 +44,55 @@ METRICS = ("P@1", "P@3", "P@5")
 THRESHOLDS = (0.0, 1.0, 2.0, 3.0)
 
 
-def run_one(data, epochs: float, seed: int, **params) -> dict:
+def run_every_row(data, epochs: float, seed: int, **params) -> dict:
+    """One default run that holds no rows out (:data:`~xmc_engine.config.KEEP_BEST_MIN_ROWS`
+    above the data's rows; below :data:`~xmc_engine.config.PLATEAU_MIN_ROWS`, where the fixed
+    decay applies): the test metrics of its last model."""
+    import xmc_engine.config as config
+    from xmc_engine import XMCClassifier
+
+    X, Y, X_test, Y_test = data
+    if X.shape[0] >= config.PLATEAU_MIN_ROWS:
+        raise SystemExit(f"--every-row: {X.shape[0]} training rows have the plateau rule, "
+                         f"which holds rows out whatever keep_best says")
+    real = config.KEEP_BEST_MIN_ROWS
+    config.KEEP_BEST_MIN_ROWS = X.shape[0] + 1  # read by TrainConfig.holds_out at the run
+    try:
+        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
+    finally:
+        config.KEEP_BEST_MIN_ROWS = real
+    if any(r["event"] == "keep_best" for r in clf.history_):
+        raise SystemExit("--every-row: the run held rows out")
+    m = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))
+    return {k: float(m[k]) for k in METRICS}
+
+
+def run_one(data, epochs: float, seed: int, every_row: bool = False, **params) -> dict:
     """One default run whose best epoch's model always replaces its last: the test metrics of
-    both (the last model copied just before the swap) and the ``keep_best`` record's margin."""
+    both (the last model copied just before the swap) and the ``keep_best`` record's margin.
+    ``every_row``: the run holds rows out whatever its size (``KEEP_BEST_MIN_ROWS`` 0), and
+    one more run trains every row (:func:`run_every_row`)."""
     import xmc_engine.config as config
     import xmc_engine.training as training
     from xmc_engine import XMCClassifier
 
     X, Y, X_test, Y_test = data
     real_z, real_finish, seen = config.KEEP_BEST_Z, training._PlateauWatch.finish, {}
+    real_min = config.KEEP_BEST_MIN_ROWS
 
     def finish(self, trainer, *args, **kw):
         seen["last"] = training.host_params(trainer)
         return real_finish(self, trainer, *args, **kw)
 
     config.KEEP_BEST_Z = -math.inf  # read by the driver when the run ends
+    if every_row:
+        config.KEEP_BEST_MIN_ROWS = 0
     training._PlateauWatch.finish = finish
     try:
         clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
     finally:
         config.KEEP_BEST_Z, training._PlateauWatch.finish = real_z, real_finish
+        config.KEEP_BEST_MIN_ROWS = real_min
     h = clf.history_
     kept = next((r for r in h if r["event"] == "keep_best"), None)
     if kept is None:
@@ -64,11 +102,14 @@ def run_one(data, epochs: float, seed: int, **params) -> dict:
     best = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))
     clf.params_ = seen["last"]
     last = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))
-    return {"seed": seed, "epochs": epochs, "epochs_trained": final["epoch"],
-            "status": final["status"], "loss": clf.loss_, "z": kept["z"],
-            "best_epoch": kept["best_epoch"], "heldout_last": kept["heldout_p1"],
-            "heldout_best": kept["best_p1"], "last": {k: float(last[k]) for k in METRICS},
-            "best": {k: float(best[k]) for k in METRICS}}
+    out = {"seed": seed, "epochs": epochs, "epochs_trained": final["epoch"],
+           "status": final["status"], "loss": clf.loss_, "z": kept["z"],
+           "best_epoch": kept["best_epoch"], "heldout_last": kept["heldout_p1"],
+           "heldout_best": kept["best_p1"], "last": {k: float(last[k]) for k in METRICS},
+           "best": {k: float(best[k]) for k in METRICS}}
+    if every_row:
+        out["every_row"] = run_every_row(data, epochs, seed, **params)
+    return out
 
 
 def rules() -> list[tuple[str, object]]:
@@ -87,20 +128,23 @@ def summarise(rows: list[dict]) -> list[dict]:
         runs = [r for r in rows if r["dataset"] == name and r["epochs"] == epochs]
         line = {"dataset": name, "epochs": epochs, "seeds": len(runs),
                 "z": [r["z"] for r in runs], "rules": {}}
-        for rule, picks in rules():
-            chosen = [r["best"] if picks(r["z"]) else r["last"] for r in runs]
+        names = [("every row", None)] if all("every_row" in r for r in runs) else []
+        for rule, picks in names + rules():
+            chosen = ([r["every_row"] for r in runs] if picks is None
+                      else [r["best"] if picks(r["z"]) else r["last"] for r in runs])
             line["rules"][rule] = {
-                "swapped": sum(bool(picks(r["z"])) for r in runs),
+                "swapped": 0 if picks is None else sum(bool(picks(r["z"])) for r in runs),
                 **{k: sum(c[k] for c in chosen) / len(chosen) for k in METRICS}}
         out.append(line)
     return out
 
 
 def print_summary(summary: list[dict]) -> None:
-    names = [n for n, _ in rules()]
     print("\nmean test P@1 / P@3 / P@5 of the model each rule ends with (runs swapped)")
-    print(f"{'data':<30} {'ep':>3} " + " ".join(f"{n:>27}" for n in names))
-    for line in summary:
+    for i, line in enumerate(summary):
+        names = list(line["rules"])
+        if i == 0 or names != list(summary[i - 1]["rules"]):
+            print(f"{'data':<30} {'ep':>3} " + " ".join(f"{n:>27}" for n in names))
         cells = []
         for n in names:
             c = line["rules"][n]
@@ -115,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--datasets", nargs="+", default=["imdb"])
     p.add_argument("--epochs", type=float, nargs="+", default=[5, 10])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--every-row", action="store_true",
+                   help="hold rows out whatever the data's size, and train every row once more "
+                        "per run (the rule 'every row'): below PLATEAU_MIN_ROWS only")
     _common.add_study_args(p, "keep_best_rule.json")
     args = p.parse_args(argv)
     if _common.print_saved(args.from_results, lambda r: print_summary(summarise(r["rows"]))):
@@ -123,22 +170,25 @@ def main(argv=None) -> int:
     meta = _common.result_metadata()
     rows = []
     print(f"{'data':<30} {'ep':>3} {'seed':>4} {'loss':<8} {'z':>6} {'best ep':>7} "
-          f"{'last P@1':>8} {'best P@1':>8}")
+          f"{'last P@1':>8} {'best P@1':>8}" + (" every row" if args.every_row else ""))
     for name in args.datasets:
         data = bench_defaults.load_any(name)
         _common.warm_engine(data[0], data[1], **params)
         for epochs in args.epochs:
             for seed in args.seeds:
-                r = {"dataset": name, **params, **run_one(data, epochs, seed, **params)}
+                r = {"dataset": name, **params,
+                     **run_one(data, epochs, seed, every_row=args.every_row, **params)}
                 rows.append(r)
                 z = f"{r['z']:+.2f}" if r["z"] is not None else "-"
+                every = f" {r['every_row']['P@1']:>9.4f}" if "every_row" in r else ""
                 print(f"{name:<30} {epochs:>3g} {seed:>4} {r['loss']:<8} {z:>6} "
-                      f"{r['best_epoch']!s:>7} {r['last']['P@1']:>8.4f} {r['best']['P@1']:>8.4f}",
-                      flush=True)
+                      f"{r['best_epoch']!s:>7} {r['last']['P@1']:>8.4f} {r['best']['P@1']:>8.4f}"
+                      f"{every}", flush=True)
     summary = summarise(rows)
     print_summary(summary)
     _common.write_result(args.out, {**meta, "benchmark": "keep_best_rule",
                                     "epochs": args.epochs, "seeds": args.seeds,
+                                    "every_row": args.every_row,
                                     "params": params, "rows": rows,
                                     "summary": summary})
     print(f"wrote {args.out}")

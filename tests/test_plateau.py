@@ -170,14 +170,19 @@ def test_the_cli_type_takes_numbers_and_the_two_names():
 def test_the_memory_plan_counts_the_plateau_rules_copy_and_workspace():
     """From PLATEAU_MIN_ROWS rows the default holds rows out (a copy of the kept ones on the
     host, the loss's logits block on the device); a fixed decay plans neither."""
-    from xmc_engine.config import HELDOUT_LOGITS, PLATEAU_MIN_ROWS, TrainConfig
+    from xmc_engine.config import (
+        HELDOUT_LOGITS,
+        KEEP_BEST_MIN_ROWS,
+        PLATEAU_MIN_ROWS,
+        TrainConfig,
+    )
     from xmc_engine.memory import plan_memory
 
     shape = dict(n_features=100, n_labels=50, nnz=10 * PLATEAU_MIN_ROWS,
                  label_nnz=2 * PLATEAU_MIN_ROWS, budget="8GiB")
     items = plan_memory(TrainConfig(), n_samples=PLATEAU_MIN_ROWS, **shape).pools[0].items
-    assert items["held-out P@1 workspace (plateau)"] == 4 * HELDOUT_LOGITS
-    copy = items["training rows apart from the plateau's held-out ones (a copy)"]
+    assert items["held-out P@1 workspace (plateau, keep_best)"] == 4 * HELDOUT_LOGITS
+    copy = items["training rows apart from the held-out ones (a copy)"]
     assert copy == items["training data (CSR X, Y)"]
     best = items["the best epoch's model (keep_best, back_to_best: P)"]
     assert best == items["host parameter copies (2 x P)"] // 2
@@ -186,11 +191,11 @@ def test_the_memory_plan_counts_the_plateau_rules_copy_and_workspace():
         assert on.pools[0].items["the best epoch's model (keep_best, back_to_best: P)"] == best
     off = plan_memory(TrainConfig(keep_best=False, back_to_best=False),
                       n_samples=PLATEAU_MIN_ROWS, **shape)
-    assert not any("best" in k for k in off.pools[0].items)
+    assert not any(k.startswith("the best epoch's model") for k in off.pools[0].items)
     for cfg, n in ((TrainConfig(lr_decay=0.5), PLATEAU_MIN_ROWS),
-                   (TrainConfig(), PLATEAU_MIN_ROWS - 1)):
-        assert not any("plateau" in k for k in plan_memory(cfg, n_samples=n,
-                                                           **shape).pools[0].items)
+                   (TrainConfig(), KEEP_BEST_MIN_ROWS - 1)):
+        assert not any("held-out" in k for k in plan_memory(cfg, n_samples=n,
+                                                            **shape).pools[0].items)
 
 
 @pytest.mark.parametrize("algorithm, devices", [("single", "cpu"), ("adaptive", "cpu,cpu@0.5")])

@@ -44,6 +44,7 @@ __all__ = [
     "EVAL_ROWS",
     "FLAG_RULES",
     "HELDOUT_LOGITS",
+    "KEEP_BEST_MIN_ROWS",
     "KEEP_BEST_Z",
     "LOSSES",
     "LOSS_PROBE_HELDOUT",
@@ -221,6 +222,13 @@ PLATEAU_STOP_SCALE = 1 / 32
 #: many training rows (where the held-out rows are at most 5 % of them), the fixed decay of
 #: :data:`DEFAULT_LR_DECAY` below, where holding rows out costs more than the rule gains.
 PLATEAU_MIN_ROWS = 40_000
+#: ``TrainConfig.keep_best`` with the fixed decay ``lr_decay="auto"`` gives below
+#: :data:`PLATEAU_MIN_ROWS`: from this many training rows the run holds
+#: :data:`PLATEAU_HOLDOUT_ROWS` of them out of training as the plateau rule does (a tenth at
+#: most), reads their P@1 after each epoch without changing the rate, and ends with the best
+#: epoch's model where the last one is clearly behind it (:data:`KEEP_BEST_Z`). Below it the
+#: run trains every row and ends with its last model.
+KEEP_BEST_MIN_ROWS = PLATEAU_MIN_ROWS
 #: Logits a block of :func:`xmc_engine.model.heldout_hits` holds at most (rows x label chunk,
 #: 64 MiB): the plateau rule's workspace.
 HELDOUT_LOGITS = 1 << 24
@@ -1168,6 +1176,16 @@ class TrainConfig(ConfigMixin):
             return "plateau"
         return (float(self.lr_decay) if self.lr_decay is not None
                 else DEFAULT_LR_DECAY[self.optimizer])
+
+    def holds_out(self, n_train: int, decay: float | str | None = None) -> bool:
+        """Does a run on ``n_train`` training rows hold rows out of training
+        (:func:`xmc_engine.training.hold_out`)? With the plateau rule (``decay``, the value in
+        effect; by default :meth:`lr_decay_for`'s), and with ``lr_decay="auto"`` and
+        ``keep_best`` from :data:`KEEP_BEST_MIN_ROWS` rows on, whatever decay ``"auto"`` gave
+        (a number given for ``lr_decay`` trains every row)."""
+        decay = self.lr_decay_for(n_train) if decay is None else decay
+        return decay == "plateau" or (self.lr_decay == "auto" and self.keep_best
+                                      and n_train >= KEEP_BEST_MIN_ROWS)
 
     @property
     def warmup_epochs(self) -> float:

@@ -299,10 +299,10 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
             _csr_bytes(n_test, test_nnz) + _csr_bytes(n_test, test_label_nnz))
     if cfg.normalize == "l2":  # at most: nothing is copied when every row has norm 1
         add(host, "normalised row values (at most)", int((nnz + test_nnz) * F32))
-    if cfg.lr_decay_for(n_samples) == "plateau":  # training.hold_out copies the rows it keeps
-        add(host, "training rows apart from the plateau's held-out ones (a copy)",
+    if cfg.holds_out(n_samples):  # training.hold_out copies the rows it keeps
+        add(host, "training rows apart from the held-out ones (a copy)",
             _csr_bytes(n_samples, nnz) + _csr_bytes(n_samples, label_nnz))
-        add(p0, "held-out P@1 workspace (plateau)", HELDOUT_LOGITS * F32)
+        add(p0, "held-out P@1 workspace (plateau, keep_best)", HELDOUT_LOGITS * F32)
         if cfg.keep_best or cfg.back_to_best:
             add(host, "the best epoch's model (keep_best, back_to_best: P)", P)
     add(host, "host parameter copies (2 x P)", 2 * P)

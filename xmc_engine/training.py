@@ -142,11 +142,12 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
     decay = cfg.lr_decay_for(n_all)
     cfg = dataclasses.replace(cfg, lr_decay=decay)
     watch = None
-    if decay == "plateau":
+    if given.holds_out(n_all, decay):  # the plateau rule, or keep_best with a fixed decay
         X, Y, held = hold_out(X, Y, cfg.seed) if comm.is_root else (X, Y, None)
         n_samples = X.shape[0]
-        watch = _PlateauWatch(Plateau(), held, comm, keep_best=cfg.keep_best,
-                              back_to_best=cfg.back_to_best)
+        # with a fixed decay the rule only reads: its factor 1 never changes the rate
+        watch = _PlateauWatch(Plateau() if decay == "plateau" else Plateau(factor=1.0), held,
+                              comm, keep_best=cfg.keep_best, back_to_best=cfg.back_to_best)
     probe = probe_fit = None
     if cfg.loss == "auto":  # one choice for every node: rank 0's
         if found is not None and found[1].get("loss") in TRAIN_LOSSES:  # resumed: its loss
@@ -1039,13 +1040,14 @@ def host_params(trainer) -> list[np.ndarray]:
 def hold_out(X, Y, seed: int):
     """``(X_train, Y_train, (X_held, Y_held))``: :data:`~xmc_engine.config.PLATEAU_HOLDOUT_ROWS`
     rows (a tenth of the rows at most) drawn with ``seed`` and taken out of training, for
-    ``lr_decay="plateau"``. The same rows on every call with the same seed (a resumed run)."""
+    ``lr_decay="plateau"`` and ``keep_best`` (:meth:`TrainConfig.holds_out`). The same rows on
+    every call with the same seed (a resumed run)."""
     n = X.shape[0]
     k = min(PLATEAU_HOLDOUT_ROWS, n // 10)
     if k < 1:
         raise ConfigError(f"lr_decay='plateau' holds a tenth of the training rows out of "
                           f"training (at most {PLATEAU_HOLDOUT_ROWS}); {n} rows are too few: "
-                          f"pass a number (e.g. lr_decay=0.5)")
+                          f"pass a number (e.g. lr_decay=0.5) and keep_best=False")
     order = np.random.default_rng([seed, 0x91A7]).permutation(n)
     held = np.sort(order[:k])
     keep = np.sort(order[k:])
@@ -1061,7 +1063,9 @@ class _PlateauWatch:
     the held-out rows (rank 0's; ``heldout`` is None on the other nodes), the
     :class:`~xmc_engine.scheduler.controller.Plateau` rule on its top-1 error (``1 - P@1``:
     lower is better), the rule's multiplier sent from rank 0 to every node, and the trainer's
-    schedule rescaled by it; a ``plateau`` record each time. With ``keep_best``
+    schedule rescaled by it; a ``plateau`` record each time. With a fixed decay and
+    ``keep_best`` (:meth:`TrainConfig.holds_out`) the rule's factor is 1: it reads the
+    held-out P@1 and keeps the best epoch's model, and the rate is never lowered. With ``keep_best``
     (``TrainConfig.keep_best``) every node keeps a host copy of the central model of the best
     epoch so far, and :meth:`finish` puts it back where the last model is clearly worse; with
     ``back_to_best`` (``TrainConfig.back_to_best``) it keeps that copy too, and training goes
@@ -1101,13 +1105,14 @@ class _PlateauWatch:
         copy a new best epoch's model); returns the seconds."""
         t0 = time.perf_counter()
         p1, lowered, scale = self._read_p1(trainer, cfg), False, self.rule.scale
+        improved = False
         if p1 is not None:
-            lowered = self.rule.update(1.0 - p1)
+            improved = not self.rule.update(1.0 - p1)
+            lowered = not improved and self.rule.factor < 1.0
         self.rule.scale = self._root_says(self.rule.scale)  # rank 0 decides for every node
         self.apply(trainer)
-        # the rule keeps the rate exactly when the epoch improved: a new best on every node
-        keeps = self.keep_best or self.back_to_best
-        if keeps and self.rule.scale == scale:
+        improved = bool(self._root_says(float(improved)))  # a new best on every node
+        if (self.keep_best or self.back_to_best) and improved:
             self._copy_best(trainer)
             self.best_epoch, self.best_hits = epoch, self.last_hits
         z = self._margin() if self.back_to_best else None  # logged with back_to_best only
