@@ -272,6 +272,55 @@ def test_keep_best_ends_with_the_best_epochs_model(small, monkeypatch, algorithm
     assert final["metrics"]["P@1"] == pytest.approx(m.evaluate(Xt, Yt)["P@1"])
 
 
+@pytest.mark.parametrize("algorithm, devices", [("single", "cpu"), ("adaptive", "cpu,cpu@0.5")])
+def test_keep_best_with_the_fixed_decay_holds_rows_out_and_never_lowers_the_rate(
+        small, monkeypatch, algorithm, devices):
+    """From KEEP_BEST_MIN_ROWS rows (lowered to this data) ``lr_decay="auto"`` below the plateau
+    rule's threshold keeps its fixed decay and holds rows out for ``keep_best``: the same
+    scripted held-out P@1 as above never changes the rate (each epoch's is ``lr / (1 + 0.5
+    e)``), and the run ends with epoch 2's model."""
+    from xmc_engine import config
+    from xmc_engine.config import DEFAULT_LR_DECAY
+
+    X, Y, _, _ = small
+    monkeypatch.setattr(config, "KEEP_BEST_MIN_ROWS", 10)
+    calls, models = script_heldout(monkeypatch, [0.30, 0.50, 0.40, 0.25])
+    m = XMCClassifier(epochs=4, threads=1, eval_every=0, lr=0.05, loss="softmax",
+                      algorithm=algorithm, devices=devices).fit(X, Y)
+    start = _records(m, "start")[0]
+    held = min(PLATEAU_HOLDOUT_ROWS, X.shape[0] // 10)
+    assert start["lr_decay"] == DEFAULT_LR_DECAY["adagrad"] and start["heldout_rows"] == held
+    assert m.n_train_ == X.shape[0] - held and calls == [held] * 4
+    plateau = _records(m, "plateau")
+    assert [r["lowered"] for r in plateau] == [False] * 3
+    assert [r["lr_scale"] for r in plateau] == [1.0] * 3
+    assert [r["best_p1"] for r in plateau] == pytest.approx([0.30, 0.50, 0.50])
+    lrs = sorted({(r["epoch"], r["lr"]) for r in _records(m, "merge")})
+    assert [lr for _, lr in lrs] == pytest.approx([0.05 / (1 + 0.5 * e) for e in range(4)])
+    kept, = _records(m, "keep_best")
+    assert kept["restored"] and kept["best_epoch"] == 2
+    for got, want in zip(m.params_, models[1], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kw, threshold, why", [
+    (dict(lr_decay=0.5), 10, "a decay given trains every row"),
+    (dict(keep_best=False), 10, "keep_best off"),
+    ({}, 601, "fewer training rows than KEEP_BEST_MIN_ROWS"),
+])
+def test_the_fixed_decay_holds_no_rows_out(small, monkeypatch, kw, threshold, why):
+    from xmc_engine import config
+
+    X, Y, _, _ = small
+    monkeypatch.setattr(config, "KEEP_BEST_MIN_ROWS", threshold)
+    calls, _ = script_heldout(monkeypatch, [])
+    m = XMCClassifier(epochs=2, threads=1, eval_every=0, lr=0.05, loss="softmax",
+                      **kw).fit(X, Y)
+    assert _records(m, "start")[0]["heldout_rows"] == 0, why
+    assert m.n_train_ == X.shape[0] and calls == [], why
+    assert not _records(m, "plateau") and not _records(m, "keep_best"), why
+
+
 def test_the_margin_is_the_paired_difference_in_standard_errors():
     a = np.array([1, 1, 0, 0, 1, 0, 1, 1], dtype=bool)
     b = np.array([1, 0, 0, 0, 1, 0, 0, 1], dtype=bool)
