@@ -150,6 +150,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the defaults at each --widths hidden width on --datasets, evaluated "
                    "at each --epochs")
     h.add_argument("--widths", type=int, nargs="+", default=list(HIDDENS))
+    b = p.add_argument_group("batch study (--batch-study: instead of the grid)")
+    b.add_argument("--batch-study", action="store_true",
+                   help="the defaults at each --batches batch size on --datasets, evaluated "
+                   "at each --epochs")
+    b.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     q = p.add_argument_group("learning-rate probe study (--lr-probe-study: instead of the grid)")
     q.add_argument("--lr-probe-study", action="store_true",
                    help="would a short probe pick the learning rate better than the default? "
@@ -477,6 +482,19 @@ def width_study(args, meta) -> int:
                         _width_label({"hidden": TrainConfig().hidden}), "defaults_width")
 
 
+def _batch_label(c: dict) -> str:
+    return f"batch={c['batch_size']}"
+
+
+def batch_study(args, meta) -> int:
+    """The defaults at each batch size of ``--batches`` (:func:`config_study`)."""
+    from xmc_engine.config import TrainConfig
+
+    configs = [{"batch_size": b} for b in args.batches]
+    return config_study(args, meta, configs, _batch_label,
+                        _batch_label({"batch_size": TrainConfig().batch_size}), "defaults_batch")
+
+
 def config_study(args, meta, configs: list[dict], label, default: str, benchmark: str) -> int:
     """Each of ``configs`` (``XMCClassifier`` keywords; the defaults otherwise) on every dataset
     at each of ``--epochs`` (one run of ``max(--epochs)`` epochs per configuration and seed,
@@ -697,6 +715,8 @@ def main(argv=None) -> int:
         return decay_study(args, meta)
     if args.width_study:
         return width_study(args, meta)
+    if args.batch_study:
+        return batch_study(args, meta)
     if args.schedule_study:
         return schedule_study(args, meta)
     if args.normalize_study:
