@@ -14,7 +14,8 @@ not know. The events the engine writes:
     ones resolved: ``adaptive``'s ``row_weights``, ``label_weights`` and
     ``weights_from_epoch``), ``lr``, ``lr_decay`` (a number, or ``"plateau"``) and
     ``warmup_epochs`` (the values in effect, defaults resolved), ``heldout_rows`` (the training
-    rows the plateau rule holds out of training, 0 without it; ``n_samples`` counts the rest),
+    rows the plateau rule, or ``keep_best`` from ``KEEP_BEST_MIN_ROWS`` rows, holds out of
+    training, 0 without them; ``n_samples`` counts the rest),
     ``n_samples``, ``n_features``, ``n_labels``, ``devices`` (one object per device: ``kind``,
     ``index``, ``speed``, ``threads``), ``resumed`` (whether the run continues from a checkpoint)
     with ``samples`` and ``epoch`` (where it starts: 0 for a new run).
@@ -53,7 +54,9 @@ not know. The events the engine writes:
     training samples consumed), ``train_time`` (training seconds only; evaluation excluded),
     ``eval_time`` (seconds this evaluation took), ``metrics`` (``{"P@1": ..., ...}``).
 ``plateau``
-    With ``lr_decay="plateau"``, after each whole epoch but the last: ``epoch`` (epochs done),
+    With held-out rows (``lr_decay="plateau"``, or ``keep_best`` with ``"auto"``'s fixed decay
+    from ``KEEP_BEST_MIN_ROWS`` rows, where ``lowered`` is always false and ``lr_scale`` 1),
+    after each whole epoch but the last: ``epoch`` (epochs done),
     ``heldout_p1`` (the central model's P@1 on the held-out rows; ``null`` on MPI ranks other
     than 0), ``best_p1`` (the highest so far), ``lowered`` (whether the rate was just
     multiplied by ``PLATEAU_FACTOR``), ``lr_scale`` (the multiplier now in effect), ``seconds``
@@ -107,7 +110,7 @@ not know. The events the engine writes:
     ``PLATEAU_STOP_SCALE`` and training ends before ``epochs``: ``epoch``, ``samples``,
     ``train_time``, ``lr_scale``, ``stop_scale``, ``best_p1`` (the best held-out P@1).
 ``keep_best``
-    With ``lr_decay="plateau"`` and ``keep_best`` (the default), once after training, before
+    With held-out rows and ``keep_best`` (the default), once after training, before
     the final evaluation: ``epoch`` (epochs trained), ``heldout_p1`` (the last model's P@1 on
     the held-out rows; ``null`` on MPI ranks other than 0, and where no epoch before the last
     was read: a run of one epoch has no earlier model to keep), ``best_p1`` and ``best_epoch``

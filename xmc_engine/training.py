@@ -1047,7 +1047,7 @@ def hold_out(X, Y, seed: int):
     if k < 1:
         raise ConfigError(f"lr_decay='plateau' holds a tenth of the training rows out of "
                           f"training (at most {PLATEAU_HOLDOUT_ROWS}); {n} rows are too few: "
-                          f"pass a number (e.g. lr_decay=0.5) and keep_best=False")
+                          f"pass a number (e.g. lr_decay=0.5)")
     order = np.random.default_rng([seed, 0x91A7]).permutation(n)
     held = np.sort(order[:k])
     keep = np.sort(order[k:])
@@ -1063,9 +1063,9 @@ class _PlateauWatch:
     the held-out rows (rank 0's; ``heldout`` is None on the other nodes), the
     :class:`~xmc_engine.scheduler.controller.Plateau` rule on its top-1 error (``1 - P@1``:
     lower is better), the rule's multiplier sent from rank 0 to every node, and the trainer's
-    schedule rescaled by it; a ``plateau`` record each time. With a fixed decay and
-    ``keep_best`` (:meth:`TrainConfig.holds_out`) the rule's factor is 1: it reads the
-    held-out P@1 and keeps the best epoch's model, and the rate is never lowered. With ``keep_best``
+    schedule rescaled by it; a ``plateau`` record each time (with a fixed decay and
+    ``keep_best``, :meth:`TrainConfig.holds_out`, the rule's factor is 1: the rate is never
+    lowered, the readings only choose the best epoch's model). With ``keep_best``
     (``TrainConfig.keep_best``) every node keeps a host copy of the central model of the best
     epoch so far, and :meth:`finish` puts it back where the last model is clearly worse; with
     ``back_to_best`` (``TrainConfig.back_to_best``) it keeps that copy too, and training goes
