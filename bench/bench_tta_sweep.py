@@ -9,7 +9,9 @@ evaluates every ``--eval-every`` epochs (on several devices: at the next merge b
 to ``--target`` is interpolated between evaluations (``_tta.time_to_target``). Seeds run in the
 outer loop, so that a drift of the machine's speed falls on every configuration alike. The table
 gives, per configuration, the median and quartiles of the time over seeds, the median epoch of
-the first evaluation at or above the target, and the final P@1.
+the first evaluation at or above the target, and the final P@1. The results file is written
+after every seed (``"complete": false`` until the last one), so a sweep stopped early keeps the
+seeds it finished.
 
 The committed runs (``bench/results/tta_sweep/``; the targets and learning rates are the
 committed study's, ``bench/results/tta/*_2dev.json``)::
@@ -229,11 +231,27 @@ def main(argv=None) -> int:
             acc.append({"seed": seed, "lr": r["lr"], "best_P@1": r["best_P@1"],
                         "final_P@1": r["final"]["P@1"],
                         "rows_single_share": r["rows_single_share"], "curve": r["curve"]})
+        # the seeds done so far on disk (complete: false until the last), so that a sweep
+        # stopped early keeps them
+        last = seed == args.seeds[-1]
+        target, rows = sweep_rows(configs, runs, args.target, args.target_frac)
+        path = _common.write_result(out, {
+            **meta, "benchmark": "tta_sweep", "target_P@1": target, "complete": last,
+            "args": {k: v for k, v in vars(args).items() if k not in ("config", "methods")},
+            "device_sets": args.methods, "rows": rows})
         print(f"  seed {seed} done", flush=True)
-    target = args.target
+    print_tables(rows, target)
+    print(f"wrote {path}")
+    return 0
+
+
+def sweep_rows(configs, runs, target, target_frac):
+    """``(target, rows)`` of a sweep's runs so far: ``target`` (``None``: ``target_frac`` x the
+    best configuration's median best P@1) and per configuration its time to it (median and
+    quartiles over seeds), the median epoch at it, the final P@1s and the runs themselves."""
     if target is None:
-        target = args.target_frac * max(float(np.median([x["best_P@1"] for x in acc]))
-                                        for acc in runs)
+        target = target_frac * max(float(np.median([x["best_P@1"] for x in acc]))
+                                   for acc in runs)
     rows = []
     for cfg, acc in zip(configs, runs, strict=True):
         for x in acc:
@@ -249,13 +267,7 @@ def main(argv=None) -> int:
                      "final_P@1": float(np.median(finals)), "final_P@1_runs": finals,
                      "rows_single_share": float(np.mean(shares)) if shares else None,
                      "runs": acc})
-    print_tables(rows, target)
-    path = _common.write_result(out, {
-        **meta, "benchmark": "tta_sweep", "target_P@1": target,
-        "args": {k: v for k, v in vars(args).items() if k not in ("config", "methods")},
-        "device_sets": args.methods, "rows": rows})
-    print(f"wrote {path}")
-    return 0
+    return target, rows
 
 
 def by_setup(rows):

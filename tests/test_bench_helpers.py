@@ -845,3 +845,37 @@ def test_merges_in_runs_alternate_the_split_of_w1_s_rows(monkeypatch):
         assert abs(len(r["split_merge_ms"]) - len(r["one_pass_merge_ms"])) <= 1
         assert min(r["split_merge_ms"] + r["one_pass_merge_ms"]) > 0
     assert merge.SHARD_MIN_VALUES == engine and base.merge_changed_rows is spy
+
+
+def test_a_sweep_writes_each_seed_as_it_ends_so_a_stopped_sweep_keeps_them(tmp_path, monkeypatch):
+    """After every seed the sweep's file holds the runs so far (``complete`` false until the
+    last seed): a sweep stopped in seed 2 leaves seeds 0 and 1 of every configuration, their
+    times read against the target of what is there; a whole sweep ends ``complete``."""
+    import bench_tta_sweep
+
+    def fake_run(m, data, *, seed, **kw):
+        if seed == 2 and stop["at"]:
+            raise KeyboardInterrupt
+        t = 1.0 + seed if m.algorithm == "adaptive" else 4.0 + seed
+        return {"lr": 0.05, "best_P@1": 0.5, "final": {"P@1": 0.5}, "rows_single_share": None,
+                "curve": [(t, 1.0, 0.5, 0, 0)]}
+
+    monkeypatch.setattr(bench_tta_sweep._tta, "load_data", lambda name: (None, None, None, None))
+    monkeypatch.setattr(bench_tta_sweep._tta, "run_method", fake_run)
+    out = tmp_path / "sweep.json"
+    argv = ["--data", "x", "--seeds", "0", "1", "2", "--out", str(out),
+            "--config", '{"algorithm": "adaptive", "devices": "cpu,cpu"}',
+            "--config", '{"algorithm": "single", "devices": "cpu"}']
+    stop = {"at": True}
+    with pytest.raises(KeyboardInterrupt):
+        bench_tta_sweep.main(argv)
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False and saved["target_P@1"] == pytest.approx(0.97 * 0.5)
+    assert [[r["seed"] for r in row["runs"]] for row in saved["rows"]] == [[0, 1], [0, 1]]
+    assert [row["median_time_to_target_s"] for row in saved["rows"]] == [
+        pytest.approx(1.5 * 0.97), pytest.approx(4.5 * 0.97)]
+    stop["at"] = False
+    assert bench_tta_sweep.main(argv) == 0
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is True
+    assert [len(row["runs"]) for row in saved["rows"]] == [3, 3]
