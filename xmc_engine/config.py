@@ -230,7 +230,7 @@ PLATEAU_MIN_ROWS = 40_000
 #: run trains every row and ends with its last model. Kept at the plateau rule's threshold by
 #: ``bench/bench_keep_best.py --every-row`` (``bench/RESULTS.md``, "Defaults", "The best
 #: epoch's model below 40,000 rows"): at 10 epochs on ten sets of 4,500-30,000 rows the held-out
-#: rows cost 0.003-0.015 P@1 on nine, and keeping the best epoch won it back only on rcv1sub1
+#: rows cost 0.001-0.015 P@1 on nine, and keeping the best epoch won it back only on rcv1sub1
 #: (level) and debian_builddeps (P@1 +0.0025, but P@3 -0.009 and P@5 -0.013).
 KEEP_BEST_MIN_ROWS = PLATEAU_MIN_ROWS
 #: Logits a block of :func:`xmc_engine.model.heldout_hits` holds at most (rows x label chunk,
