@@ -25,7 +25,7 @@ one more run per dataset, epochs and seed trains every row and ends with its las
 threshold set above the data's rows), scored as the rule ``every row``:
 
     python bench/bench_keep_best.py --every-row --datasets debian_builddeps delicious \
-        --epochs 10 --seeds 0 1 2 --out bench/results/keep_best_small.json
+        --epochs 10 --seeds 0 1 2 --out bench/results/keep_best_small/big.json
 
 Names: a shared dataset, a shape of ``bench_defaults.py`` (``synth100k``) or
 ``synthetic:N_TRAIN:N_FEATURES:N_LABELS``.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from unittest import mock
 
 import _common
 import bench_defaults
@@ -55,12 +56,9 @@ def run_every_row(data, epochs: float, seed: int, **params) -> dict:
     if X.shape[0] >= config.PLATEAU_MIN_ROWS:
         raise SystemExit(f"--every-row: {X.shape[0]} training rows have the plateau rule, "
                          f"which holds rows out whatever keep_best says")
-    real = config.KEEP_BEST_MIN_ROWS
-    config.KEEP_BEST_MIN_ROWS = X.shape[0] + 1  # read by TrainConfig.holds_out at the run
-    try:
+    # read by TrainConfig.holds_out when the run starts
+    with mock.patch.object(config, "KEEP_BEST_MIN_ROWS", X.shape[0] + 1):
         clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
-    finally:
-        config.KEEP_BEST_MIN_ROWS = real
     if any(r["event"] == "keep_best" for r in clf.history_):
         raise SystemExit("--every-row: the run held rows out")
     m = clf.evaluate(X_test, Y_test, ks=(1, 3, 5))
@@ -78,21 +76,19 @@ def run_one(data, epochs: float, seed: int, every_row: bool = False, **params) -
 
     X, Y, X_test, Y_test = data
     real_z, real_finish, seen = config.KEEP_BEST_Z, training._PlateauWatch.finish, {}
-    real_min = config.KEEP_BEST_MIN_ROWS
 
     def finish(self, trainer, *args, **kw):
         seen["last"] = training.host_params(trainer)
         return real_finish(self, trainer, *args, **kw)
 
     config.KEEP_BEST_Z = -math.inf  # read by the driver when the run ends
-    if every_row:
-        config.KEEP_BEST_MIN_ROWS = 0
     training._PlateauWatch.finish = finish
+    threshold = 0 if every_row else config.KEEP_BEST_MIN_ROWS
     try:
-        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
+        with mock.patch.object(config, "KEEP_BEST_MIN_ROWS", threshold):
+            clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
     finally:
         config.KEEP_BEST_Z, training._PlateauWatch.finish = real_z, real_finish
-        config.KEEP_BEST_MIN_ROWS = real_min
     h = clf.history_
     kept = next((r for r in h if r["event"] == "keep_best"), None)
     if kept is None:
