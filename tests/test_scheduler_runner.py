@@ -87,6 +87,37 @@ def test_one_device_equals_plain_loop(mode):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("algorithm,short", [("single", [6]), ("adaptive", [6]),
+                                             ("average", [3, 3])])
+def test_a_short_batch_steps_at_the_rate_of_its_rows(algorithm, short):
+    """An epoch of 70 rows at batch 8 ends with a batch of 6 rows (``average``'s equal quotas:
+    35 rows a device, the last 3 of each a batch): it steps at 6/8 of the rate, so that each of
+    its rows moves the model as much as a row of a full batch (a step is its rows' mean);
+    every full batch steps at the full rate."""
+    spec = "cpu" if algorithm == "single" else "cpu,cpu@0.5"
+    n, B, lr = 70, 8, 0.1
+    extra = {"b_min": B} if algorithm == "adaptive" else {}
+    tr, reps = make(spec, n, algorithm=algorithm, merge_period=4096, batch_size=B, lr=lr,
+                    warmup_epochs=0, lr_decay=0.0, **extra)
+    with tr:
+        tr.run_epoch(0)
+    steps = [(len(rows), step_lr) for rep in reps for rows, step_lr in rep.history]
+    assert sum(k for k, _ in steps) == n
+    assert sorted(k for k, _ in steps if k < B) == short
+    for k, step_lr in steps:
+        assert step_lr == pytest.approx(lr * k / B)
+
+
+@pytest.mark.parametrize("scaling,factor", [("linear", 0.25), ("sqrt", 0.5), ("none", 1.0)])
+def test_adaptive_scales_a_short_batch_by_its_lr_scaling(scaling, factor):
+    """Adaptive SGD's short batch follows the rule its devices' batches follow
+    (``lr_scaling``): the rate of a batch of 2 rows against one of 8."""
+    from xmc_engine.algorithms import get_algorithm
+
+    pol = get_algorithm("adaptive", lr_scaling=scaling)
+    assert pol.batch_lr(0.2, 2, 8) == pytest.approx(0.2 * factor)
+
+
 def period_updates(log, epoch):
     return [[d["updates"] for d in f["devices"]] for e, f in log.events
             if e == "merge" and f["epoch"] == epoch]

@@ -19,8 +19,9 @@ from xmc_engine.training import checkpoint_extra, host_params, restore_trainer
 
 def test_each_device_steps_with_the_schedule_times_its_batch_share():
     """Adaptive SGD, arXiv 2110.07029 §III-C: device ``i`` steps with ``lr(t) b_i / B`` where
-    ``lr(t)`` is the run's schedule at the end of the period; checked on the learning rates the
-    replicas actually received, period by period, while the batch sizes adapt."""
+    ``lr(t)`` is the run's schedule at the end of the period, and a batch shorter than ``b_i``
+    with ``lr(t) rows / B``; checked on the learning rates the replicas actually received,
+    period by period, while the batch sizes adapt."""
     n, B, lr0 = 6000, 64, 0.2
     schedule = Schedule(lr0, warmup_epochs=0.5, decay=1.0)
     devs = parse_devices("cpu,cpu@0.5,cpu@0.25", cores=3)
@@ -40,9 +41,9 @@ def test_each_device_steps_with_the_schedule_times_its_batch_share():
             steps = reps[i].history[starts[i]:starts[i] + d["updates"]]
             starts[i] += d["updates"]
             assert d["lr"] == pytest.approx(m["lr"] * d["batch_size"] / B, rel=1e-12)
-            for rows, lr in steps:
-                assert lr == pytest.approx(m["lr"] * d["batch_size"] / B, rel=1e-12)
+            for rows, lr in steps:  # a short batch at the rate of its rows (batch_lr)
                 assert len(rows) <= d["batch_size"]
+                assert lr == pytest.approx(m["lr"] * len(rows) / B, rel=1e-12)
             adapted |= d["batch_size"] != B
     assert starts == [len(r.history) for r in reps]
     assert adapted  # the faster device's batch grew: b_i / B was not 1 throughout

@@ -29,7 +29,7 @@ from xmc_engine.algorithms.base import Policy
 from xmc_engine.backends.base import empty_like
 from xmc_engine.distributed import combine_nodes
 from xmc_engine.errors import ConfigError, DivergenceError
-from xmc_engine.scheduler.controller import BatchSizeController
+from xmc_engine.scheduler.controller import BatchSizeController, batch_lr_factor
 from xmc_engine.scheduler.merge import (
     TAIL_MAX_POSITIVES,
     NormTrend,
@@ -111,6 +111,12 @@ class AdaptiveSGD(Policy):
         """``lr_i = lr(t) b_i / B``: linear scaling with each device's batch (§III-C), or the
         rule of ``lr_scaling``."""
         return self.controller.learning_rates(lr, self.config.lr_scaling)
+
+    def batch_lr(self, lr: float, n_rows: int, batch_size: int) -> float:
+        """A short batch's rate by the rule of ``lr_scaling`` (the rate of a batch of
+        ``n_rows`` rows), as for the devices' batches: with the default linear scaling the
+        base policy's ``lr * n_rows / batch_size``."""
+        return lr * batch_lr_factor(n_rows, batch_size, self.config.lr_scaling)
 
     def solo_device(self, replicas: Sequence, progress: float,
                     alive: Sequence[bool]) -> int | None:

@@ -104,7 +104,11 @@ class SyncSGD(Policy):
         if total:
             g = reduce_gradients([x[1] if x is not None else None for x in got], weights,
                                  self.backend)
-            ctx.run_on_devices(lambda i: replicas[i].apply_grads(g, ctx.lrs[i]))
+            # a global batch short of the devices' batches (the epoch's last rows) steps at
+            # the rate of its rows (Policy.batch_lr)
+            full = sum(b for b, x in zip(self.batch_sizes(), got, strict=True) if x is not None)
+            scale = self.batch_lr(1.0, total, full) if total < full else 1.0
+            ctx.run_on_devices(lambda i: replicas[i].apply_grads(g, ctx.lrs[i] * scale))
         self._live = min(i for i in range(self.n_devices) if i not in ctx.excluded)
         return {"weights": weights, "nonfinite": []}
 

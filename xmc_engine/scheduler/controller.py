@@ -17,7 +17,7 @@ from xmc_engine.config import BATCH_RULES, LR_SCALINGS, PLATEAU_FACTOR, PLATEAU_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchSizeController", "Plateau", "Schedule", "learning_rate"]
+__all__ = ["BatchSizeController", "Plateau", "Schedule", "batch_lr_factor", "learning_rate"]
 
 
 def learning_rate(lr0: float, progress: float, *, warmup_epochs: float = 0.0,
@@ -92,6 +92,19 @@ class Plateau:
         return True
 
 
+def batch_lr_factor(b: int, base: int, scaling: str = "linear") -> float:
+    """A batch of ``b`` rows steps at ``lr(t) x`` this factor, ``lr(t)`` being the rate of a batch
+    of ``base`` rows: ``b / base`` (``scaling="linear"``, arXiv 2110.07029 §III-C),
+    ``sqrt(b / base)`` (``"sqrt"``) or 1 (``"none"``)."""
+    if scaling == "linear":
+        return b / base
+    if scaling == "sqrt":
+        return math.sqrt(b / base)
+    if scaling == "none":
+        return 1.0
+    raise ValueError(f"learning-rate scaling {scaling!r}: choose one of {', '.join(LR_SCALINGS)}")
+
+
 class BatchSizeController:
     """Batch size ``b_i`` of every device, updated after each merge period.
 
@@ -139,14 +152,7 @@ class BatchSizeController:
     def learning_rates(self, lr: float, scaling: str = "linear") -> list[float]:
         """Per-device ``lr_i = lr(t) * b_i / B`` (``scaling="linear"``, arXiv 2110.07029
         §III-C), ``lr(t) * sqrt(b_i / B)`` (``"sqrt"``) or ``lr(t)`` (``"none"``)."""
-        if scaling == "linear":
-            return [lr * b / self.batch_size for b in self.batch_sizes]
-        if scaling == "sqrt":
-            return [lr * math.sqrt(b / self.batch_size) for b in self.batch_sizes]
-        if scaling == "none":
-            return [lr] * self.n_devices
-        raise ValueError(f"learning-rate scaling {scaling!r}: choose one of "
-                         f"{', '.join(LR_SCALINGS)}")
+        return [lr * batch_lr_factor(b, self.batch_size, scaling) for b in self.batch_sizes]
 
     def update(self, progress: float, updates: Sequence[int], samples: Sequence[int],
                busy_s: Sequence[float]) -> list[int]:

@@ -467,8 +467,14 @@ class Trainer:
         return rows
 
     def _step(self, i: int, rows, lr: float) -> tuple[float, float]:
-        """One step of device ``i`` (the policy's ``step``); returns ``(loss, wall seconds)``."""
+        """One step of device ``i`` (the policy's ``step``) at rate ``lr``, the rate of the
+        device's batch, or for a batch shorter than that (the last rows of an epoch, a
+        period's truncated batch) the policy's :meth:`~xmc_engine.algorithms.base.Policy.batch_lr`
+        of its rows; returns ``(loss, wall seconds)``."""
         rep = self.replicas[i]
+        b = self.queue.account.batch_sizes[i]
+        if len(rows) < b:
+            lr = self.policy.batch_lr(lr, len(rows), b)
         t0 = time.perf_counter()
         if self.faults is not None:
             self.faults.before_step(i)
