@@ -942,7 +942,8 @@ class TrainConfig(ConfigMixin):
         default): one network. Measured: ``bench/RESULTS.md``, "Ensembles".
     batch_size : int
         ``B``: every device's batch on one device and during warm-up; the base of Adaptive
-        SGD's per-device batches.
+        SGD's per-device batches. A shorter batch (an epoch's last rows) steps at the rate of
+        its rows (:meth:`~xmc_engine.algorithms.base.Policy.batch_lr`).
     lr, lr_warmup_epochs : float; lr_decay : float, str or None
         The learning-rate schedule of every algorithm
         (:class:`~xmc_engine.scheduler.controller.Schedule`): a linear ramp over
