@@ -879,3 +879,15 @@ def test_a_sweep_writes_each_seed_as_it_ends_so_a_stopped_sweep_keeps_them(tmp_p
     saved = json.loads(out.read_text())
     assert saved["complete"] is True
     assert [len(row["runs"]) for row in saved["rows"]] == [3, 3]
+
+
+def test_short_batch_drops_count_epoch_ends_and_mid_epoch_apart():
+    """``bench_short_batch.drops``: a fall of more than the threshold from the evaluation
+    before, counted at whole epochs and between them, with the largest fall at an epoch end."""
+    from bench_short_batch import drops
+
+    curve = [(0.5, 0.80), (1.0, 0.70), (1.5, 0.79), (1.75, 0.75), (2.0, 0.745), (2.5, 0.76)]
+    out = drops(curve, 0.02)
+    assert out == {"end": 1, "end_n": 2, "mid": 1, "mid_n": 3,
+                   "largest_end": pytest.approx(0.10)}
+    assert drops(curve, 0.2) == {**out, "end": 0, "mid": 0}
