@@ -75,20 +75,18 @@ def run_one(data, epochs: float, seed: int, every_row: bool = False, **params) -
     from xmc_engine import XMCClassifier
 
     X, Y, X_test, Y_test = data
-    real_z, real_finish, seen = config.KEEP_BEST_Z, training._PlateauWatch.finish, {}
+    real_finish, seen = training._PlateauWatch.finish, {}
 
     def finish(self, trainer, *args, **kw):
         seen["last"] = training.host_params(trainer)
         return real_finish(self, trainer, *args, **kw)
 
-    config.KEEP_BEST_Z = -math.inf  # read by the driver when the run ends
-    training._PlateauWatch.finish = finish
     threshold = 0 if every_row else config.KEEP_BEST_MIN_ROWS
-    try:
-        with mock.patch.object(config, "KEEP_BEST_MIN_ROWS", threshold):
-            clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
-    finally:
-        config.KEEP_BEST_Z, training._PlateauWatch.finish = real_z, real_finish
+    # KEEP_BEST_Z is read by the driver when the run ends, KEEP_BEST_MIN_ROWS when it starts
+    with mock.patch.object(config, "KEEP_BEST_Z", -math.inf), \
+            mock.patch.object(config, "KEEP_BEST_MIN_ROWS", threshold), \
+            mock.patch.object(training._PlateauWatch, "finish", finish):
+        clf = XMCClassifier(epochs=epochs, seed=seed, eval_every=0, **params).fit(X, Y)
     h = clf.history_
     kept = next((r for r in h if r["event"] == "keep_best"), None)
     if kept is None:
