@@ -38,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import _tta  # noqa: E402
 
-from xmc_engine.algorithms.adaptive import AdaptiveSGD  # noqa: E402
+from xmc_engine.algorithms import POLICIES  # noqa: E402
 from xmc_engine.algorithms.base import Policy  # noqa: E402
 
 RULES = ("rows", "full")  # the engine's rule; the full rate
+#: ``--single``: the batch and rate ``cpu,cpu@0.5``'s fast device adapts to on debian_builddeps
+SINGLE_BATCH, SINGLE_LR = 160, 0.1667
 
 
 def full_rate(self, lr, n_rows, batch_size):
@@ -55,9 +57,10 @@ def fit_curve(Xtr, Ytr, Xte, Yte, rule: str, **params) -> list[tuple[float, floa
 
     clf = XMCClassifier(continue_probe=False, **params)
     with contextlib.ExitStack() as stack:
-        if rule == "full":  # every policy class that has its own rule
-            for cls in (Policy, AdaptiveSGD):
-                stack.enter_context(mock.patch.object(cls, "batch_lr", full_rate))
+        if rule == "full":  # the base rule and every policy's own
+            for cls in {Policy, *POLICIES.values()}:
+                if "batch_lr" in vars(cls):
+                    stack.enter_context(mock.patch.object(cls, "batch_lr", full_rate))
         clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     return [(float(r["epoch"]), float(r["metrics"]["P@1"])) for r in clf.history_
             if r.get("event") == "eval"]
@@ -79,16 +82,17 @@ def drops(curve, threshold: float) -> dict:
 
 def run_single(args, data) -> dict:
     Xtr, Ytr, Xte, Yte = data
-    b = 160
+    b = SINGLE_BATCH
     n = (Xtr.shape[0] - args.last_rows) // b * b + args.last_rows
     runs = {}
     for rule in RULES:
         curve = fit_curve(Xtr[:n], Ytr[:n], Xte, Yte, rule, epochs=args.epochs, devices="cpu",
-                          algorithm="single", seed=0, batch_size=b, lr=0.1667, lr_decay=0.0,
+                          algorithm="single", seed=0, batch_size=b, lr=SINGLE_LR, lr_decay=0.0,
                           loss="softmax", keep_best=False, eval_every=0.125)
         runs[rule] = {"curve": curve, "drops": drops(curve, args.drop)}
         print(f"  {rule}: done", flush=True)
-    return {"rows": n, "batch_size": b, "lr": 0.1667, "last_rows": args.last_rows, "runs": runs}
+    return {"rows": n, "batch_size": b, "lr": SINGLE_LR, "last_rows": args.last_rows,
+            "runs": runs}
 
 
 def run_devices(args, data) -> dict:
