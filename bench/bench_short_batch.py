@@ -22,12 +22,19 @@ P@1.
     python bench/bench_short_batch.py --devices cpu,cpu@0.5 --seeds 0 1 2 3 4 5 6 7 \\
         --out bench/results/short_batch/adaptive_2.json
     python bench/bench_short_batch.py --from-results bench/results/short_batch/adaptive_2.json
+
+``--sweep-drops JSON ...``: the same counts read from the saved curves of
+``bench/bench_tta_sweep.py`` result files, per algorithm and device set, every file together.
+
+    python bench/bench_short_batch.py \\
+        --sweep-drops bench/results/ten_epochs_step3/*_short_batch_fix.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 from unittest import mock
@@ -126,15 +133,46 @@ def print_result(res: dict) -> None:
           "| final P@1 median [min, max] | best P@1 median |")
     print("|---|---|---|---|---|---|")
     for rule, rs in res["runs"].items():
-        end = sum(r["drops"]["end"] for r in rs)
-        end_n = sum(r["drops"]["end_n"] for r in rs)
-        mid = sum(r["drops"]["mid"] for r in rs)
-        mid_n = sum(r["drops"]["mid_n"] for r in rs)
-        largest = max(r["drops"]["largest_end"] for r in rs)
+        t = total_drops([r["drops"] for r in rs])
         fin = [r["final_P@1"] for r in rs]
-        print(f"| {rule} | {end} of {end_n} | {mid} of {mid_n} | {largest:.4f} | "
+        print(f"| {rule} | {t['end']} of {t['end_n']} | {t['mid']} of {t['mid_n']} | "
+              f"{t['largest_end']:.4f} | "
               f"{np.median(fin):.4f} [{min(fin):.4f}, {max(fin):.4f}] | "
               f"{np.median([r['best_P@1'] for r in rs]):.4f} |")
+
+
+def total_drops(counts) -> dict:
+    """Several runs' :func:`drops` together: the counts summed, the largest fall the largest."""
+    counts = list(counts)
+    out = {k: sum(c[k] for c in counts) for k in ("end", "end_n", "mid", "mid_n")}
+    out["largest_end"] = max((c["largest_end"] for c in counts), default=0.0)
+    return out
+
+
+def sweep_drops(paths, threshold: float) -> dict:
+    """:func:`drops` over the saved curves (``[seconds, epoch, P@1, ...]``) of
+    ``bench_tta_sweep.py`` result files, summed per (algorithm, device set) across the files."""
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for path in paths:
+        res = json.loads(Path(path).read_text(encoding="utf-8"))
+        if res.get("benchmark") != "tta_sweep":
+            raise SystemExit(f"--sweep-drops: {path} is not a bench_tta_sweep.py result "
+                             f"(benchmark {res.get('benchmark')!r})")
+        for row in res["rows"]:
+            key = (row["config"]["algorithm"], row["config"]["devices"])
+            runs.setdefault(key, []).extend(
+                drops([(c[1], c[2]) for c in run["curve"]], threshold) for run in row["runs"])
+    return {key: total_drops(counts) for key, counts in runs.items()}
+
+
+def print_sweep_drops(paths, threshold: float) -> None:
+    totals = sweep_drops(paths, threshold)
+    print(f"# more than {threshold} P@1 below the evaluation before, from {len(paths)} file(s)\n")
+    print("| algorithm | devices | epoch-end drops | mid-epoch drops | largest epoch-end drop |")
+    print("|---|---|---|---|---|")
+    for (algo, devices), t in totals.items():
+        print(f"| {algo} | `{devices}` | {t['end']} of {t['end_n']} | {t['mid']} of "
+              f"{t['mid_n']} | {t['largest_end']:.4f} |")
 
 
 def main(argv=None) -> int:
@@ -150,8 +188,13 @@ def main(argv=None) -> int:
     p.add_argument("--test-rows", type=int, default=3000)
     p.add_argument("--drop", type=float, default=0.02)
     p.add_argument("--out", default=None)
+    p.add_argument("--sweep-drops", nargs="+", metavar="JSON", default=None,
+                   help="count the drops in bench_tta_sweep.py result files instead of training")
     _common.add_from_results_arg(p)
     args = p.parse_args(argv)
+    if args.sweep_drops:
+        print_sweep_drops(args.sweep_drops, args.drop)
+        return 0
     if _common.print_saved(args.from_results, print_result):
         return 0
     meta = _common.result_metadata()

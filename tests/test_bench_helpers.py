@@ -891,3 +891,33 @@ def test_short_batch_drops_count_epoch_ends_and_mid_epoch_apart():
     assert out == {"end": 1, "end_n": 2, "mid": 1, "mid_n": 3,
                    "largest_end": pytest.approx(0.10)}
     assert drops(curve, 0.2) == {**out, "end": 0, "mid": 0}
+
+
+def test_sweep_drops_sums_each_algorithm_and_device_set_over_files(tmp_path):
+    """``bench_short_batch.sweep_drops``: the drops of every run of a ``bench_tta_sweep.py``
+    result, from its curves' (epoch, P@1) columns, summed per algorithm and device set across
+    files; a file of another benchmark is refused by name."""
+    from bench_short_batch import sweep_drops
+
+    def row(algo, devices, curves):
+        return {"config": {"algorithm": algo, "devices": devices},
+                "runs": [{"curve": [[0.1 * i, e, p, 0.0] for i, (e, p) in enumerate(c)]}
+                         for c in curves]}
+
+    fall_at_end = [(0.5, 0.80), (1.0, 0.70), (1.5, 0.79)]
+    level = [(0.5, 0.80), (1.0, 0.79), (1.5, 0.75)]
+    a = tmp_path / "a.json"
+    b = tmp_path / "b.json"
+    a.write_text(json.dumps({"benchmark": "tta_sweep", "rows": [
+        row("adaptive", "cpu,cpu", [fall_at_end, level]), row("sync", "cpu,cpu", [level])]}))
+    b.write_text(json.dumps({"benchmark": "tta_sweep", "rows": [
+        row("adaptive", "cpu,cpu", [fall_at_end])]}))
+    out = sweep_drops([a, b], 0.02)
+    assert out[("adaptive", "cpu,cpu")] == {"end": 2, "end_n": 3, "mid": 1, "mid_n": 3,
+                                            "largest_end": pytest.approx(0.10)}
+    assert out[("sync", "cpu,cpu")] == {"end": 0, "end_n": 1, "mid": 1, "mid_n": 1,
+                                        "largest_end": pytest.approx(0.01)}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"benchmark": "short_batch", "runs": {}}))
+    with pytest.raises(SystemExit, match="other.json is not a bench_tta_sweep.py result"):
+        sweep_drops([a, other], 0.02)
