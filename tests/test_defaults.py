@@ -285,7 +285,9 @@ def test_compile_kernels_logs_its_time_and_says_when_slow(small, monkeypatch, ca
     assert [r["event"] for r in log.records] == ["compile"]
     assert log.records[0]["seconds"] == seconds >= 0.0
     assert log.records[0]["compiled"] == report["compiled"] >= 0
-    assert any("compiling kernels" in r.getMessage() for r in caplog.records)
+    # the notice is due at once; it is given if and only if something compiled
+    noticed = any("compiling kernels" in r.getMessage() for r in caplog.records)
+    assert noticed == (report["compiled"] > 0)
 
 
 def test_compile_watch_counts_numbas_compilations_and_shows_a_bar(monkeypatch):
@@ -316,14 +318,38 @@ def test_compile_watch_counts_numbas_compilations_and_shows_a_bar(monkeypatch):
     assert watch.count == 1 and bars == []  # under COMPILE_NOTICE_S: no notice, no bar
     monkeypatch.setattr(training, "COMPILE_NOTICE_S", 0.0)
     with training._CompileWatch() as watch:
-        watch._noticed.wait(5)
+        assert watch._due.wait(5)
+        assert twice(5) == 10  # compiled already: the time is up, but no notice
+        assert not watch._noticed.is_set() and watch.count == 0
 
         @njit
         def thrice(x):
             return 3 * x
 
         assert thrice(2.0) == 6.0 and thrice(1) == 3  # a float and an int: two compilations
+        assert watch._noticed.is_set()
     assert watch.count == 2 and len(bars) == 1 and bars[0].n == 2 and bars[0].closed
+
+
+def test_compile_watch_says_nothing_when_nothing_compiles(monkeypatch, caplog):
+    """A setup past COMPILE_NOTICE_S that compiles nothing (kernels from the cache or already
+    loaded, as in a benchmark's later runs) gives no "compiling kernels" warning and no bar."""
+    from numba import njit
+
+    @njit
+    def once(x):
+        return x + 1
+
+    assert once(1) == 2
+    bars = []
+    monkeypatch.setattr(training.progress, "bar", lambda **kw: bars.append(kw))
+    monkeypatch.setattr(training, "COMPILE_NOTICE_S", 0.0)
+    with caplog.at_level(logging.WARNING, logger="xmc_engine.training"):
+        with training._CompileWatch() as watch:
+            assert watch._due.wait(5)
+            assert once(2) == 3
+    assert watch.count == 0 and watch.started == 0 and bars == []
+    assert not any("compiling kernels" in r.getMessage() for r in caplog.records)
 
 
 _COMPILE_CHECK = """

@@ -769,35 +769,52 @@ COMPILE_WIDTH = 8
 
 
 class _CompileWatch:
-    """What :func:`compile_kernels` tells the user: after :data:`COMPILE_NOTICE_S` seconds a
-    warning that kernels are being compiled, then a progress bar of the compilations. Counts
-    the Numba compilations made while it is entered, in any thread of the process (its listener
-    hears numba's ``numba:compile`` events, which a function loaded from Numba's cache does not
-    raise: ``count`` 0 means everything came from the cache). CUDA kernels are not counted:
-    numba-cuda raises its events on an event module of its own, not listened to (not measured
-    on a GPU). Use it as a context manager around the compiling code."""
+    """What :func:`compile_kernels` tells the user: once it has lasted :data:`COMPILE_NOTICE_S`
+    seconds and a Numba compilation has started, a warning that kernels are being compiled,
+    then a progress bar of the compilations. A slow setup that compiles nothing (every kernel
+    from Numba's cache or already loaded in this process, e.g. a benchmark's later runs) says
+    nothing. Counts the Numba compilations made while it is entered, in any thread of the
+    process (its listener hears numba's ``numba:compile`` events, which a function loaded from
+    Numba's cache does not raise: ``count`` 0 means everything came from the cache). CUDA
+    kernels are not counted: numba-cuda raises its events on an event module of its own, not
+    listened to (not measured on a GPU). Use it as a context manager around the compiling
+    code."""
 
     def __init__(self):
         from numba.core import event
 
         class Listener(event.Listener):
             def on_start(_, ev):
-                pass
+                self._started()
 
             def on_end(_, ev):
                 self._compiled()
 
         self._event, self._listener = event, Listener()
-        self.count, self._bar = 0, None
+        self.count, self.started, self._bar = 0, 0, None
         self._lock = threading.Lock()
-        self._noticed = threading.Event()
-        self._timer = threading.Timer(COMPILE_NOTICE_S, self._notice)
+        self._due = threading.Event()  # COMPILE_NOTICE_S has passed
+        self._noticed = threading.Event()  # the warning was given
+        self._timer = threading.Timer(COMPILE_NOTICE_S, self._time_up)
         self._timer.daemon = True
 
     def _notice(self):
-        logger.warning("compiling kernels (first run after install; later runs load Numba's "
-                       "cache) ...")
-        self._noticed.set()
+        """The warning, once, when the time is up and a compilation has started (under the
+        lock)."""
+        if self._due.is_set() and self.started and not self._noticed.is_set():
+            logger.warning("compiling kernels (first run after install; later runs load "
+                           "Numba's cache) ...")
+            self._noticed.set()
+
+    def _time_up(self):
+        with self._lock:
+            self._due.set()
+            self._notice()
+
+    def _started(self):
+        with self._lock:
+            self.started += 1
+            self._notice()
 
     def _compiled(self):
         with self._lock:
@@ -853,8 +870,9 @@ def compile_kernels(cfg: TrainConfig, devices, X, Y, log=None,
     predicts their top-k, and several devices merge the throwaway replicas (weighted and
     row-sparse). Numba compiles per argument type (dtype, dimensions, layout), not size, so the
     run's own calls find every kernel compiled; the run's model is not touched. When this lasts
-    longer than :data:`COMPILE_NOTICE_S` a warning says what is happening (the first run after
-    an install compiles, later runs load the cache) and a progress bar counts the compilations.
+    longer than :data:`COMPILE_NOTICE_S` and compiles, a warning says what is happening (the
+    first run after an install compiles, later runs load the cache) and a progress bar counts the
+    compilations; a slow setup that compiles nothing says nothing.
 
     Returns the seconds spent, also written to ``log`` as a ``compile`` record with
     ``compiled``, the number of Numba compilations (0: every kernel came from the cache);
