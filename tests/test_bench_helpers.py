@@ -921,3 +921,12 @@ def test_sweep_drops_sums_each_algorithm_and_device_set_over_files(tmp_path):
     other.write_text(json.dumps({"benchmark": "short_batch", "runs": {}}))
     with pytest.raises(SystemExit, match="other.json is not a bench_tta_sweep.py result"):
         sweep_drops([a, other], 0.02)
+
+
+def test_count_short_batches_counts_the_epochs_last_batch():
+    """One device, 1,000 rows at the default batch of 64, two epochs, no loss probe: 15 full
+    batches and one of 40 rows an epoch."""
+    from count_short_batches import count
+
+    (dev,) = count("synthetic:1000:200:50", "cpu", "single", 2, 0, loss="softmax", threads=1)
+    assert dev == {"device": 0, "steps": 32, "rows": 2000, "short_steps": 2, "short_rows": 80}
