@@ -20,6 +20,9 @@ from unittest import mock
 from _common import result_metadata, write_json
 from _tta import load_data
 
+#: What :func:`count` tallies per device.
+KEYS = ("steps", "rows", "short_steps", "short_rows")
+
 
 def count(data: str, devices: str, algorithm: str, epochs: float, seed: int,
           **params) -> list[dict]:
@@ -30,23 +33,21 @@ def count(data: str, devices: str, algorithm: str, epochs: float, seed: int,
     from xmc_engine.scheduler.runner import Trainer
 
     X, Y, _, _ = load_data(data)
-    tally = collections.defaultdict(lambda: [0, 0, 0, 0])
+    tally = collections.defaultdict(lambda: dict.fromkeys(KEYS, 0))
     step = Trainer._step
 
     def counting_step(self, i, rows, lr):
-        t = tally[i]
-        short = len(rows) < self.queue.account.batch_sizes[i]
-        t[0] += 1
-        t[1] += len(rows)
-        t[2] += short
-        t[3] += len(rows) if short else 0
+        t, short = tally[i], self.is_short(i, len(rows))  # the trainer's own rule
+        t["steps"] += 1
+        t["rows"] += len(rows)
+        t["short_steps"] += short
+        t["short_rows"] += len(rows) if short else 0
         return step(self, i, rows, lr)
 
     with mock.patch.object(Trainer, "_step", counting_step):
         XMCClassifier(algorithm=algorithm, devices=devices, epochs=epochs, seed=seed,
                       continue_probe=False, **params).fit(X, Y)
-    return [{"device": i, "steps": t[0], "rows": t[1], "short_steps": t[2], "short_rows": t[3]}
-            for i, t in sorted(tally.items())]
+    return [{"device": i, **t} for i, t in sorted(tally.items())]
 
 
 def main(argv=None) -> None:
@@ -63,9 +64,8 @@ def main(argv=None) -> None:
           f"seed {args.seed}")
     print("| device | steps | rows | short steps | rows in short steps |")
     print("|---:|---:|---:|---:|---:|")
-    for d in per_device + [{"device": "all", **{k: sum(r[k] for r in per_device)
-                                                for k in ("steps", "rows", "short_steps",
-                                                          "short_rows")}}]:
+    total = {"device": "all", **{k: sum(r[k] for r in per_device) for k in KEYS}}
+    for d in per_device + [total]:
         print(f"| {d['device']} | {d['steps']:,} | {d['rows']:,} | {d['short_steps']:,} "
               f"({d['short_steps'] / max(d['steps'], 1):.1%}) | {d['short_rows']:,} "
               f"({d['short_rows'] / max(d['rows'], 1):.1%}) |")

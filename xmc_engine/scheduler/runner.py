@@ -466,15 +466,19 @@ class Trainer:
                          "cpu_s": res["cpu_s"][i], "loss": res["loss"][i]})
         return rows
 
+    def is_short(self, i: int, n_rows: int) -> bool:
+        """Whether a batch of ``n_rows`` rows is shorter than device ``i``'s batch (the last
+        rows of an epoch, a period's truncated batch), which :meth:`_step` rates by its rows."""
+        return n_rows < self.queue.account.batch_sizes[i]
+
     def _step(self, i: int, rows, lr: float) -> tuple[float, float]:
         """One step of device ``i`` (the policy's ``step``) at rate ``lr``, the rate of the
         device's batch, or for a batch shorter than that (the last rows of an epoch, a
         period's truncated batch) the policy's :meth:`~xmc_engine.algorithms.base.Policy.batch_lr`
         of its rows; returns ``(loss, wall seconds)``."""
         rep = self.replicas[i]
-        b = self.queue.account.batch_sizes[i]
-        if len(rows) < b:
-            lr = self.policy.batch_lr(lr, len(rows), b)
+        if self.is_short(i, len(rows)):
+            lr = self.policy.batch_lr(lr, len(rows), self.queue.account.batch_sizes[i])
         t0 = time.perf_counter()
         if self.faults is not None:
             self.faults.before_step(i)
