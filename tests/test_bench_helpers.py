@@ -930,3 +930,21 @@ def test_count_short_batches_counts_the_epochs_last_batch():
 
     (dev,) = count("synthetic:1000:200:50", "cpu", "single", 2, 0, loss="softmax", threads=1)
     assert dev == {"device": 0, "steps": 32, "rows": 2000, "short_steps": 2, "short_rows": 80}
+
+
+def test_tail_average_folds_each_evaluated_model_into_its_averages():
+    """A half-life of almost nothing is the model itself; one of almost forever stays the first
+    evaluated model while the model moves on; the run's own curve is the model's."""
+    from bench_tail_average import averaged_evaluations
+
+    Xtr, Ytr, Xte, Yte = load_data("synthetic:2000:300:60")
+    rows: list[dict] = []
+    with averaged_evaluations({"now": 1e-9, "frozen": 1e12}, rows):
+        r = run_method(Method("single", "single", "cpu", threads=1), (Xtr, Ytr, Xte, Yte),
+                       epochs=2, lr=None, batch_size=None, hidden=None, seed=0, optimizer=None,
+                       lr_decay=None, loss="softmax", eval_every=0.25)
+    assert len(rows) == len(r["curve"]) >= 4
+    assert [row["model"] for row in rows] == [c[2] for c in r["curve"]]
+    assert all(row["now"] == row["model"] for row in rows)
+    assert all(row["frozen"] == rows[0]["model"] for row in rows)
+    assert rows[-1]["model"] > rows[0]["model"] + 0.05  # the model moved; the frozen one not
