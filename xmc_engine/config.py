@@ -295,6 +295,15 @@ AUTO_WEIGHTS_LABELS = 200_000
 #: ended 0.015 higher at the same time to the target ("Why `adaptive` falls behind at 100,000
 #: labels on three devices", ``bench/RESULTS.md``).
 AUTO_B_MAX_BATCHES = 4
+#: ``AdaptiveConfig.batch_scale="auto"``: ``adaptive``'s base batch ``B`` (the batch every
+#: device starts at, the rate ``lr`` belongs to, ``b_max``'s unit) in ``batch_size``s where the
+#: per-row merge weights apply (the softmax below :data:`AUTO_WEIGHTS_LABELS` labels; 1
+#: elsewhere). ``sync`` steps one model on ``n`` devices' batches at once, and one device at a
+#: larger batch ends higher on the synthetic softmax shapes ("What the three-device gap at
+#: 10,000 labels is made of"). ``bench/RESULTS.md``, "The base batch of `adaptive` with the
+#: softmax": at 10 epochs, 3 seeds, a base batch of 128 against 64 ended higher on all eight
+#: heterogeneous cells of the 1,000-, 10,000- and 30,000-label shapes (+0.004 to +0.013 P@1).
+AUTO_SOFTMAX_BATCH_SCALE = 2
 #: ``AdaptiveConfig.merge_period="auto"``: the period, in samples, where a ``W1`` row's merge
 #: weights are renormalized over the replicas that touched it (``row_weights`` resolving to
 #: a per-row weight: the softmax below :data:`AUTO_WEIGHTS_LABELS` labels), and elsewhere
@@ -664,6 +673,15 @@ class AdaptiveConfig(AlgorithmConfig):
         phase the central model catches up with that device only where it is read (an
         evaluation, a checkpoint) and at the phase's end, so its barriers cost what one
         device's do; a solo device that fails loses the periods since the last catch-up.
+    batch_scale : float or 'auto'
+        ``adaptive``'s base batch ``B`` is ``batch_scale x batch_size`` (rounded; at least
+        ``b_min``): the batch every device starts at and the equal-speed batch of the step
+        rule, the batch whose rate is ``lr`` under ``lr_scaling``, and with ``b_max="auto"``
+        the unit of ``b_max``. ``'auto'`` (the default): :data:`AUTO_SOFTMAX_BATCH_SCALE` (2:
+        128 rows at the default ``batch_size``) with the softmax below
+        :data:`AUTO_WEIGHTS_LABELS` labels, 1 elsewhere (:meth:`batch_scale_for`; the run log's
+        ``start`` record gives the value). The loss probe and the other algorithms train at
+        ``batch_size``. A departure from the paper, whose ``B`` is the single-device batch.
     delta_stats : bool
         Instrumentation: each merge logs the size of every replica's change since the last
         merge on the ``W1`` rows it alone changed and on shared rows, and on ``W2``'s head and
@@ -690,6 +708,7 @@ class AdaptiveConfig(AlgorithmConfig):
     optimizer_state: str = "keep"
     lr_scaling: str = "linear"
     solo_epochs: float | str = "auto"
+    batch_scale: float | str = "auto"
     delta_stats: bool = False
 
     def weights_from_epoch_for(self, n_labels: int) -> int:
@@ -699,6 +718,28 @@ class AdaptiveConfig(AlgorithmConfig):
         if self.weights_from_epoch != "auto":
             return int(self.weights_from_epoch)
         return 1 if n_labels >= AUTO_WEIGHTS_LABELS else 0
+
+    def batch_scale_for(self, n_labels: int, loss: str) -> float:
+        """``batch_scale``, or for ``'auto'`` :data:`AUTO_SOFTMAX_BATCH_SCALE` with the softmax
+        below :data:`AUTO_WEIGHTS_LABELS` labels, else 1. ``loss="auto"`` (not yet probed, as
+        when planning memory) counts as the softmax: the larger batch."""
+        if self.batch_scale != "auto":
+            return float(self.batch_scale)
+        softmax = loss == "auto" or loss in AUTO_WEIGHTS_LOSSES
+        return float(AUTO_SOFTMAX_BATCH_SCALE) if softmax and n_labels < AUTO_WEIGHTS_LABELS \
+            else 1.0
+
+    def base_batch(self, batch_size: int, n_labels: int | None = None,
+                   loss: str = "auto") -> int:
+        """``B``, the base batch for the run's ``batch_size``: ``batch_scale`` times it,
+        rounded, at least ``b_min``; ``n_labels`` and ``loss`` resolve ``'auto'``
+        (:meth:`batch_scale_for`), a resolved config needs neither."""
+        scale = self.batch_scale
+        if scale == "auto":
+            if n_labels is None:
+                raise ValueError("batch_scale='auto': base_batch needs n_labels to resolve it")
+            scale = self.batch_scale_for(n_labels, loss)
+        return max(int(round(float(scale) * int(batch_size))), self.b_min)
 
     def b_max_for(self, batch_size: int) -> int:
         """The largest batch the step rule may give a device for base batch ``batch_size``:
@@ -739,8 +780,10 @@ class AdaptiveConfig(AlgorithmConfig):
         if self.solo_epochs == "auto":
             few = n_rows is None or n_rows < AUTO_SOLO_MAX_ROWS
             auto["solo_epochs"] = AUTO_SOLO_EPOCHS if paper and not large and few else 0.0
-        if batch_size is not None:
-            auto["b_max"] = self.b_max_for(batch_size)
+        if self.batch_scale == "auto":
+            auto["batch_scale"] = self.batch_scale_for(n_labels, loss)
+        if batch_size is not None:  # b_max="auto" counts base batches
+            auto["b_max"] = self.b_max_for(self.base_batch(batch_size, n_labels, loss))
         auto["merge_period"] = self.merge_period_for(auto.get("row_weights", self.row_weights),
                                                      tracks_rows)
         return dataclasses.replace(self, **auto,
@@ -757,6 +800,8 @@ class AdaptiveConfig(AlgorithmConfig):
         self._check_min(0, "sqrt_from_epoch")
         if not self._is_auto("solo_epochs", "a number of epochs >= 0"):
             self._check_min(0, "solo_epochs")
+        if not self._is_auto("batch_scale", "a number > 0") and not self.batch_scale > 0:
+            raise ConfigError(f"batch_scale must be > 0 or 'auto', got {self.batch_scale!r}")
         self._check_choice("row_weights", ("auto", *ROW_WEIGHTS))
         self._check_choice("label_weights", ("auto", *LABEL_WEIGHTS))
         self._check_choice("optimizer_state", OPTIMIZER_STATES)
@@ -1220,15 +1265,17 @@ class TrainConfig(ConfigMixin):
         today's default (``normalize``: ``"none"``, the rows as given, as they were trained;
         ``negative_sampling``: ``"uniform"``, the default before ``"frequency"``;
         ``adaptive``'s ``weights_from_epoch``: 0, ``row_weights`` / ``label_weights``
-        ``"touched"`` / ``"positives"``, the per-row / per-label weights from the start, and
-        ``weight_by``: ``"updates"``, the paper's shares)."""
+        ``"touched"`` / ``"positives"``, the per-row / per-label weights from the start,
+        ``weight_by``: ``"updates"``, the paper's shares, and ``batch_scale``: 1, the run's
+        batch as the base batch)."""
         if isinstance(d, dict):
             d = {"normalize": "none", "negative_sampling": "uniform", **d}
             ap = d.get("algorithm_params")
             if d.get("algorithm", cls.algorithm) == "adaptive" and (ap is None
                                                                    or isinstance(ap, dict)):
                 d["algorithm_params"] = {"weights_from_epoch": 0, **PER_ITEM_WEIGHTS,
-                                         "weight_by": "updates", **(ap or {})}
+                                         "weight_by": "updates", "batch_scale": 1,
+                                         **(ap or {})}
         return cls.from_dict(d, source=source)
 
     @classmethod

@@ -172,11 +172,15 @@ def _merge_copies(algorithm: str, params) -> int:
     return 3
 
 
-def _max_batch(cfg) -> int:
+def _max_batch(cfg, n_labels: int) -> int:
+    """The largest batch a device may step on: with ``adaptive`` ``b_max`` (in base batches,
+    ``batch_scale`` resolved by the loss, the softmax's where the probe has yet to pick it) or
+    its base batch with ``rule="fixed"``."""
     p = cfg.algorithm_params
-    if cfg.algorithm == "adaptive" and p.rule != "fixed":
-        return max(p.b_max_for(cfg.batch_size), cfg.batch_size)
-    return cfg.batch_size
+    if cfg.algorithm != "adaptive":
+        return cfg.batch_size
+    base = p.base_batch(cfg.batch_size, n_labels, cfg.loss)
+    return base if p.rule == "fixed" else max(p.b_max_for(base), base)
 
 
 def _host_available() -> tuple[int | None, str]:
@@ -233,7 +237,7 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     devs = parse_devices(cfg.devices) if devices is None else devices
     shape = ModelShape(int(n_features), int(n_labels), tuple(cfg.hidden))
     P = shape.n_params() * F32
-    b = _max_batch(cfg)
+    b = _max_batch(cfg, n_labels)
     C = min(int(cfg.label_chunk), n_labels) if cfg.label_chunk else n_labels
     h_sum, h_last = sum(cfg.hidden), cfg.hidden[-1]
     output = cfg.output_for(n_labels, label_nnz / max(n_samples, 1))
@@ -340,8 +344,9 @@ def _candidates(cfg, n_devices: int):
         flags = f"--batch-size {b}"
         if cfg.algorithm == "adaptive":
             ov["algorithm_params"] = {**cfg.algorithm_params.to_dict(),
-                                      "b_min": min(b, cfg.algorithm_params.b_min), "b_max": b}
-            flags += f" --algo-param b_max={b}"
+                                      "b_min": min(b, cfg.algorithm_params.b_min), "b_max": b,
+                                      "batch_scale": 1}
+            flags += f" --algo-param b_max={b} --algo-param batch_scale=1"
         yield ov, flags + chunk_flag
     for n in range(n_devices - 1, 0, -1):
         yield {**chunk, "n_devices": n}, (

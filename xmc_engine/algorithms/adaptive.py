@@ -56,7 +56,8 @@ class AdaptiveSGD(Policy):
     supports_nodes = True
 
     def prepare(self, replicas: Sequence, batch_size: int, n_samples: int | None = None) -> None:
-        """The ``'auto'`` options (merge weights, period, ``b_max``, ``solo_epochs``) by the
+        """The ``'auto'`` options (merge weights, period, ``b_max``, ``solo_epochs``,
+        ``batch_scale``) by the
         label count (the output bias's length), the replicas' loss, whether their backends
         track changed rows, the base batch and the training rows; :func:`fit_model` has
         resolved them already (by the rows of every node), a trainer built directly has not."""
@@ -70,6 +71,7 @@ class AdaptiveSGD(Policy):
         # where setup is called without the trainer
         self.prepare(replicas, self.batch_size, self.n_samples)
         c = self.config
+        self.batch_size = c.base_batch(self.batch_size)  # B: batch_scale x the run's batch
         if not c.b_min <= self.batch_size <= c.b_max:
             raise ConfigError(f"adaptive: batch_size {self.batch_size} is outside "
                               f"[b_min, b_max] = [{c.b_min}, {c.b_max}]")
