@@ -10,7 +10,8 @@ gets momentum ``z_t = w̄_t + μ (z_{t-1} − z_{t-2})`` and is broadcast; after
 sizes adapt so that all devices make the same number of updates per period. The options and
 their defaults are :class:`~xmc_engine.config.AdaptiveConfig`; the measurements behind the
 defaults that are not the paper's (``merge_period``, ``momentum``, ``weight_by``,
-``deadband``, ``sparse_merge``, ``boost``, ``b_max``) are in ``bench/RESULTS.md``.
+``deadband``, ``sparse_merge``, ``boost``, ``b_max``, ``batch_scale``) are in
+``bench/RESULTS.md``.
 
 Periods shorter than ``S / 2`` (the remainder at the end of an epoch) merge normally but do not
 adapt the batch sizes: one or two updates per device are too few to measure anything.
