@@ -252,7 +252,8 @@ def test_b_max_auto_is_four_base_batches():
     assert AdaptiveConfig(b_max=1024).b_max_for(64) == 1024
     assert c.resolved(1000, "softmax").b_max == "auto"  # no batch: left for the policy
     assert c.resolved(1000, "bce", 128).b_max == 512
-    assert c.resolved(1000, "softmax", 128).b_max == 1024  # base batch 256 (batch_scale)
+    assert c.resolved(1000, "softmax", 128).b_max == 512  # rows not known: batch_scale 1
+    assert c.resolved(1000, "softmax", 128, n_rows=20_000).b_max == 1024  # base batch 256
     with pytest.raises(ConfigError, match="b_max must be a batch size or 'auto', got 'big'"):
         AdaptiveConfig(b_max="big")
 
@@ -263,7 +264,7 @@ def test_b_max_auto_is_four_base_batches():
         return pol.batch_sizes()
 
     assert grown(get_algorithm("adaptive", batch_scale=1))[0] == 256
-    assert grown(get_algorithm("adaptive"))[0] == 512  # the softmax: base batch 128
+    assert grown(get_algorithm("adaptive", batch_scale=2))[0] == 512  # base batch 128
     assert grown(get_algorithm("adaptive", b_max=1024))[0] == 1024
     # a base batch above the paper's bound is not refused under "auto"
     pol = get_algorithm("adaptive", batch_scale=1)
@@ -273,25 +274,30 @@ def test_b_max_auto_is_four_base_batches():
 
 def test_batch_scale_auto_doubles_the_base_batch_with_the_softmax():
     """``batch_scale="auto"`` (the default): ``adaptive``'s base batch ``B`` is two run batches
-    with the softmax below 200,000 labels (where the per-row weights apply), one elsewhere; a
+    with the softmax below 200,000 labels (where the per-row weights apply) on at least 10,000
+    training rows, one elsewhere; a
     number given is kept. ``B`` is what every device starts at, the batch whose rate is ``lr``,
     and ``b_max``'s unit; the config resolves it by the loss and the labels, the policy
     applies it."""
-    from xmc_engine.config import AUTO_SOFTMAX_BATCH_SCALE
+    from xmc_engine.config import AUTO_BATCH_SCALE_MIN_ROWS, AUTO_SOFTMAX_BATCH_SCALE
 
     c = AdaptiveConfig()
     assert c.batch_scale == "auto" and AUTO_SOFTMAX_BATCH_SCALE == 2
-    assert c.batch_scale_for(30_000, "softmax") == 2.0
-    assert c.batch_scale_for(30_000, "bce") == 1.0
-    assert c.batch_scale_for(670_091, "softmax") == 1.0
-    assert c.batch_scale_for(30_000, "auto") == 2.0  # not probed yet: the larger, for planning
-    assert AdaptiveConfig(batch_scale=1).batch_scale_for(30_000, "softmax") == 1.0
-    r = c.resolved(30_000, "softmax", 64)
+    n = AUTO_BATCH_SCALE_MIN_ROWS
+    assert n == 10_000
+    assert c.batch_scale_for(30_000, "softmax", n) == 2.0
+    assert c.batch_scale_for(30_000, "softmax", n - 1) == 1.0  # too few rows
+    assert c.batch_scale_for(30_000, "softmax") == 1.0  # rows not known
+    assert c.batch_scale_for(30_000, "bce", n) == 1.0
+    assert c.batch_scale_for(670_091, "softmax", n) == 1.0
+    assert c.batch_scale_for(30_000, "auto", n) == 2.0  # not probed yet: the larger, to plan
+    assert AdaptiveConfig(batch_scale=1).batch_scale_for(30_000, "softmax", n) == 1.0
+    r = c.resolved(30_000, "softmax", 64, n_rows=n)
     assert (r.batch_scale, r.b_max, r.base_batch(64)) == (2.0, 512, 128)
-    r = c.resolved(30_000, "bce", 64)
+    r = c.resolved(30_000, "bce", 64, n_rows=n)
     assert (r.batch_scale, r.b_max, r.base_batch(64)) == (1.0, 256, 64)
-    assert c.resolved(30_000, "softmax", 64) == c.resolved(30_000, "softmax", 64).resolved(
-        30_000, "softmax", 64)  # resolving twice (fit_model, then the policy) changes nothing
+    once = c.resolved(30_000, "softmax", 64, n_rows=n)
+    assert once == once.resolved(30_000, "softmax", 64, n_rows=n)  # fit_model, then the policy
     assert AdaptiveConfig(batch_scale=1.5).resolved(100, "softmax", 64).base_batch(64) == 96
     assert AdaptiveConfig(batch_scale=0.1).base_batch(64) == 32  # never below b_min
     with pytest.raises(ValueError, match="needs n_labels"):
@@ -301,22 +307,24 @@ def test_batch_scale_auto_doubles_the_base_batch_with_the_softmax():
     with pytest.raises(ConfigError, match="batch_scale must be > 0"):
         AdaptiveConfig(batch_scale=0)
 
-    def started(pol, loss) -> tuple[int, list[int], list[float]]:
+    def started(pol, loss, n_samples=20_000) -> tuple[int, list[int], list[float]]:
         reps = fakes(2)
         for rep in reps:
             rep.loss = loss
-        setup(pol, reps, batch_size=64, warmup_epochs=0)
+        pol.setup(reps, n_samples=n_samples, batch_size=64, merge_period=4096, warmup_epochs=0)
         return pol.batch_size, pol.batch_sizes(), pol.device_lrs(0.05)
 
     assert started(get_algorithm("adaptive"), "softmax") == (128, [128, 128], [0.05, 0.05])
     assert started(get_algorithm("adaptive"), "bce") == (64, [64, 64], [0.05, 0.05])
     assert started(get_algorithm("adaptive", batch_scale=1), "softmax")[0] == 64
+    assert started(get_algorithm("adaptive"), "softmax", n_samples=n - 1)[0] == 64
     # the memory plan counts the largest batch the scaled base allows
     from xmc_engine.memory import _max_batch
 
     cfg = TrainConfig(algorithm="adaptive", devices="cpu,cpu@0.5")
-    assert _max_batch(cfg, 30_000) == 512 and _max_batch(cfg, 670_091) == 256
-    assert _max_batch(dataclasses.replace(cfg, loss="bce"), 30_000) == 256
+    assert _max_batch(cfg, 30_000, n) == 512 and _max_batch(cfg, 670_091, n) == 256
+    assert _max_batch(cfg, 30_000, n - 1) == 256
+    assert _max_batch(dataclasses.replace(cfg, loss="bce"), 30_000, n) == 256
     # a config saved before the option keeps the run's batch as the base batch
     old = TrainConfig.from_saved({"algorithm": "adaptive", "algorithm_params": {}})
     assert old.algorithm_params.batch_scale == 1

@@ -172,14 +172,14 @@ def _merge_copies(algorithm: str, params) -> int:
     return 3
 
 
-def _max_batch(cfg, n_labels: int) -> int:
+def _max_batch(cfg, n_labels: int, n_samples: int | None = None) -> int:
     """The largest batch a device may step on: with ``adaptive`` ``b_max`` (in base batches,
     ``batch_scale`` resolved by the loss, the softmax's where the probe has yet to pick it) or
     its base batch with ``rule="fixed"``."""
     p = cfg.algorithm_params
     if cfg.algorithm != "adaptive":
         return cfg.batch_size
-    base = p.base_batch(cfg.batch_size, n_labels, cfg.loss)
+    base = p.base_batch(cfg.batch_size, n_labels, cfg.loss, n_samples)
     return base if p.rule == "fixed" else max(p.b_max_for(base), base)
 
 
@@ -237,7 +237,7 @@ def plan_memory(cfg, *, n_samples: int, n_features: int, n_labels: int, nnz: flo
     devs = parse_devices(cfg.devices) if devices is None else devices
     shape = ModelShape(int(n_features), int(n_labels), tuple(cfg.hidden))
     P = shape.n_params() * F32
-    b = _max_batch(cfg, n_labels)
+    b = _max_batch(cfg, n_labels, n_samples)
     C = min(int(cfg.label_chunk), n_labels) if cfg.label_chunk else n_labels
     h_sum, h_last = sum(cfg.hidden), cfg.hidden[-1]
     output = cfg.output_for(n_labels, label_nnz / max(n_samples, 1))
