@@ -297,16 +297,19 @@ AUTO_WEIGHTS_LABELS = 200_000
 AUTO_B_MAX_BATCHES = 4
 #: ``AdaptiveConfig.batch_scale="auto"``: ``adaptive``'s base batch ``B`` (the batch every
 #: device starts at, the rate ``lr`` belongs to, ``b_max``'s unit) in ``batch_size``s where the
-#: per-row merge weights apply (the softmax below :data:`AUTO_WEIGHTS_LABELS` labels; 1
-#: elsewhere). ``sync`` steps one model on ``n`` devices' batches at once, and one device at a
-#: larger batch ends higher on the synthetic softmax shapes ("What the three-device gap at
-#: 10,000 labels is made of"). ``bench/RESULTS.md``, "The base batch of `adaptive` with the
-#: softmax": at 10 epochs, 3 seeds, a base batch of 128 against 64 ended higher on all eight
-#: heterogeneous cells of the 1,000-, 10,000- and 30,000-label shapes (+0.004 to +0.013 P@1).
+#: per-row merge weights apply (the softmax below :data:`AUTO_WEIGHTS_LABELS` labels) on at
+#: least :data:`AUTO_BATCH_SCALE_MIN_ROWS` training rows; 1 elsewhere. ``sync`` steps one model
+#: on ``n`` devices' batches at once, and one device at a larger batch ends higher on the
+#: synthetic softmax shapes ("What the three-device gap at 10,000 labels is made of").
+#: ``bench/RESULTS.md``, "The base batch of `adaptive` with the softmax": at 10 epochs, 3
+#: seeds, a base batch of 128 against 64 ended higher on all 11 cells of the 1,000- to
+#: 100,000-label shapes on three device sets (median final P@1 +0.001 to +0.019), sooner to
+#: the target on seven, later on three (1.12x-1.54x).
 AUTO_SOFTMAX_BATCH_SCALE = 2
-#: ... from this many training rows (the ablation's smallest set had 10,000): on fewer, twice
-#: the batch halves the few steps of an epoch, and the tests' small sets fell out of their
-#: quality bands; not measured below it, so the paper's base batch stays there.
+#: ``batch_scale="auto"`` doubles the base batch only from this many training rows (the
+#: ablation's smallest set had 10,000): on fewer, twice the batch halves an epoch's few steps,
+#: and the tests' sets of a few hundred rows fell out of their quality bands; not measured
+#: below it, so the paper's base batch stays there.
 AUTO_BATCH_SCALE_MIN_ROWS = 10_000
 #: ``AdaptiveConfig.merge_period="auto"``: the period, in samples, where a ``W1`` row's merge
 #: weights are renormalized over the replicas that touched it (``row_weights`` resolving to
@@ -741,12 +744,10 @@ class AdaptiveConfig(AlgorithmConfig):
         """``B``, the base batch for the run's ``batch_size``: ``batch_scale`` times it,
         rounded, at least ``b_min``; ``n_labels``, ``loss`` and ``n_rows`` resolve ``'auto'``
         (:meth:`batch_scale_for`), a resolved config needs none of them."""
-        scale = self.batch_scale
-        if scale == "auto":
-            if n_labels is None:
-                raise ValueError("batch_scale='auto': base_batch needs n_labels to resolve it")
-            scale = self.batch_scale_for(n_labels, loss, n_rows)
-        return max(int(round(float(scale) * int(batch_size))), self.b_min)
+        if self.batch_scale == "auto" and n_labels is None:
+            raise ValueError("batch_scale='auto': base_batch needs n_labels to resolve it")
+        scale = self.batch_scale_for(n_labels, loss, n_rows)
+        return max(int(round(scale * int(batch_size))), self.b_min)
 
     def b_max_for(self, batch_size: int) -> int:
         """The largest batch the step rule may give a device for base batch ``batch_size``:
