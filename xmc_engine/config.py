@@ -358,6 +358,14 @@ AUTO_SOLO_MAX_ROWS = PLATEAU_MIN_ROWS
 #: 0.002); with the softmax on debian_builddeps in 1.06-1.17x (final within 0.0025), and on the
 #: synthetic 30,000-label shape, whose probe picks the softmax, see that section.
 AUTO_WEIGHTS_LOSSES = ("softmax",)
+
+
+def _paper_weights(n_labels: int, loss: str) -> bool:
+    """Whether ``adaptive``'s ``'auto'`` options keep the paper's merge weights: from
+    :data:`AUTO_WEIGHTS_LABELS` labels or with a loss outside :data:`AUTO_WEIGHTS_LOSSES`."""
+    return n_labels >= AUTO_WEIGHTS_LABELS or loss not in AUTO_WEIGHTS_LOSSES
+
+
 #: what a replica's merge weight is the share of (AdaptiveConfig.weight_by)
 WEIGHT_BY = ("samples", "updates")
 #: what a merge does to the replicas' Adagrad accumulators (AdaptiveConfig.optimizer_state)
@@ -734,10 +742,9 @@ class AdaptiveConfig(AlgorithmConfig):
         probed, as when planning memory) counts as the softmax: the larger batch."""
         if self.batch_scale != "auto":
             return float(self.batch_scale)
-        softmax = loss == "auto" or loss in AUTO_WEIGHTS_LOSSES
+        per_item = not _paper_weights(n_labels, "softmax" if loss == "auto" else loss)
         enough = n_rows is not None and n_rows >= AUTO_BATCH_SCALE_MIN_ROWS
-        return float(AUTO_SOFTMAX_BATCH_SCALE) if (softmax and enough
-                                                   and n_labels < AUTO_WEIGHTS_LABELS) else 1.0
+        return float(AUTO_SOFTMAX_BATCH_SCALE) if per_item and enough else 1.0
 
     def base_batch(self, batch_size: int, n_labels: int | None = None,
                    loss: str = "auto", n_rows: int | None = None) -> int:
@@ -775,12 +782,13 @@ class AdaptiveConfig(AlgorithmConfig):
         """These options with every ``'auto'`` replaced by its value for data with
         ``n_labels`` labels trained with ``loss`` (``"softmax"`` or ``"bce"``;
         :data:`AUTO_WEIGHTS_LABELS`, :data:`AUTO_WEIGHTS_LOSSES`), ``merge_period`` by the
-        ``row_weights`` that gives and ``tracks_rows`` (:meth:`merge_period_for`) and, where
-        ``batch_size`` (the base batch) is given, ``b_max`` (:meth:`b_max_for`), and
+        ``row_weights`` that gives and ``tracks_rows`` (:meth:`merge_period_for`),
+        ``batch_scale`` (:meth:`batch_scale_for`) and, where ``batch_size`` (the run's batch)
+        is given, ``b_max`` in base batches (:meth:`b_max_for`, :meth:`base_batch`), and
         ``solo_epochs`` by the loss, the labels and ``n_rows`` (the training rows; ``None``:
         not known, no limit): what a run uses and logs."""
         large = n_labels >= AUTO_WEIGHTS_LABELS
-        paper = large or loss not in AUTO_WEIGHTS_LOSSES
+        paper = _paper_weights(n_labels, loss)
         auto = {name: "updates" if paper else value
                 for name, value in AUTO_PER_ITEM_WEIGHTS.items() if getattr(self, name) == "auto"}
         if self.weight_by == "auto":
