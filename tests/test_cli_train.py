@@ -202,3 +202,22 @@ def test_bad_arguments_are_clear(files, tmp_path):
     assert p.returncode == 2 and "run folder" in p.stderr
     p = run_cli("evaluate", tmp_path / "missing-model", "--data", files, check=False)
     assert p.returncode == 2 and "missing-model" in p.stderr
+
+
+def test_the_loss_line_says_what_the_probe_saw_and_when_it_looked_twice():
+    from xmc_engine.cli.train import _probe_line
+
+    once = {"p1": {"softmax": 0.4575, "bce": 0.3605}, "z": 13.81, "margin": 1.0,
+            "seconds": 18.8, "continued": {"samples": 19456}, "first_look": None}
+    line = _probe_line("softmax", once)
+    assert line.startswith("loss:  softmax (auto: held-out P@1: softmax 0.4575, bce 0.3605, the "
+                           "softmax +13.8 standard errors (it needs +1) after 18.8 s of probing")
+    assert "training went on from the softmax fit's 19,456 samples" in line
+    assert "second look" not in line
+    twice = {**once, "z": 4.66, "first_look": {"rows": 19456, "z": 0.63, "loss": "bce",
+                                                "p1": {}}}
+    assert ("the softmax +4.7 standard errors (it needs +1) after a second look (the first, "
+            "after 19,456 rows: the softmax +0.6) after 18.8 s") in _probe_line("softmax", twice)
+    # a log written before the record had its margin: the exact layer's
+    old = {"p1": {"softmax": 0.5, "bce": 0.4}, "z": 2.5, "seconds": 1.0}
+    assert "(it needs +2)" in _probe_line("softmax", old)

@@ -609,6 +609,62 @@ def test_the_probe_uses_the_margin_of_the_output_layer_the_run_trains(monkeypatc
     assert rec["margin"] == training.probe_margin(output)
 
 
+def test_the_second_look_is_for_a_thin_softmax_lead_on_the_sampled_layer_early_in_an_epoch():
+    """The Amazon-670K shape's figures: 490,449 rows, a first look of 19,456 rows (4 % of the
+    epoch), periods of 1,024: a sixth of the epoch in whole periods. Not with the exact layer,
+    a margin outside (0, 2], or a first look that saw a sixth of the epoch already."""
+    look = training.second_look_samples
+    assert config.LOSS_PROBE_SECOND_LOOK_SHARE == pytest.approx(1 / 6)
+    args = dict(samples=19_456, n=490_449, n_held=2000, batch_size=64, period=1024)
+    assert look("sampled", 0.63, **args) == 80_896 == 490_449 // 6 // 1024 * 1024
+    assert look("sampled", 2.0, **args) == 80_896  # the exact layer's margin: not above it
+    for output, z in (("exact", 0.63), ("sampled", 0.0), ("sampled", -0.5), ("sampled", 2.01)):
+        assert look(output, z, **args) == 0
+    # debian_builddeps: 27,235 rows, the first look 71 % of the epoch
+    assert look("sampled", 0.88, samples=19_456, n=27_235, n_held=2000, batch_size=64,
+                period=1024) == 0
+
+
+def test_a_second_look_trains_longer_and_decides(monkeypatch):
+    """The softmax 0.46 standard errors ahead after 1,024 of 5,000 rows with the sampled layer:
+    both losses train again on the first 2,048 rows (half the epoch here), are scored on the
+    500 rows after those, and that look (the softmax clearly ahead) decides; the record keeps
+    what the first look saw."""
+    monkeypatch.setattr(config, "LOSS_PROBE_HELDOUT_SHARE", 0.1)
+    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 1100)  # one period of 1,024
+    monkeypatch.setattr(config, "LOSS_PROBE_SECOND_LOOK_SHARE", 0.5)  # 2,500: two periods
+    first = {"softmax": slice(0, 260), "bce": slice(240, 490)}  # z 0.46
+    second = {"softmax": slice(0, 250), "bce": slice(0, 200)}  # z 7.45
+    seen = []
+
+    def fake_fit(cfg, X, Y, eval_set, **kw):
+        rows = round(cfg.epochs * 5000)
+        seen.append((cfg.loss, rows, eval_set[0].data.astype(int) - 1))
+        return _fit_result(eval_set, (first if rows == 1024 else second)[cfg.loss])
+
+    monkeypatch.setattr(training, "fit_model", fake_fit)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 1)
+    monkeypatch.setattr(training, "_host_holds", lambda *a: False)
+    X, Y = _indexed_rows(5000)
+    cfg = TrainConfig(loss="auto", output="sampled", epochs=2, seed=3)
+    rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
+    assert [(loss, rows) for loss, rows, _ in seen] == [
+        ("softmax", 1024), ("bce", 1024), ("softmax", 2048), ("bce", 2048)]
+    order = training.epoch_permutation(5000, 3, 0)
+    np.testing.assert_array_equal(seen[0][2], np.sort(order[1024:1524]))
+    np.testing.assert_array_equal(seen[2][2], np.sort(order[2048:2548]))
+    assert rec["loss"] == "softmax" and rec["z"] == pytest.approx(7.45, abs=0.01)
+    assert (rec["rows"], rec["heldout"], rec["epochs"]) == (2048, 500, 0.4096)
+    assert rec["first_look"]["rows"] == 1024 and rec["first_look"]["loss"] == "bce"
+    assert rec["first_look"]["z"] == pytest.approx(0.46, abs=0.01)
+    assert rec["first_look"]["p1"] == {"softmax": 0.52, "bce": 0.5}
+    # with the share at 0 the probe looks once and the first look decides, as before
+    monkeypatch.setattr(config, "LOSS_PROBE_SECOND_LOOK_SHARE", 0.0)
+    seen.clear()
+    rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
+    assert len(seen) == 2 and rec["loss"] == "bce" and rec["first_look"] is None
+
+
 @pytest.mark.slow
 def test_probe_margin_bench_records_what_the_probe_saw(monkeypatch, tmp_path, capsys):
     """``bench/bench_probe_margin.py`` end to end on the built-in synthetic set with a short
@@ -624,10 +680,12 @@ def test_probe_margin_bench_records_what_the_probe_saw(monkeypatch, tmp_path, ca
     out = tmp_path / "margin.json"
     # the bench sets the engine's probe length; put back after the test
     monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", config.LOSS_PROBE_SAMPLES)
+    monkeypatch.setattr(config, "LOSS_PROBE_SECOND_LOOK_SHARE", config.LOSS_PROBE_SECOND_LOOK_SHARE)
     bench_probe_margin.main(["--data", "synthetic", "--seeds", "0-1", "--probe-samples", "3000",
-                             "--out", str(out)])
+                             "--second-look-share", "0", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["probe_samples"] == 3000 and [r["seed"] for r in saved["rows"]] == [0, 1]
+    assert saved["second_look_share"] == 0 and saved["summary"]["second_looks"] == 0
     for r in saved["rows"]:
         assert 0 < r["rows"] <= 3000 and r["heldout"] == 2000
         assert r["loss"] == ("softmax" if r["z"] > r["margin"] else "bce")

@@ -37,6 +37,11 @@ not know. The events the engine writes:
     ``samples`` and ``train_time``: the run starts there, so
     those samples and seconds are in its ``eval`` records' ``samples`` and ``train_time`` (and
     in ``start``'s ``samples``) as well as in the probe's ``seconds``.
+    ``first_look``: ``null``, or, where the probe looked twice (the sampled output layer, the
+    softmax ahead but not clearly after a small part of the epoch,
+    :func:`xmc_engine.training.second_look_samples`), the first look's ``z``, ``p1``, ``rows``
+    and ``loss``; ``z``, ``p1``, ``rows`` and ``loss`` above are then the second look's, which
+    decided.
 ``threads``
     Before training, per CPU device with several threads and no ``threads`` given: ``device``,
     ``threads`` (the budget it trains with), ``note`` (timed, not timed because the run or its

@@ -612,10 +612,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     samples = room // period * period
     if samples == 0:
         samples = period = room // cfg.batch_size * cfg.batch_size
-    held = np.sort(epoch_permutation(n, cfg.seed, 0)[samples:samples + n_held])
     per_row = float(Y.nnz) / n  # the output layer the run itself will train
-    epochs = samples / n
-    base = dataclasses.replace(cfg, epochs=epochs, eval_every=0, max_train_seconds=None,
+    base = dataclasses.replace(cfg, eval_every=0, max_train_seconds=None,
                                ensemble=1, normalize="none",  # X's rows are the run's already
                                # the run's schedule: a number as given; "plateau" (and
                                # "auto", unresolved where a caller passes it) none, since a fit
@@ -625,46 +623,70 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
                                devices=str(device), algorithm="single",
                                algorithm_params={"merge_period": period},
                                output=cfg.output_for(Y.shape[1], per_row))
-    logger.info("loss='auto': training each loss on the first %d rows of the first epoch, "
-                "%d next ones held out ...", samples, len(held))
-    heldout = (X[held], Y[held])
     threads, calibration = cfg.threads, {"timed": None}
     if threads is None:  # calibrated once, here: both fits and the run reuse the budget
         # the samples the budget serves: a probe fit's and the run's (a short run keeps one
         # thread untimed: the timing would cost more than it could save)
-        threads = calibrate_device(dataclasses.replace(base, loss=TRAIN_LOSSES[0]), X, Y,
+        threads = calibrate_device(dataclasses.replace(base, loss=TRAIN_LOSSES[0],
+                                                       epochs=samples / n), X, Y,
                                    run_samples=samples + cfg.epochs * n, report=calibration)
     # a core per loss: the fits run side by side, each on one thread where one thread won the
     # calibration, else on its share of the device's threads (1.2-2x sooner than in turn, the
     # same models: bench/RESULTS.md, "The loss probe's cost")
     cores = _probe_device(device).threads
-    together = (cfg.threads is None and threads is not None and cores >= len(TRAIN_LOSSES)
-                and _host_holds(len(TRAIN_LOSSES), base, X, Y, heldout))
-    fit_threads = (1 if threads == 1 else cores // len(TRAIN_LOSSES)) if together else threads
 
-    def fit(loss):
-        return fit_model(dataclasses.replace(base, loss=loss, threads=fit_threads), X, Y,
-                         heldout, progress_desc=f"probe {loss}", one_node=True,
-                         keep_optimizer_state=True)
+    def look(samples):
+        """Both losses trained on the first ``samples`` rows of the first epoch and scored on
+        the ``n_held`` rows that come next: (the fits, held-out P@1 per loss, the pick, z,
+        the held-out rows, whether the fits ran side by side)."""
+        held = np.sort(epoch_permutation(n, cfg.seed, 0)[samples:samples + n_held])
+        fit_cfg = dataclasses.replace(base, epochs=samples / n)
+        logger.info("loss='auto': training each loss on the first %d rows of the first epoch, "
+                    "%d next ones held out ...", samples, len(held))
+        heldout = (X[held], Y[held])
+        together = (cfg.threads is None and threads is not None and cores >= len(TRAIN_LOSSES)
+                    and _host_holds(len(TRAIN_LOSSES), fit_cfg, X, Y, heldout))
+        fit_threads = (1 if threads == 1 else cores // len(TRAIN_LOSSES)) if together else threads
 
-    if together:
-        from concurrent.futures import ThreadPoolExecutor
+        def fit(loss):
+            return fit_model(dataclasses.replace(fit_cfg, loss=loss, threads=fit_threads), X, Y,
+                             heldout, progress_desc=f"probe {loss}", one_node=True,
+                             keep_optimizer_state=True)
 
-        from threadpoolctl import threadpool_limits
+        if together:
+            from concurrent.futures import ThreadPoolExecutor
 
-        # the fits' workers enter and leave BLAS limits in any order: held at theirs around
-        # them, the process's own limit is what it was once both are done
-        with threadpool_limits(limits=fit_threads, user_api="blas"), \
-                ThreadPoolExecutor(len(TRAIN_LOSSES) - 1, thread_name_prefix="xmc-probe") as ex:
-            others = [ex.submit(fit, loss) for loss in TRAIN_LOSSES[1:]]
-            results = [fit(TRAIN_LOSSES[0])] + [f.result() for f in others]
-    else:
-        results = [fit(loss) for loss in TRAIN_LOSSES]
-    p1 = {loss: float(res["metrics"]["P@1"]) for loss, res in zip(TRAIN_LOSSES, results,
-                                                                  strict=True)}
-    hits = {loss: row_hits(res["eval_top1"], heldout[1])
-            for loss, res in zip(TRAIN_LOSSES, results, strict=True)}
-    best, z = pick_loss(hits, base.output)
+            from threadpoolctl import threadpool_limits
+
+            # the fits' workers enter and leave BLAS limits in any order: held at theirs around
+            # them, the process's own limit is what it was once both are done
+            with threadpool_limits(limits=fit_threads, user_api="blas"), \
+                    ThreadPoolExecutor(len(TRAIN_LOSSES) - 1,
+                                       thread_name_prefix="xmc-probe") as ex:
+                others = [ex.submit(fit, loss) for loss in TRAIN_LOSSES[1:]]
+                results = [fit(TRAIN_LOSSES[0])] + [f.result() for f in others]
+        else:
+            results = [fit(loss) for loss in TRAIN_LOSSES]
+        p1 = {loss: float(res["metrics"]["P@1"]) for loss, res in zip(TRAIN_LOSSES, results,
+                                                                      strict=True)}
+        hits = {loss: row_hits(res["eval_top1"], heldout[1])
+                for loss, res in zip(TRAIN_LOSSES, results, strict=True)}
+        best, z = pick_loss(hits, base.output)
+        logger.info("loss='auto': held-out P@1 %s after %d rows, the softmax %+.1f standard "
+                    "errors", ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), samples, z)
+        return results, p1, best, z, held, together
+
+    results, p1, best, z, held, together = look(samples)
+    first = None
+    longer = second_look_samples(base.output, z, samples, n, n_held, cfg.batch_size, period)
+    if longer:  # the softmax ahead, not clearly, after a small part of a long epoch: look again
+        first = {"z": z, "p1": p1, "rows": samples, "loss": best}
+        logger.info("loss='auto': the softmax %+.1f standard errors ahead after %.1f %% of an "
+                    "epoch, under %g: a second look after %d rows", z, 100 * samples / n,
+                    second_look_band(), longer)
+        results = None  # the first fits' memory back before the second ones
+        samples = longer
+        results, p1, best, z, held, together = look(samples)
     seconds = time.perf_counter() - t0
     logger.info("loss='auto': held-out P@1 %s, the softmax %+.1f standard errors (%.1f s): "
                 "training with %s", ", ".join(f"{k} {v:.4f}" for k, v in p1.items()), z,
@@ -672,11 +694,38 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     winner = results[TRAIN_LOSSES.index(best)]
     return {"loss": best, "p1": p1, "z": z, "margin": probe_margin(base.output),
             "rows": samples, "heldout": int(len(held)),
-            "epochs": round(epochs, 4), "seconds": seconds, "fit": winner,
+            "epochs": round(samples / n, 4), "seconds": seconds, "fit": winner,
+            "first_look": first,
             "threads": None if cfg.threads is not None else threads,
             "threads_speedup": calibration.get("speedup"),  # None where not timed
             "threads_timed": calibration["timed"], "together": together,
             "compile_seconds": compile_s, "compiled": compiled}
+
+
+def second_look_band() -> float:
+    """The softmax's margin up to which a probe of the sampled output layer looks again
+    (:func:`second_look_samples`)."""
+    from xmc_engine import config
+
+    return config.LOSS_PROBE_SOFTMAX_Z
+
+
+def second_look_samples(output: str, z: float, samples: int, n: int, n_held: int,
+                        batch_size: int, period: int) -> int:
+    """The rows of the loss probe's second look, or 0 for none. Where the run trains the
+    sampled output layer, the first look saw less than
+    :data:`~xmc_engine.config.LOSS_PROBE_SECOND_LOOK_SHARE` of the epoch, and the softmax's
+    margin ``z`` is above 0 but not above the exact layer's
+    :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` (:func:`second_look_band`; ahead, not
+    clearly), both losses train again on that share of the epoch (whole periods, leaving the
+    held-out rows and a batch) and that look decides, with the sampled layer's margin."""
+    from xmc_engine import config
+
+    if output != "sampled" or not 0.0 < z <= second_look_band():
+        return 0
+    want = int(n * config.LOSS_PROBE_SECOND_LOOK_SHARE)
+    longer = min(want, n - n_held - batch_size) // period * period
+    return longer if longer > samples else 0
 
 
 def row_hits(top1, Y) -> np.ndarray:

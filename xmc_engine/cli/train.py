@@ -410,18 +410,7 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
         print(line)
     probe = next((r for r in model.history_ if r.get("event") == "loss_probe"), None)
     if probe is not None:
-        seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
-        went_on = probe.get("continued")
-        needs = probe.get("margin")
-        if needs is None:  # a log written before the record had its margin
-            needs = LOSS_PROBE_SOFTMAX_Z
-        margin = (f", the softmax {probe['z']:+.1f} standard errors (it needs "
-                  f"+{needs:g})" if probe.get("z") is not None else "")
-        print(f"loss:  {model.loss_} (auto: " + (f"held-out P@1: {seen}{margin} after "
-              f"{probe['seconds']:.1f} s of probing" if seen else "too few rows to probe")
-              + (f"; training went on from the {model.loss_} fit's {went_on['samples']:,} "
-                 f"samples" if went_on else "")
-              + "; --loss softmax|bce skips the probe)")
+        print(_probe_line(model.loss_, probe))
     start = next((r for r in model.history_ if r.get("event") == "start"), None)
     if start is not None:
         print("rate:  " + _rate_line(start))
@@ -453,6 +442,26 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     if plot:
         print(f"plot:  {plot}")
     return 0
+
+
+def _probe_line(loss: str, probe: dict) -> str:
+    """The summary's ``loss:`` line: the ``loss`` trained and what ``loss="auto"``'s probe (its
+    run-log record) saw."""
+    seen = ", ".join(f"{k} {v:.4f}" for k, v in probe["p1"].items())
+    went_on = probe.get("continued")
+    needs = probe.get("margin")
+    if needs is None:  # a log written before the record had its margin
+        needs = LOSS_PROBE_SOFTMAX_Z
+    margin = (f", the softmax {probe['z']:+.1f} standard errors (it needs "
+              f"+{needs:g})" if probe.get("z") is not None else "")
+    first = probe.get("first_look")
+    again = (f" after a second look (the first, after {first['rows']:,} rows: the softmax "
+             f"{first['z']:+.1f})" if first else "")
+    return (f"loss:  {loss} (auto: " + (f"held-out P@1: {seen}{margin}{again} after "
+            f"{probe['seconds']:.1f} s of probing" if seen else "too few rows to probe")
+            + (f"; training went on from the {loss} fit's {went_on['samples']:,} "
+               f"samples" if went_on else "")
+            + "; --loss softmax|bce skips the probe)")
 
 
 def _compile_line(history) -> str | None:
