@@ -156,6 +156,9 @@ def main(argv=None) -> int:
                    help="with --from-results: per dataset and device set, adaptive's time to "
                         "the set's own target over one device's, split into the epochs each "
                         "needed and the seconds each took per epoch")
+    p.add_argument("--against", default="single", metavar="ALGORITHM",
+                   help="with --decompose: the method adaptive is set against (default: single, "
+                        "one device alone; e.g. average, on the same device set)")
     p.add_argument("--levels", type=float, nargs="+", default=None, metavar="F",
                    help="with --decompose: the median epochs one device and adaptive needed to "
                         "reach each fraction F of the set's best P@1, and their ratio")
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
         elif args.decompose and args.levels:
             print_levels(results, args.levels)
         elif args.decompose:
-            print_decomposition(results, args.target_frac)
+            print_decomposition(results, args.target_frac, args.against)
         elif args.summary:
             print_summary(results, args.target_frac if args.per_set_target else None,
                           peak=args.peak)
@@ -405,29 +408,30 @@ def _at_target(run, target: float) -> tuple[float, float]:
     return float(np.interp(t, seconds, epochs)) if np.isfinite(t) else np.inf, t
 
 
-def print_decomposition(results, frac: float) -> None:
-    """Why one device alone is sooner (or later) than ``adaptive`` on a device set: at the
-    set's own target (:func:`set_target`), the median epochs each needed and the median of
-    each run's training seconds per epoch up to the target; the time ratio is about their
-    product."""
-    print("| data | devices | target | epochs: one device / adaptive | s per epoch: one device "
-          "/ adaptive | adaptive's time over one device's |")
+def print_decomposition(results, frac: float, against: str = "single") -> None:
+    """Why ``against`` (one device alone by default, or another method on the same device set)
+    is sooner (or later) than ``adaptive`` on a device set: at the set's own target
+    (:func:`set_target`), the median epochs each needed and the median of each run's training
+    seconds per epoch up to the target; the time ratio is about their product."""
+    name = "one device" if against == "single" else f"`{against}`"
+    print(f"| data | devices | target | epochs: {name} / adaptive | s per epoch: {name} "
+          f"/ adaptive | adaptive's time over {name}'s |")
     print("|---|---|---:|---|---|---:|")
     for result in results:
         rows = [r for r in result["rows"] if not r["config"]["params"]]
         for setup, listed, _ in by_setup(rows):
             mine = {r["config"]["algorithm"]: r for r in listed}
-            if "single" not in mine or "adaptive" not in mine:
+            if against not in mine or "adaptive" not in mine:
                 continue
             target, times = set_target(listed, frac)
             stats = {}
-            for a in ("single", "adaptive"):
+            for a in (against, "adaptive"):
                 at = [_at_target(x, target) for x in mine[a]["runs"]]
                 rate = [t / e for e, t in at if np.isfinite(t) and e > 0]
                 stats[a] = (float(np.median([e for e, _ in at])),
                             float(np.median(rate)) if rate else np.nan)
-            (e1, r1), (e2, r2) = stats["single"], stats["adaptive"]
-            t1, t2 = times[id(mine["single"])], times[id(mine["adaptive"])]
+            (e1, r1), (e2, r2) = stats[against], stats["adaptive"]
+            t1, t2 = times[id(mine[against])], times[id(mine["adaptive"])]
             ratio = f"{t2 / t1:.2f}" if np.isfinite(t1) and np.isfinite(t2) else ""
             print(f"| {result['args']['data']} | `{setup}` | {target:.4f} | {e1:.2f} / {e2:.2f} "
                   f"| {r1:.3f} / {r2:.3f} | {ratio} |")

@@ -343,6 +343,14 @@ def test_sweep_decomposition_splits_the_time_ratio_into_epochs_and_seconds_per_e
     print_decomposition([result], 0.5 / 0.6)
     out = capsys.readouterr().out.splitlines()
     assert out[2] == "| toy | `cpu,cpu` | 0.5000 | 0.75 / 0.50 | 2.000 / 1.000 | 0.33 |"
+    # against another method on the same device set: average needs 1.5 epochs at 0.5 s each
+    result["rows"].append(row("average", "cpu,cpu", [[(0.5, 1.0, 0.4), (1.0, 2.0, 0.6)]]))
+    print_decomposition([result], 0.5 / 0.6, against="average")
+    out = capsys.readouterr().out.splitlines()
+    assert "epochs: `average` / adaptive" in out[0]
+    assert out[2] == "| toy | `cpu,cpu` | 0.5000 | 1.50 / 0.50 | 0.500 / 1.000 | 0.67 |"
+    print_decomposition([result], 0.5 / 0.6, against="sync")  # not in the file: no row
+    assert len(capsys.readouterr().out.splitlines()) == 2
 
 
 def test_sweep_ablation_compares_each_option_with_the_same_algorithm_s_defaults(capsys):
