@@ -54,6 +54,9 @@ class Method:
     threads: int | None = None
     batch_size: int | None = None  # None: the script's --batch-size
     lr_decay: float | None = None  # None: the script's --lr-decay
+    #: other ``XMCClassifier`` options of this configuration alone (e.g. ``optimizer``,
+    #: ``loss``, ``output``), applied last
+    train: dict = field(default_factory=dict)
 
 
 def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimizer="sgd",
@@ -63,8 +66,9 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
     ``eval_every`` epochs between evaluations (on several devices: at the next merge barrier).
     ``hidden``, ``optimizer``, ``loss``, a batch size (``m.batch_size`` and ``batch_size``), a
     learning rate (``m.lr`` and ``lr``) or a decay (``m.lr_decay`` and ``lr_decay``) that is
-    ``None`` is left to the engine's default. Every run starts from the initialisation
-    (``continue_probe=False``): the curves start level, each with its first evaluation; a run
+    ``None`` is left to the engine's default; ``m.train``'s options come last. Every run starts
+    from the initialisation (``continue_probe=False``): the curves start level, each with its
+    first evaluation; a run
     that went on from the loss probe's fit (on one device) would start at that fit's samples,
     with no evaluation before them."""
     from xmc_engine import XMCClassifier
@@ -77,7 +81,7 @@ def run_method(m: Method, data, *, epochs, lr, batch_size, hidden, seed, optimiz
     clf = XMCClassifier(epochs=epochs, lr_warmup_epochs=warmup_epochs, devices=m.devices,
                         algorithm=m.algorithm, algorithm_params=dict(m.params), seed=seed,
                         threads=m.threads, eval_every=eval_every, continue_probe=False,
-                        **{k: v for k, v in chosen.items() if v is not None})
+                        **{**{k: v for k, v in chosen.items() if v is not None}, **m.train})
     t0 = time.perf_counter()
     clf.fit(Xtr, Ytr, eval_set=(Xte, Yte))
     wall = time.perf_counter() - t0

@@ -60,6 +60,9 @@ def parse_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"--config is not JSON ({e}): {text!r}") from None
     if not isinstance(cfg, dict) or any(k not in cfg for k in ("algorithm", "devices")):
         raise argparse.ArgumentTypeError(f"--config needs algorithm and devices: {text!r}")
+    if not isinstance(cfg.get("train", {}), dict):
+        raise argparse.ArgumentTypeError(f"--config train must be an object of XMCClassifier "
+                                         f"options: {text!r}")
     b = cfg.get("batch_size")
     if b is not None and (type(b) is not int or b < 1):
         raise argparse.ArgumentTypeError(f"--config batch_size must be a positive integer, got "
@@ -70,13 +73,16 @@ def parse_config(text: str) -> dict:
 def _complete(cfg: dict) -> dict:
     """Fill a configuration's optional keys: ``lr`` (``None``: the engine's default),
     ``lr_decay`` (``None``: ``--lr-decay``), ``batch_size`` (``None``: ``--batch-size``),
-    ``params``, ``threads`` (``None``: the device set's share of the cores), ``setups`` (the
+    ``params``, ``train`` (other ``XMCClassifier`` options of this configuration alone, e.g.
+    ``optimizer``, ``loss``, ``output``), ``threads`` (``None``: the device set's share of the
+    cores), ``setups`` (the
     device sets whose table lists it; default its own) and ``label``."""
     cfg.setdefault("lr", None)
     cfg.setdefault("lr_decay", None)
     cfg.setdefault("batch_size", None)
     cfg.setdefault("params", {})
     cfg.setdefault("threads", None)
+    cfg.setdefault("train", {})
     cfg.setdefault("setups", [cfg["devices"]])
     cfg.setdefault("label", " ".join(
         [cfg["algorithm"], cfg["devices"]]
@@ -84,6 +90,7 @@ def _complete(cfg: dict) -> dict:
         + ([f"decay {cfg['lr_decay']}"] if cfg["lr_decay"] is not None else [])
         + ([f"B {cfg['batch_size']}"] if cfg["batch_size"] is not None else [])
         + ([f"threads {cfg['threads']}"] if cfg["threads"] is not None else [])
+        + [f"{k}={v}" for k, v in cfg["train"].items()]
         + [f"{k}={v}" for k, v in cfg["params"].items()]))
     return cfg
 
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
     out = Path(args.out or _common.RESULTS_DIR / "tta_sweep" / f"{_tta.data_tag(args.data)}.json")
     methods = [_tta.Method(cfg["label"], cfg["algorithm"], cfg["devices"], dict(cfg["params"]),
                            lr=cfg["lr"], threads=cfg["threads"], batch_size=cfg["batch_size"],
-                           lr_decay=cfg["lr_decay"])
+                           lr_decay=cfg["lr_decay"], train=dict(cfg["train"]))
                for cfg in configs]
     runs: list[list[dict]] = [[] for _ in methods]
     # Seeds outside, configurations inside: a drift of the machine's speed during the sweep

@@ -141,6 +141,17 @@ def test_run_method_takes_the_methods_batch_and_rate_over_the_scripts(monkeypatc
         (32, 0.1, 0.25), (64, 0.2, 0.5), (None, None, None)]
     cfg = parse_config('{"algorithm": "adaptive", "devices": "cpu,cpu", "lr_decay": 0.25}')
     assert cfg["lr_decay"] == 0.25 and cfg["label"] == "adaptive cpu,cpu decay 0.25"
+    # a configuration's own XMCClassifier options come last, over the script's
+    cfg = parse_config('{"algorithm": "adaptive", "devices": "cpu,cpu", '
+                       '"train": {"optimizer": "sgd", "loss": "softmax"}}')
+    assert cfg["label"] == "adaptive cpu,cpu optimizer=sgd loss=softmax"
+    run_method(Method("d", "adaptive", "cpu,cpu", train=cfg["train"]), (None,) * 4, lr=None,
+               batch_size=None, lr_decay=None, optimizer="adagrad", loss="bce", **common)
+    assert (seen[-1]["optimizer"], seen[-1]["loss"]) == ("sgd", "softmax")
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="train must be an object"):
+        parse_config('{"algorithm": "adaptive", "devices": "cpu", "train": 3}')
 
 
 def test_standard_configs_share_one_single_run_per_device_and_thread_share(monkeypatch):
