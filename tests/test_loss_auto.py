@@ -471,6 +471,34 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(spy):
         np.testing.assert_array_equal(got, want)
 
 
+def test_after_a_second_look_the_run_goes_on_from_the_longer_fit(spy, monkeypatch):
+    """Real fits, the second look forced (one period first, two after): the record keeps the
+    first look, the run goes on from the second look's winning fit at its 2,048 samples, and on
+    one device that is the run of the chosen loss from the initialisation, to the bit."""
+    monkeypatch.setattr(config, "LOSS_PROBE_SAMPLES", 1100)  # one period of 1,024
+    looks = []
+
+    def forced(output, z, samples, *a, **k):
+        looks.append((samples, z))
+        return 2048 if samples == 1024 else 0
+
+    monkeypatch.setattr(training, "second_look_samples", forced)
+    X, Y = _synthetic()
+    kw = dict(hidden=8, threads=1, seed=0, eval_every=0)
+    clf = XMCClassifier(epochs=3, **kw).fit(X, Y)
+    (fit,) = spy["fits"]
+    probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
+    assert [s for s, _ in looks] == [1024]  # asked once, after the first look
+    assert probe["first_look"]["rows"] == 1024 and probe["first_look"]["z"] == looks[0][1]
+    assert probe["rows"] == fit["samples"] == 2048 and probe["heldout"] == 240
+    assert probe["continued"]["samples"] == 2048 and fit["loss"] == clf.loss_
+    assert clf.history_[-1]["samples"] == 3 * X.shape[0]
+    start = next(r for r in clf.history_ if r["event"] == "start")
+    fixed = XMCClassifier(epochs=3, loss=clf.loss_, lr_decay=start["lr_decay"], **kw).fit(X, Y)
+    for got, want in zip(clf.params_, fixed.params_, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("kw", [dict(continue_probe=False), dict(epochs=0.5)],
                          ids=["off", "shorter-than-the-probe"])
 def test_runs_that_start_from_the_initialisation(kw):
