@@ -551,7 +551,10 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     the softmax's held-out P@1 is ahead by more
     than :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` standard errors
     (:data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z_SAMPLED` where the run trains the sampled
-    output layer; :func:`pick_loss`).
+    output layer; :func:`pick_loss`). Where the sampled layer's first look is thin (the
+    softmax ahead, not clearly, after a small part of a long epoch;
+    :func:`second_look_samples`) both losses train again, from the initialisation, on a longer
+    start of the epoch, and that second look decides.
     The losing fit is thrown away; the winner's (:func:`fit_model`'s result) is returned as
     ``fit``, which :func:`fit_model` continues where ``cfg.continue_probe`` allows (the
     ``continued`` of the record). The device's CPU threads (``cfg.threads=None``) are
@@ -562,7 +565,8 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
     where one thread won the calibration, else on its share of the device's threads. Returns
     the run log's ``loss_probe`` record: ``loss``, ``p1`` per loss, ``z`` (:func:`pick_loss`'s
     margin of the softmax), ``margin`` (what it had to exceed), ``rows`` (the samples each
-    fit trained), ``heldout``, ``epochs``
+    fit trained), ``first_look`` (``None``, or after a second look the first one's ``z``,
+    ``p1``, ``rows`` and ``loss``), ``heldout``, ``epochs``
     (``rows`` over the set's), ``seconds``, ``threads`` (the calibrated budget, the run's;
     ``None`` where none was calibrated), ``threads_timed`` (False: the run was too short to
     repay timing the budgets, or its steps too short to gain from threads, and keeps one
