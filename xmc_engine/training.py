@@ -583,6 +583,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         LOSS_PROBE_HELDOUT_SHARE,
         LOSS_PROBE_MIN_ROWS,
         LOSS_PROBE_SAMPLES,
+        LOSS_PROBE_SOFTMAX_Z,
         TRAIN_LOSSES,
         SingleConfig,
     )
@@ -687,7 +688,7 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
         first = {"z": z, "p1": p1, "rows": samples, "loss": best}
         logger.info("loss='auto': the softmax %+.1f standard errors ahead after %.1f %% of an "
                     "epoch, under %g: a second look after %d rows", z, 100 * samples / n,
-                    second_look_band(), longer)
+                    LOSS_PROBE_SOFTMAX_Z, longer)
         results = None  # the first fits' memory back before the second ones
         samples = longer
         results, p1, best, z, held, together = look(samples)
@@ -706,26 +707,18 @@ def choose_loss(cfg: TrainConfig, X, Y, device) -> dict:
             "compile_seconds": compile_s, "compiled": compiled}
 
 
-def second_look_band() -> float:
-    """The softmax's margin up to which a probe of the sampled output layer looks again
-    (:func:`second_look_samples`)."""
-    from xmc_engine import config
-
-    return config.LOSS_PROBE_SOFTMAX_Z
-
-
 def second_look_samples(output: str, z: float, samples: int, n: int, n_held: int,
                         batch_size: int, period: int) -> int:
     """The rows of the loss probe's second look, or 0 for none. Where the run trains the
     sampled output layer, the first look saw less than
     :data:`~xmc_engine.config.LOSS_PROBE_SECOND_LOOK_SHARE` of the epoch, and the softmax's
     margin ``z`` is above 0 but not above the exact layer's
-    :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` (:func:`second_look_band`; ahead, not
-    clearly), both losses train again on that share of the epoch (whole periods, leaving the
-    held-out rows and a batch) and that look decides, with the sampled layer's margin."""
+    :data:`~xmc_engine.config.LOSS_PROBE_SOFTMAX_Z` (ahead, not clearly), both losses train
+    again on that share of the epoch (whole periods, leaving the held-out rows and a batch) and
+    that look decides, with the sampled layer's margin."""
     from xmc_engine import config
 
-    if output != "sampled" or not 0.0 < z <= second_look_band():
+    if output != "sampled" or not 0.0 < z <= config.LOSS_PROBE_SOFTMAX_Z:
         return 0
     want = int(n * config.LOSS_PROBE_SECOND_LOOK_SHARE)
     longer = min(want, n - n_held - batch_size) // period * period
