@@ -65,6 +65,14 @@ def _fit_result(eval_set, hit):
             "eval_top1": np.where(right, label, (label + 1) % 4)}
 
 
+def _probe_with(monkeypatch, fake_fit, threads=1):
+    """:func:`training.choose_loss` with ``fake_fit`` for its fits, ``threads`` from the
+    calibration and the fits in turn (the host said to hold one at a time)."""
+    monkeypatch.setattr(training, "fit_model", fake_fit)
+    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: threads)
+    monkeypatch.setattr(training, "_host_holds", lambda *a: False)
+
+
 # on 500 held-out rows: (the rows each loss gets right, the choice, the softmax's margin z)
 @pytest.mark.parametrize("hits, chosen, z", [
     ({"softmax": slice(0, 200), "bce": slice(0, 250)}, "bce", -7.45),  # bce ahead
@@ -84,9 +92,7 @@ def test_the_probe_keeps_the_logistic_loss_unless_the_softmax_is_clearly_ahead(
         seen[cfg.loss] = (cfg, X.data.astype(int) - 1, eval_set[0].data.astype(int) - 1)
         return _fit_result(eval_set, hits[cfg.loss])
 
-    monkeypatch.setattr(training, "fit_model", fake_fit)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 2)
-    monkeypatch.setattr(training, "_host_holds", lambda *a: False)  # the fits in turn
+    _probe_with(monkeypatch, fake_fit, threads=2)
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto", devices="cpu,cpu@0.5", algorithm="adaptive", epochs=7,
                       max_train_seconds=30.0, seed=3)
@@ -626,9 +632,7 @@ def test_the_probe_uses_the_margin_of_the_output_layer_the_run_trains(monkeypatc
         seen[cfg.loss] = cfg.output
         return _fit_result(eval_set, hits[cfg.loss])
 
-    monkeypatch.setattr(training, "fit_model", fake_fit)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 1)
-    monkeypatch.setattr(training, "_host_holds", lambda *a: False)
+    _probe_with(monkeypatch, fake_fit)
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto", output=output, epochs=2, seed=3)
     rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
@@ -670,9 +674,7 @@ def test_a_second_look_trains_longer_and_decides(monkeypatch):
         seen.append((cfg.loss, rows, eval_set[0].data.astype(int) - 1))
         return _fit_result(eval_set, (first if rows == 1024 else second)[cfg.loss])
 
-    monkeypatch.setattr(training, "fit_model", fake_fit)
-    monkeypatch.setattr(training, "calibrate_device", lambda cfg, X, Y, **kw: 1)
-    monkeypatch.setattr(training, "_host_holds", lambda *a: False)
+    _probe_with(monkeypatch, fake_fit)
     X, Y = _indexed_rows(5000)
     cfg = TrainConfig(loss="auto", output="sampled", epochs=2, seed=3)
     rec = training.choose_loss(cfg, X, Y, parse_devices(cfg.devices)[0])
