@@ -230,3 +230,22 @@ def bce_xent(Z, y_indptr, y_indices, scale, colw=None):
     dZ = scale * w * (sig - Y) * has[:, None]
     loss_rows = ((np.logaddexp(0.0, Z64) - Y * Z64) * w).sum(1) * has
     return dZ.astype(Z.dtype), float(loss_rows.sum())
+
+
+def sparse_dot_rows(q_indptr, q_indices, q_data, r_indptr, r_indices, r_data, n_features):
+    """``Q @ R.T`` of two CSR matrices (rows of ``n_features`` columns), dense float64."""
+    Q = dense_from_csr(q_indptr, q_indices, q_data, n_features)
+    R = dense_from_csr(r_indptr, r_indices, r_data, n_features)
+    return Q @ R.T
+
+
+def neighbour_vote(top_idx, top_sim, power, y_indptr, y_indices, n_labels):
+    """Per query row: the labels of its neighbours ``top_idx[i]``, each weighted by
+    ``max(sim, 0) ** power`` normalised to sum 1 (all zero: no vote), dense float64."""
+    Yd = label_targets(y_indptr, y_indices, n_labels) > 0
+    out = np.zeros((top_idx.shape[0], n_labels))
+    for i in range(top_idx.shape[0]):
+        w = np.maximum(top_sim[i].astype(np.float64), 0) ** power
+        if w.sum() > 0:
+            out[i] = (w[:, None] * Yd[top_idx[i]]).sum(axis=0) / w.sum()
+    return out

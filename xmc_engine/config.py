@@ -193,6 +193,27 @@ NEGATIVE_SAMPLING = ("uniform", "frequency", "lsh")
 #: (delicious, debian_debtags) a batch's positives cover most labels and it buys nothing. 8 is
 #: conservative: 7.8 already won, nothing between 0.5 and 7.8 was measured.
 AUTO_SAMPLED_RATIO = 8.0
+#: Neighbours of each of the two votes blended into predictions (``TrainConfig.neighbours``,
+#: :mod:`xmc_engine.neighbours`): the training rows nearest a query row in the network's last
+#: hidden layer, and in the input features. Measured with ``bench/bench_neighbours.py``
+#: (``bench/RESULTS.md``, "Neighbour votes at prediction").
+NEIGHBOURS_K = 25
+#: Each neighbour's vote is its cosine similarity to this power (1 to 8 gave P@k within 0.001
+#: on debian_builddeps; a higher power leans on the nearest rows).
+NEIGHBOURS_POWER = 3.0
+#: The network's probability's share of a label's score; the mean of the two neighbour votes
+#: has the rest.
+NEIGHBOURS_NETWORK_WEIGHT = 0.5
+#: ``neighbours="auto"`` votes with the training rows up to this many of them: the exact search
+#: costs every query row a product with every training row. Measured ("Neighbour votes at
+#: prediction"): the largest shared set that gained has 27,235 training rows
+#: (debian_builddeps); imdb (96,735) did not (P@1 -0.001, seed 0) and its votes took 39 s for
+#: 10,000 test rows; sizes in between were not measured.
+NEIGHBOURS_MAX_ROWS = 50_000
+#: The training losses with which ``neighbours="auto"`` votes: the logistic loss, which the loss
+#: probe picks on every shared dataset and where the votes raised P@k; on the synthetic shapes,
+#: where it picks the softmax, the votes lowered P@1 ("Neighbour votes at prediction").
+NEIGHBOURS_LOSSES = ("bce",)
 #: Each optimizer's learning rate when ``TrainConfig.lr`` is ``None``: of
 #: ``bench/bench_defaults.py``'s grid, the value with the best mean P@1 over the datasets
 #: (``bench/RESULTS.md``, "Defaults"). Adagrad's 0.05 is within 0.03 of each dataset's best
@@ -1124,6 +1145,15 @@ class TrainConfig(ConfigMixin):
         A key of :data:`ALGORITHMS`.
     algorithm_params : dict or AlgorithmConfig
         The algorithm's options; stored as its typed config (``to_dict`` writes a dict).
+    neighbours : int or 'auto'
+        Predictions blend the network's probabilities with the labels of the training rows
+        nearest each query row, ``neighbours`` of them in the last hidden layer and as many in
+        the input features (:mod:`xmc_engine.neighbours`); the fitted model keeps its training
+        rows for it. 0: the network alone. ``"auto"``, the default:
+        :data:`NEIGHBOURS_K` where the model trained the logistic loss
+        (:data:`NEIGHBOURS_LOSSES`) on up to :data:`NEIGHBOURS_MAX_ROWS` training rows, else 0
+        (:meth:`neighbours_for`). Evaluations during training score the network alone.
+        Measured: ``bench/RESULTS.md``, "Neighbour votes at prediction".
     seed, threads, eval_every, eval_k, propensity_a, propensity_b
         Seed; CPU threads (``None``: all cores, split over CPU devices); evaluation every this
         many epochs (0: at the end); the largest ``k`` of the metrics; Jain et al. propensity
@@ -1155,6 +1185,7 @@ class TrainConfig(ConfigMixin):
     threads: int | None = None
     eval_every: float = 1.0
     eval_k: int = 5
+    neighbours: int | str = "auto"
     propensity_a: float = 0.55
     propensity_b: float = 1.5
 
@@ -1220,6 +1251,10 @@ class TrainConfig(ConfigMixin):
             bad("eval_every", "must be >= 0 (0 = only at the end)")
         if self.eval_k < 1:
             bad("eval_k", "must be >= 1")
+        if isinstance(self.neighbours, str) and self.neighbours != "auto":
+            bad("neighbours", "must be an integer >= 0 (0: the network alone) or 'auto'")
+        if not isinstance(self.neighbours, str) and self.neighbours < 0:
+            bad("neighbours", "must be an integer >= 0 (0: the network alone) or 'auto'")
         if self.seed < 0:
             bad("seed", "must be >= 0")
         for name in ("propensity_a", "propensity_b"):
@@ -1236,6 +1271,16 @@ class TrainConfig(ConfigMixin):
             return self.output
         width = self.batch_size * float(labels_per_row) + self.negatives
         return "sampled" if n_labels >= AUTO_SAMPLED_RATIO * width else "exact"
+
+    def neighbours_for(self, n_train: int, loss: str) -> int:
+        """The neighbours of each vote a model fitted on ``n_train`` rows with the training
+        loss ``loss`` predicts with (:mod:`xmc_engine.neighbours`; 0: the network alone):
+        ``neighbours`` as given, or for ``"auto"`` :data:`NEIGHBOURS_K` with a loss of
+        :data:`NEIGHBOURS_LOSSES` up to :data:`NEIGHBOURS_MAX_ROWS` training rows, else 0."""
+        if self.neighbours == "auto":
+            return (NEIGHBOURS_K if loss in NEIGHBOURS_LOSSES and n_train <= NEIGHBOURS_MAX_ROWS
+                    else 0)
+        return int(self.neighbours)
 
     @property
     def learning_rate(self) -> float:
@@ -1297,13 +1342,14 @@ class TrainConfig(ConfigMixin):
         """:meth:`from_dict` for a config the engine wrote itself (a saved model, a run
         folder): keys added since are given the value that reproduces the old behaviour, not
         today's default (``normalize``: ``"none"``, the rows as given, as they were trained;
-        ``negative_sampling``: ``"uniform"``, the default before ``"frequency"``;
+        ``negative_sampling``: ``"uniform"``, the default before ``"frequency"``; ``neighbours``: 0,
+        the network alone;
         ``adaptive``'s ``weights_from_epoch``: 0, ``row_weights`` / ``label_weights``
         ``"touched"`` / ``"positives"``, the per-row / per-label weights from the start,
         ``weight_by``: ``"updates"``, the paper's shares, and ``batch_scale``: 1, the run's
         batch as the base batch)."""
         if isinstance(d, dict):
-            d = {"normalize": "none", "negative_sampling": "uniform", **d}
+            d = {"normalize": "none", "negative_sampling": "uniform", "neighbours": 0, **d}
             ap = d.get("algorithm_params")
             if d.get("algorithm", cls.algorithm) == "adaptive" and (ap is None
                                                                    or isinstance(ap, dict)):

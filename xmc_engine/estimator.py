@@ -358,7 +358,43 @@ class XMCClassifier:
             .astype(np.int64)
         self.n_train_ = int(result.get("n_train", X.shape[0]))
         self.loss_ = result["loss"]
+        self.neighbours_ = None
+        self._fit_neighbours(cfg, X, Y, eval_set)
         return self
+
+    def _fit_neighbours(self, cfg: TrainConfig, X, Y, eval_set) -> None:
+        """Keep the training rows for the neighbour votes (``neighbours``), and score the
+        blend on ``eval_set`` (``metrics_``; the network alone's stays in the run log's
+        ``eval`` records): a ``neighbours`` record in ``history_`` and the run log."""
+        import time
+
+        from xmc_engine.neighbours import NeighbourIndex, host_hidden
+
+        k = cfg.neighbours_for(self.n_train_, self.loss_)
+        if k == 0:
+            return
+        if X.shape[0] != self.n_train_:  # several processes: each holds only its own rows
+            logger.warning("neighbours=%s: off in a run over several processes (this one holds "
+                           "%d of the %d training rows)", cfg.neighbours, X.shape[0],
+                           self.n_train_)
+            return
+        t0 = time.perf_counter()
+        Xn = self._features(X)
+        self.neighbours_ = NeighbourIndex(Xn, host_hidden(self.params_, Xn), Y, k)
+        seconds = time.perf_counter() - t0
+        network = self.metrics_
+        if eval_set is not None:
+            self.metrics_ = self.evaluate(*eval_set)
+        record = {"k": k, "rows": self.neighbours_.n_rows, "seconds": seconds,
+                  "network": network, "metrics": self.metrics_ if eval_set is not None else None,
+                  "eval_time": time.perf_counter() - t0 - seconds}
+        if self.log_dir is not None:
+            from xmc_engine.runlog import RunLog
+
+            with RunLog(self.log_dir) as log:
+                self.history_.append(log.write("neighbours", **record))
+        else:
+            self.history_.append({"event": "neighbours", **record})
 
     @property
     def n_features_in_(self) -> int:
@@ -377,6 +413,8 @@ class XMCClassifier:
 
     def _topk(self, X: sp.csr_matrix, k: int, row_chunk: int = EVAL_ROWS):
         """:meth:`predict_topk` on an already validated ``X``."""
+        if getattr(self, "neighbours_", None) is not None:
+            return self.neighbours_.blend_topk(self.params_, self.loss_, X, k, row_chunk)
         be = self._inference_backend()
         params = [be.asarray(p) for p in self.params_]
         return predict_topk(be, params, X, k, row_chunk=row_chunk, label_chunk=self.label_chunk)
@@ -400,7 +438,9 @@ class XMCClassifier:
         Returns
         -------
         labels : numpy.ndarray (n_samples, min(k, n_labels_)) int64, by descending score
-        scores : numpy.ndarray (n_samples, min(k, n_labels_)) float32 (logits)
+        scores : numpy.ndarray (n_samples, min(k, n_labels_)) float32: the network's logits,
+            or, where the model votes with its training rows (``neighbours_`` is not
+            ``None``), the blended scores in ``[0, 1]`` (:mod:`xmc_engine.neighbours`)
         """
         self._check_fitted()
         k = check_k(k)
@@ -441,8 +481,9 @@ class XMCClassifier:
         Returns
         -------
         scipy.sparse.csr_matrix, float32, shape (n_samples, n_labels_)
-            Entry ``(i, l)`` is label ``l``'s logit when ``l`` is among row ``i``'s top ``k``;
-            the other entries are not stored (they are lower, not zero).
+            Entry ``(i, l)`` is label ``l``'s logit (with ``neighbours_``: its blended score,
+            as :meth:`predict_topk`) when ``l`` is among row ``i``'s top ``k``; the other
+            entries are not stored (they are lower, not zero).
         """
         labels, scores = self.predict_topk(X, self._k_or_eval_k(k))
         return _rows_matrix(labels, scores, self.n_labels_)
@@ -453,7 +494,9 @@ class XMCClassifier:
         With ``loss="softmax"`` the model is trained with a softmax over all labels, so a row's
         probabilities over all ``n_labels_`` labels sum to 1 and the stored top ``k`` sum to at
         most 1. With ``loss="bce"`` each label's probability is its own sigmoid (they need not
-        sum to 1).
+        sum to 1). Where the model votes with its training rows (``neighbours_``), a label's
+        probability is the blend of the network's with the neighbours' votes
+        (:mod:`xmc_engine.neighbours`), which need not sum to 1 either.
 
         Parameters
         ----------
@@ -473,7 +516,10 @@ class XMCClassifier:
 
     def _probabilities(self, X, scores) -> np.ndarray:
         """The probabilities of the logits ``scores`` (rows of validated ``X``) under the
-        fitted loss: softmax over all labels, or each label's sigmoid."""
+        fitted loss: softmax over all labels, or each label's sigmoid; with ``neighbours_``
+        ``scores`` are the blend's, probabilities already."""
+        if getattr(self, "neighbours_", None) is not None:
+            return np.asarray(scores, dtype=np.float32)
         if self.loss_ == "bce":
             return (0.5 * (1.0 + np.tanh(0.5 * scores.astype(np.float64)))).astype(np.float32)
         return np.exp(scores - self._log_normaliser(X)[:, None]).astype(np.float32)
@@ -490,8 +536,9 @@ class XMCClassifier:
         threshold : float in (0, 1], optional
             Keep the labels whose probability (:meth:`predict_proba`) is at least
             ``threshold``: none, one or several per row; with ``loss="softmax"`` at most
-            ``1 / threshold``, since the probabilities sum to 1; with ``loss="bce"`` every
-            label that reaches it (the top-k search widens until a row's last score is below).
+            ``1 / threshold``, since the probabilities sum to 1; with ``loss="bce"`` or with
+            ``neighbours_`` every label that reaches it (the top-k search widens until a row's
+            last score is below).
 
         Returns
         -------
@@ -503,7 +550,7 @@ class XMCClassifier:
         if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
                 or not 0 < threshold <= 1):
             raise ValueError(f"threshold must be a probability in (0, 1], got {threshold!r}")
-        if self.loss_ == "bce":
+        if self.loss_ == "bce" or getattr(self, "neighbours_", None) is not None:
             P = self._proba_reaching(X, threshold, None if k is None else check_k(k))
         else:
             most = int(1.0 / threshold)  # more labels cannot all reach the threshold
@@ -513,8 +560,9 @@ class XMCClassifier:
         return P
 
     def _proba_reaching(self, X, threshold: float, k: int | None) -> sp.csr_matrix:
-        """:meth:`predict_proba` of a ``loss="bce"`` model with ``k`` large enough to hold
-        every label whose sigmoid reaches ``threshold`` (``k`` given: at most that many)."""
+        """:meth:`predict_proba` of a ``loss="bce"`` model (or one with ``neighbours_``) with
+        ``k`` large enough to hold every label whose probability reaches ``threshold`` (``k``
+        given: at most that many)."""
         self._check_fitted()
         X = self._features(X)
         width = min(self.n_labels_, k or max(2 * self.eval_k, 8))
@@ -622,6 +670,13 @@ class XMCClassifier:
         }
         arrays = dict(zip(shape.param_names, self.params_, strict=True))
         arrays["label_frequency"] = self.label_frequency_
+        index = getattr(self, "neighbours_", None)
+        config["neighbours_k"] = 0 if index is None else index.k
+        if index is not None:
+            arrays.update(neighbours_X_indptr=index.X.indptr, neighbours_X_indices=index.X.indices,
+                          neighbours_X_data=index.X.data, neighbours_E=index.E,
+                          neighbours_Y_indptr=index.Y.indptr,
+                          neighbours_Y_indices=index.Y.indices)
         save_model_dir(path, config, arrays)
         return Path(path)
 
@@ -663,7 +718,44 @@ class XMCClassifier:
         freq = arrays.get("label_frequency")
         model.label_frequency_ = (np.asarray(freq, dtype=np.int64) if freq is not None
                                   else np.zeros(shape.n_labels, dtype=np.int64))
+        model.neighbours_ = _load_neighbours(path, config, arrays, shape)
         return model
+
+
+def _load_neighbours(path, config: dict, arrays: dict, shape: ModelShape):
+    """The :class:`~xmc_engine.neighbours.NeighbourIndex` a saved model holds (``None``: saved
+    without one, or before neighbours existed); ``CheckpointError`` where its arrays disagree."""
+    from xmc_engine.neighbours import NeighbourIndex
+
+    k = config.get("neighbours_k", 0)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise CheckpointError(f"{path}/config.json: neighbours_k {k!r} is not an integer >= 0")
+    if k == 0:
+        return None
+    names = ("neighbours_X_indptr", "neighbours_X_indices", "neighbours_X_data", "neighbours_E",
+             "neighbours_Y_indptr", "neighbours_Y_indices")
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise CheckpointError(f"{path}/params.npz: neighbours_k is {k} but "
+                              f"{', '.join(missing)} missing")
+    E = np.asarray(arrays["neighbours_E"], dtype=np.float32)
+    n = E.shape[0] if E.ndim == 2 else -1
+    try:
+        X = sp.csr_matrix((arrays["neighbours_X_data"], arrays["neighbours_X_indices"],
+                           arrays["neighbours_X_indptr"]), shape=(n, shape.n_features))
+        Yi = arrays["neighbours_Y_indices"]
+        Y = sp.csr_matrix((np.ones(len(Yi), np.float32), Yi, arrays["neighbours_Y_indptr"]),
+                          shape=(n, shape.n_labels))
+        X.check_format(full_check=True)
+        Y.check_format(full_check=True)
+        if E.ndim != 2 or E.shape[1] != shape.hidden[-1]:
+            raise ValueError(f"neighbours_E has shape {E.shape}, the last hidden layer is "
+                             f"{shape.hidden[-1]} wide")
+        index = NeighbourIndex(X, E, Y, k, unit=True)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}/params.npz: the neighbour rows are inconsistent "
+                              f"({exc})") from None
+    return index
 
 
 def _init_signature() -> inspect.Signature:

@@ -1,0 +1,111 @@
+"""Neighbour votes at prediction (``TrainConfig.neighbours``): P@k of the same fitted model
+with and without them.
+
+For every ``--data`` set and seed the defaults are trained once (``XMCClassifier(seed=s,
+epochs=E)``, nothing else set), and the test rows are ranked twice: by the network alone and by
+its blend with the votes of the training rows nearest each test row
+(:mod:`xmc_engine.neighbours`, :data:`xmc_engine.config.NEIGHBOURS_K` neighbours). Where the
+defaults left the votes off (``neighbours="auto"``: the softmax, or more training rows than
+:data:`xmc_engine.config.NEIGHBOURS_MAX_ROWS`) they are built for this comparison all the same,
+so that every set says what they would do. Prints P@1 / P@3 / P@5 / PSP@5 / nDCG@5 and the
+seconds of each ranking, and the means over the seeds::
+
+    python bench/bench_neighbours.py --data bibtex delicious corel5k stackex_cooking \\
+        stackex_cs rcv1sub1 debian_debtags debian_builddeps imdb synth1k synth10k \\
+        --seeds 0 1 2 --out bench/results/neighbours.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common  # noqa: E402
+
+METRICS = ("P@1", "P@3", "P@5", "PSP@5", "nDCG@5")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", nargs="+", default=["bibtex", "debian_builddeps"],
+                   help="shared datasets or synthetic shapes (bench_defaults.py's names)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=float, default=5.0)
+    p.add_argument("--out", type=Path, default=None, help="JSON results file")
+    return p.parse_args(argv)
+
+
+def _scored(model, Xt, Yt) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    m = model.evaluate(Xt, Yt)
+    return {k: float(m[k]) for k in METRICS}, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    meta = _common.result_metadata(argv=argv)
+    import bench_defaults
+    from xmc_engine import XMCClassifier
+    from xmc_engine.config import NEIGHBOURS_K
+    from xmc_engine.neighbours import NeighbourIndex, host_hidden
+
+    rows = []
+    for name in args.data:
+        X, Y, Xt, Yt = bench_defaults.load_any(name)
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            model = XMCClassifier(seed=seed, epochs=args.epochs, eval_every=0).fit(X, Y)
+            fit_s = time.perf_counter() - t0
+            auto = model.neighbours_ is not None
+            if not auto:
+                t0 = time.perf_counter()
+                Xn = model._features(X)
+                model.neighbours_ = NeighbourIndex(Xn, host_hidden(model.params_, Xn), Y,
+                                                   NEIGHBOURS_K)
+                build_s = time.perf_counter() - t0
+            else:
+                build_s = next(r["seconds"] for r in model.history_
+                               if r["event"] == "neighbours")
+            blend, blend_s = _scored(model, Xt, Yt)
+            index, model.neighbours_ = model.neighbours_, None
+            network, network_s = _scored(model, Xt, Yt)
+            model.neighbours_ = index
+            row = {"data": name, "seed": seed, "loss": model.loss_, "auto": auto,
+                   "n_train": X.shape[0], "n_test": Xt.shape[0], "fit_s": fit_s,
+                   "build_s": build_s, "network_s": network_s, "blend_s": blend_s,
+                   "network": network, "blend": blend}
+            rows.append(row)
+            print(name, seed, model.loss_, "auto" if auto else "off by default",
+                  "network", " ".join(f"{k} {network[k]:.4f}" for k in METRICS),
+                  "| blend", " ".join(f"{k} {blend[k]:.4f}" for k in METRICS),
+                  f"| rank s {network_s:.2f} / {blend_s:.2f}", flush=True)
+    print("\nmeans over the seeds: network alone -> with the votes (difference)")
+    print("| data | training rows | loss | votes by default | " + " | ".join(METRICS)
+          + " | ranking s: network / blend |")
+    print("|---|---:|---|---|" + "---|" * len(METRICS) + "---|")
+    for name in dict.fromkeys(r["data"] for r in rows):
+        sel = [r for r in rows if r["data"] == name]
+        cells = []
+        for k in METRICS:
+            a = np.mean([r["network"][k] for r in sel])
+            b = np.mean([r["blend"][k] for r in sel])
+            cells.append(f"{a:.4f} -> {b:.4f} ({b - a:+.4f})")
+        losses = ",".join(sorted({r["loss"] for r in sel}))
+        on = "yes" if all(r["auto"] for r in sel) else ("no" if not any(r["auto"] for r in sel)
+                                                        else "some seeds")
+        print(f"| {name} | {sel[0]['n_train']} | {losses} | {on} | " + " | ".join(cells)
+              + f" | {np.mean([r['network_s'] for r in sel]):.2f} / "
+              f"{np.mean([r['blend_s'] for r in sel]):.2f} |")
+    if args.out:
+        _common.write_result(args.out, {**meta, "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
