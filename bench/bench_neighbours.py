@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     meta = _common.result_metadata(argv=argv)
     import bench_defaults
+
     from xmc_engine import XMCClassifier
     from xmc_engine.config import NEIGHBOURS_K
     from xmc_engine.neighbours import NeighbourIndex, host_hidden

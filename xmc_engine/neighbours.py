@@ -5,19 +5,21 @@ A row's neighbour vote for label ``l`` is the share of its ``k`` nearest trainin
 ``l``, each neighbour weighted by its cosine similarity to the power :data:`NEIGHBOURS_POWER`.
 Two votes are taken, each over its own ``k`` nearest rows: in the network's last hidden layer
 (the space the network has learnt for the labels) and in the input features (the rows the
-network trains on, rare features included). A label's score is
+network trains on, rare features included). With ``w = NEIGHBOURS_NETWORK_WEIGHT`` a label's
+score is
 
-    NEIGHBOURS_NETWORK_WEIGHT * p_l + (1 - NEIGHBOURS_NETWORK_WEIGHT) * (vote_hidden_l + vote_input_l) / 2
+    w * p_l + (1 - w) * (vote_hidden_l + vote_input_l) / 2
 
 with ``p_l`` the network's probability of label ``l``: its sigmoid under the logistic loss;
 under the softmax, which trains against ``y / |y|``, the softmax times the mean number of labels
-of a training row, at most 1. Every term is in ``[0, 1]``, so the score is too; it is what ``predict_proba`` gives
-and what the ranking uses. Chosen by ``bench/bench_neighbours.py`` (``bench/RESULTS.md``,
-"Neighbour votes at prediction").
+of a training row, at most 1. Every term is in ``[0, 1]``, so the score is too; it is what
+``predict_proba`` gives and what the ranking uses. Chosen by ``bench/bench_neighbours.py``
+(``bench/RESULTS.md``, "Neighbour votes at prediction").
 
 Everything here runs on the host (NumPy, and the CPU kernels of ``kernels/neighbours.py`` and
-``kernels/topk.py``): the reference set is the training rows, the search is exact (a chunk of query rows against every training row), which is why it is on by
-default only up to :data:`xmc_engine.config.NEIGHBOURS_MAX_ROWS` training rows.
+``kernels/topk.py``): the reference set is the training rows and the search is exact (a chunk of
+query rows against every training row), which is why it is on by default only up to
+:data:`xmc_engine.config.NEIGHBOURS_MAX_ROWS` training rows.
 """
 
 from __future__ import annotations
