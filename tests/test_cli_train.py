@@ -221,3 +221,30 @@ def test_the_loss_line_says_what_the_probe_saw_and_when_it_looked_twice():
     # a log written before the record had its margin: the exact layer's
     old = {"p1": {"softmax": 0.5, "bce": 0.4}, "z": 2.5, "seconds": 1.0}
     assert "(it needs +2)" in _probe_line("softmax", old)
+
+
+def test_neighbours_takes_a_count_or_auto():
+    assert json.loads(run_cli("train", "--print-config").stdout)["neighbours"] == "auto"
+    assert json.loads(run_cli("train", "--print-config", "--neighbours", "7").stdout)[
+        "neighbours"] == 7
+    bad = run_cli("train", "--print-config", "--neighbours", "-1", check=False)
+    assert bad.returncode == 2 and "'-1' must be >= 0" in bad.stderr
+
+
+def test_a_run_with_neighbour_votes_says_what_they_did_and_its_model_keeps_them(files, tmp_path):
+    run = tmp_path / "run"
+    out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 2, "--loss", "bce",
+                  "--threads", 1, "--out", run).stdout
+    line = next(x for x in out.splitlines() if x.startswith("votes:"))
+    assert line.startswith("votes: the 25 nearest of 300 training rows vote with the network "
+                           "(P@1 / P@5 "), line
+    assert line.endswith("; --neighbours 0 predicts with the network alone"), line
+    record = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
+    assert record["event"] == "neighbours" and record["rows"] == 300
+    p1 = float(out.split("P@1 ")[1].split()[0])  # the summary line: the blend's
+    assert p1 == pytest.approx(record["metrics"]["P@1"], abs=1e-4)
+    ev = run_cli("evaluate", run / "model", "--data", files).stdout
+    assert float(ev.split("P@1")[1].split()[0].strip(":=")) == pytest.approx(p1, abs=1e-4)
+    off = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 2, "--loss", "bce",
+                  "--threads", 1, "--neighbours", "0", "--out", tmp_path / "off").stdout
+    assert "votes:" not in off

@@ -128,7 +128,8 @@ def test_clone_round_trips_every_parameter():
               "negative_sampling": "frequency",
               "devices": "cpu,cpu", "algorithm": "average",
               "algorithm_params": {"merge_period": 512}, "seed": 7, "threads": 2,
-              "eval_every": 0.5, "eval_k": 3, "propensity_a": 0.6, "propensity_b": 2.6,
+              "eval_every": 0.5, "eval_k": 3, "neighbours": 10, "propensity_a": 0.6,
+              "propensity_b": 2.6,
               "log_dir": "runs/x", "checkpoint_every": "60s"}
     assert set(custom) == set(PARAM_DEFAULTS)
     assert clone(XMCClassifier(**custom)).get_params(deep=False) == custom

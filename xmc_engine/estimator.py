@@ -3,7 +3,8 @@ surface").
 
 ``fit(X, Y)`` trains a sparse-input MLP (:mod:`xmc_engine.model`) with one of the algorithms of
 DESIGN.md §4 on the devices of a spec string. ``predict`` returns a 0/1 indicator matrix,
-``predict_proba`` / ``decision_function`` the top-k probabilities / logits as sparse rows,
+``predict_proba`` / ``decision_function`` the top-k probabilities / logits as sparse rows (with
+the neighbour votes of ``neighbours``, the blend's scores for both),
 ``score`` P@1, ``predict_topk`` the top-k labels and scores as dense arrays; ``save(dir)`` /
 ``XMCClassifier.load(dir)`` store a folder with ``config.json`` and ``params.npz`` (no pickle).
 
@@ -180,6 +181,15 @@ class XMCClassifier:
     eval_k : int
         Largest cut-off of the evaluation metrics, and the number of scores per row that
         ``predict_proba`` and ``decision_function`` return by default.
+    neighbours : int or "auto"
+        Predictions blend the network's probabilities with the labels of the ``neighbours``
+        training rows nearest each row in the network's last hidden layer, and as many in the
+        features (:mod:`xmc_engine.neighbours`); the fitted model keeps its training rows for
+        it (``neighbours_``, saved with it). 0: the network alone. ``"auto"`` (the default):
+        25 (:data:`xmc_engine.config.NEIGHBOURS_K`) where the model trained the logistic loss
+        on up to 100,000 rows (:data:`xmc_engine.config.NEIGHBOURS_MAX_ROWS`), else 0.
+        Evaluations during ``fit`` score the network alone; ``metrics_`` and every
+        prediction after it, the blend.
     propensity_a, propensity_b : float
         Constants of the Jain et al. label propensities behind PSP@k and PSnDCG@k.
     log_dir : str or None
@@ -197,7 +207,11 @@ class XMCClassifier:
     history_ : list of dict
         The run-log records of the last ``fit``.
     metrics_ : dict or None
-        The last evaluation on ``eval_set``.
+        The last evaluation on ``eval_set`` (with ``neighbours_``, of the blend; the run log's
+        ``neighbours`` record also has the network alone's).
+    neighbours_ : xmc_engine.neighbours.NeighbourIndex or None
+        The training rows predictions vote with (``neighbours``); ``None``: the network
+        alone.
     label_frequency_ : numpy.ndarray
         int64 ``(n_labels,)``: training rows per label (for the propensities).
     n_train_ : int

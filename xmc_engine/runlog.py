@@ -148,6 +148,14 @@ not know. The events the engine writes:
     ``member_status`` (each member's ``final`` status), ``samples`` (the members' summed),
     ``train_time`` (the first member's seconds before the others could start, then the longest
     lane's: the members' summed where they trained one after the other) and ``metrics``.
+``neighbours``
+    After ``final`` (written by :class:`xmc_engine.XMCClassifier`), where the fitted model
+    votes with its training rows (``TrainConfig.neighbours``, :mod:`xmc_engine.neighbours`):
+    ``k`` (the neighbours of each vote), ``rows`` (the training rows kept), ``seconds``
+    (keeping them: their hidden layer, outside ``train_time``), ``network`` (the last
+    evaluation of the network alone, the ``final`` record's ``metrics``), ``metrics`` (the
+    evaluation of the blend on the same rows, ``null`` without an ``eval_set``) and
+    ``eval_time``.
 
 For example::
 

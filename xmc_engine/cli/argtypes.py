@@ -38,6 +38,19 @@ def lr_decay(s: str) -> float | str:
             f"{s!r} is not a number, 'plateau' or 'auto'") from None
 
 
+def neighbours(s: str) -> int | str:
+    """``--neighbours``: an integer >= 0 or ``auto``."""
+    if s == "auto":
+        return s
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer or 'auto'") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be >= 0 (0: the network alone)")
+    return v
+
+
 def positive_float(s: str) -> float:
     """A finite float > 0."""
     v = finite_float(s)

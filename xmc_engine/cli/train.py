@@ -12,7 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from xmc_engine.cli.argtypes import finite_float, int_list, lr_decay, positive_int, user_path
+from xmc_engine.cli.argtypes import (
+    finite_float,
+    int_list,
+    lr_decay,
+    neighbours,
+    positive_int,
+    user_path,
+)
 from xmc_engine.config import ALGORITHMS, LOSS_PROBE_SOFTMAX_Z, TrainConfig
 from xmc_engine.errors import ConfigError, DataMismatchError, SaveError, XMCError
 from xmc_engine.runlog import LOG_NAME
@@ -64,6 +71,10 @@ _CONFIG_OPTIONS = {
     "seed": ("--seed", int, "random seed (default 0)"),
     "threads": ("--threads", int, "CPU threads (default: all cores)"),
     "eval_every": ("--eval-every", finite_float, "evaluate every N epochs (0: at the end)"),
+    "neighbours": ("--neighbours", neighbours, "predictions blend the network with the labels "
+                   "of the N training rows nearest each row (in its hidden layer and in the "
+                   "features); 0: the network alone; auto (default): 25 with the logistic "
+                   "loss on up to 100,000 training rows, else 0"),
 }
 
 
@@ -432,6 +443,10 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
                                     f"{r['back_to']}'s model ({r['z']:.1f} standard errors "
                                     f"ahead)" for r in back)
               + " (--no-back-to-best goes on from the last)")
+    line = _neighbours_line(next((r for r in model.history_
+                                  if r.get("event") == "neighbours"), None))
+    if line:
+        print(line)
     kept = next((r for r in model.history_ if r.get("event") == "keep_best"), None)
     if kept is not None and kept["restored"]:
         print(f"kept:  epoch {kept['best_epoch']}'s model (held-out P@1 {kept['best_p1']:.4f}; the "
@@ -442,6 +457,20 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     if plot:
         print(f"plot:  {plot}")
     return 0
+
+
+def _neighbours_line(record: dict | None) -> str | None:
+    """What the neighbour votes did, from the run log's ``neighbours`` record."""
+    if record is None:
+        return None
+    line = (f"votes: the {record['k']} nearest of {record['rows']} training rows vote with "
+            f"the network")
+    network, blend = record.get("network") or {}, record.get("metrics") or {}
+    if "P@1" in network and "P@1" in blend:
+        line += (f" (P@1 / P@5 {blend['P@1']:.4f} / {blend.get('P@5', float('nan')):.4f}; "
+                 f"the network alone {network['P@1']:.4f} / "
+                 f"{network.get('P@5', float('nan')):.4f})")
+    return line + "; --neighbours 0 predicts with the network alone"
 
 
 def _probe_line(loss: str, probe: dict) -> str:
