@@ -229,9 +229,10 @@ def datasets_present(names, max_train: int):
 
 def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | None) -> dict:
     """Train ``config`` (``XMCClassifier`` keywords; empty: the defaults) once for
-    ``max(epochs)`` epochs; returns the metrics and training time at each of ``epochs``, and
-    what the engine resolved (optimizer, lr, batch, hidden, output layer, threads: ``threads``
-    ``None`` lets it calibrate them)."""
+    ``max(epochs)`` epochs; returns the metrics and training time at each of ``epochs`` (the
+    network's; at the last, ``"neighbours"``: the P@k of the model's predictions where the
+    training rows vote, ``TrainConfig.neighbours``), and what the engine resolved (optimizer,
+    lr, batch, hidden, output layer, threads: ``threads`` ``None`` lets it calibrate them)."""
     from xmc_engine import XMCClassifier
 
     X, Y, Xt, Yt = data
@@ -262,6 +263,12 @@ def run_one(data, config: dict, seed: int, epochs: list[int], threads: int | Non
             at[str(round(r["epoch"]))] = {**{k: r["metrics"][k] for k in ("P@1", "P@3", "P@5")},
                                           "train_time": r["train_time"], "probe_s": probe_s}
     compile_s = _common.event_seconds(clf.history_, "compile")
+    # with the neighbour votes (TrainConfig.neighbours) the fitted model predicts the blend,
+    # scored once after training; the eval records above are the network's alone
+    votes = next((r for r in clf.history_ if r["event"] == "neighbours"), None)
+    if votes is not None and votes.get("metrics"):
+        at[str(max(epochs))]["neighbours"] = {k: votes["metrics"][k]
+                                              for k in ("P@1", "P@3", "P@5")}
     resolved["loss"] = start.get("loss", config.get("loss"))
     resolved["n_train"] = X.shape[0]
     resolved["lr_decay"] = start.get("lr_decay")

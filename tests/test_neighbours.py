@@ -267,3 +267,15 @@ def test_the_kernels_match_their_references():
     want = 1 + 0.25 * reference.neighbour_vote(top_idx, top_sim, 3.0, Y.indptr, Y.indices, 9)
     np.testing.assert_allclose(out, want, rtol=1e-5)
     np.testing.assert_array_equal(out[3], 1)
+
+
+def test_a_process_holding_part_of_the_rows_keeps_no_votes(toy, caplog):
+    """Over MPI each rank fits on its own rows; ``n_train_`` counts every rank's. The votes
+    would see this rank's rows only, so there are none (with a warning saying why)."""
+    X, Y, _, _ = toy
+    model = XMCClassifier(epochs=1, seed=0, threads=1, loss="bce", neighbours=0).fit(X, Y)
+    model.n_train_ = 2 * X.shape[0]  # as a rank of two would see it
+    with caplog.at_level("WARNING", logger="xmc_engine.estimator"):
+        model._fit_neighbours(TrainConfig(neighbours=5), X, Y, None)
+    assert model.neighbours_ is None
+    assert "off in a run over several processes" in caplog.text
