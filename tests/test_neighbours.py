@@ -274,8 +274,21 @@ def test_a_process_holding_part_of_the_rows_keeps_no_votes(toy, caplog):
     would see this rank's rows only, so there are none (with a warning saying why)."""
     X, Y, _, _ = toy
     model = XMCClassifier(epochs=1, seed=0, threads=1, loss="bce", neighbours=0).fit(X, Y)
-    model.n_train_ = 2 * X.shape[0]  # as a rank of two would see it
     with caplog.at_level("WARNING", logger="xmc_engine.estimator"):
-        model._fit_neighbours(TrainConfig(neighbours=5), X, Y, None)
+        model._fit_neighbours(TrainConfig(neighbours=5), X, Y, None, processes=2)
     assert model.neighbours_ is None
-    assert "off in a run over several processes" in caplog.text
+    assert "off in a run over 2 processes" in caplog.text
+
+
+def test_rows_held_out_of_training_vote_too(monkeypatch):
+    """From 40,000 rows the plateau rule holds 2,000 training rows out of training: the run
+    trains fewer rows than it was given, and every given row votes (a run of one process)."""
+    from xmc_engine.datasets import make_synthetic
+
+    monkeypatch.setattr(config, "PLATEAU_MIN_ROWS", 1000)
+    monkeypatch.setattr(config, "KEEP_BEST_MIN_ROWS", 1000)
+    X, Y, _, _ = make_synthetic(n_train=3000, n_test=10, n_features=500, n_labels=50, seed=0)
+    model = XMCClassifier(epochs=1, seed=0, threads=1, loss="bce").fit(X, Y)
+    start = next(r for r in model.history_ if r["event"] == "start")
+    assert start["heldout_rows"] > 0 and model.n_train_ < X.shape[0]
+    assert model.neighbours_ is not None and model.neighbours_.n_rows == X.shape[0]

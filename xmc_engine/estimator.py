@@ -373,10 +373,10 @@ class XMCClassifier:
         self.n_train_ = int(result.get("n_train", X.shape[0]))
         self.loss_ = result["loss"]
         self.neighbours_ = None
-        self._fit_neighbours(cfg, X, Y, eval_set)
+        self._fit_neighbours(cfg, X, Y, eval_set, processes=int(result.get("processes", 1)))
         return self
 
-    def _fit_neighbours(self, cfg: TrainConfig, X, Y, eval_set) -> None:
+    def _fit_neighbours(self, cfg: TrainConfig, X, Y, eval_set, *, processes: int = 1) -> None:
         """Keep the training rows for the neighbour votes (``neighbours``), and score the
         blend on ``eval_set`` (``metrics_``; the network alone's stays in the run log's
         ``eval`` records): a ``neighbours`` record in ``history_`` and the run log."""
@@ -387,10 +387,9 @@ class XMCClassifier:
         k = cfg.neighbours_for(self.n_train_, self.loss_)
         if k == 0:
             return
-        if X.shape[0] != self.n_train_:  # several processes: each holds only its own rows
-            logger.warning("neighbours=%s: off in a run over several processes (this one holds "
-                           "%d of the %d training rows)", cfg.neighbours, X.shape[0],
-                           self.n_train_)
+        if processes > 1:  # each process (MPI rank) holds only its own rows
+            logger.warning("neighbours=%s: off in a run over %d processes (this one holds %d "
+                           "of the training rows)", cfg.neighbours, processes, X.shape[0])
             return
         t0 = time.perf_counter()
         Xn = self._features(X)

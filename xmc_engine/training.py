@@ -262,6 +262,7 @@ def fit_model(cfg: TrainConfig, X, Y, eval_set=None, *, log_dir=None, checkpoint
         log.close()
     return {"params": host_params(trainer), "history": list(log.records), "metrics": metrics,
             "label_counts": label_counts, "n_train": n_samples, "loss": cfg.loss,
+            "processes": comm.size,
             "optimizer_state": trainer.replicas[0].optimizer_state()
             if keep_optimizer_state else None,
             "samples": int(state["samples"]), "train_time": float(state["train_time"]),
