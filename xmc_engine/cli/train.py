@@ -463,7 +463,7 @@ def _neighbours_line(record: dict | None) -> str | None:
     """What the neighbour votes did, from the run log's ``neighbours`` record."""
     if record is None:
         return None
-    line = (f"votes: the {record['k']} nearest of {record['rows']} training rows vote with "
+    line = (f"votes: the {record['k']} nearest of {record['rows']:,} training rows vote with "
             f"the network")
     network, blend = record.get("network") or {}, record.get("metrics") or {}
     if "P@1" in network and "P@1" in blend:
