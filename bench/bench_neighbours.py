@@ -13,6 +13,14 @@ seconds of each ranking, and the means over the seeds::
     python bench/bench_neighbours.py --data bibtex delicious corel5k stackex_cooking \\
         stackex_cs rcv1sub1 debian_debtags debian_builddeps imdb synth1k synth10k \\
         --seeds 0 1 2 --out bench/results/neighbours.json
+
+``--grid`` instead scores every setting of ``--ks`` (neighbours of each vote) x ``--weights``
+(the network's share of the score) on each fitted model, P@k only: what chose
+:data:`xmc_engine.config.NEIGHBOURS_K` and :data:`xmc_engine.config.NEIGHBOURS_NETWORK_WEIGHT`::
+
+    python bench/bench_neighbours.py --grid --data bibtex delicious corel5k stackex_cooking \
+        stackex_cs rcv1sub1 debian_debtags debian_builddeps imdb --seeds 0 1 2 \
+        --out bench/results/neighbours_grid.json
 """
 
 from __future__ import annotations
@@ -37,8 +45,89 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="shared datasets or synthetic shapes (bench_defaults.py's names)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=float, default=5.0)
+    p.add_argument("--grid", action="store_true",
+                   help="score every --ks x --weights setting of the votes on each fitted "
+                        "model (P@k only, no timings) instead of the default's comparison")
+    p.add_argument("--ks", type=int, nargs="+", default=[10, 25, 50],
+                   help="with --grid: neighbours of each vote")
+    p.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.5, 0.7],
+                   help="with --grid: the network's share of a label's score")
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
     return p.parse_args(argv)
+
+
+def grid_scores(model, X, Y, Xt, Yt, ks, weights) -> dict:
+    """P@k of the blend of ``model``'s network with the votes of ``k`` neighbours at network
+    weight ``w``, for every ``(k, w)``: ``{"k,w": {metric: value}}`` (``w = 1``: the network
+    alone). Computed a chunk of test rows at a time from one set of network probabilities and
+    one pair of votes per ``k``."""
+    from xmc_engine.kernels import topk
+
+    from xmc_engine.metrics import TopKMetrics, jain_propensity
+    from xmc_engine.neighbours import NeighbourIndex, host_hidden, network_probabilities
+
+    Xn, Xq = model._features(X), model._features(Xt)
+    index = NeighbourIndex(Xn, host_hidden(model.params_, Xn), Y, max(ks))
+    prop = jain_propensity(model.label_frequency_, n_samples=model.n_train_)
+    settings = [(k, w) for k in ks for w in weights] + [(0, 1.0)]
+    metrics = {s: TopKMetrics(ks=(1, 3, 5), propensity=prop) for s in settings}
+    L = index.n_labels
+    rows = max(1, (1 << 24) // max(L, index.n_rows))
+    for start in range(0, Xq.shape[0], rows):
+        Xc = Xq[start:start + rows]
+        H = host_hidden(model.params_, Xc)
+        P = network_probabilities(model.params_, H, model.loss_, index.labels_per_row)
+        votes = {}
+        for k in ks:
+            index.k = k
+            votes[k] = index.votes(Xc, H)
+        for k, w in settings:
+            S = np.ascontiguousarray(P if k == 0 else w * P + (1.0 - w) * votes[k],
+                                     dtype=np.float32)
+            idx = np.empty((S.shape[0], 5), dtype=np.int64)
+            val = np.empty((S.shape[0], 5), dtype=np.float32)
+            topk.topk_cpu(S, min(5, L), idx, val)
+            metrics[(k, w)].update(idx, Yt[start:start + rows])
+    return {f"{k},{w:g}": {m: float(v) for m, v in metrics[(k, w)].result().items()
+                           if m in METRICS} for k, w in settings}
+
+
+def run_grid(args, meta) -> int:
+    """``--grid``: the defaults fitted once per set and seed, every ``(k, w)`` scored."""
+    import bench_defaults
+
+    from xmc_engine import XMCClassifier
+
+    rows = []
+    for name in args.data:
+        X, Y, Xt, Yt = bench_defaults.load_any(name)
+        for seed in args.seeds:
+            model = XMCClassifier(seed=seed, epochs=args.epochs, eval_every=0,
+                                  neighbours=0).fit(X, Y)
+            scores = grid_scores(model, X, Y, Xt, Yt, args.ks, args.weights)
+            rows.append({"data": name, "seed": seed, "loss": model.loss_, "scores": scores})
+            print(name, seed, model.loss_, " ".join(
+                f"[{s}] {v['P@1']:.4f}/{v['P@5']:.4f}" for s, v in scores.items()), flush=True)
+    print("\nmeans over the seeds, P@1 / P@3 / P@5 (k,w; 0,1: the network alone)")
+    settings = list(rows[0]["scores"])
+    print("| data | loss | " + " | ".join(settings) + " |")
+    print("|---|---|" + "---|" * len(settings))
+    names = list(dict.fromkeys(r["data"] for r in rows))
+    for name in names:
+        sel = [r for r in rows if r["data"] == name]
+        cells = [" / ".join(f"{np.mean([r['scores'][s][m] for r in sel]):.4f}"
+                            for m in ("P@1", "P@3", "P@5")) for s in settings]
+        losses = ",".join(sorted({r["loss"] for r in sel}))
+        print(f"| {name} | {losses} | " + " | ".join(cells) + " |")
+    bce = [n for n in names if all(r["loss"] == "bce" for r in rows if r["data"] == n)]
+    print(f"\nmean over the sets whose every seed trained the logistic loss ({', '.join(bce)}):")
+    for s in settings:
+        means = [np.mean([np.mean([r["scores"][s][m] for r in rows if r["data"] == n])
+                          for n in bce]) for m in ("P@1", "P@3", "P@5")]
+        print(f"  k,w {s}: P@1 {means[0]:.4f}  P@3 {means[1]:.4f}  P@5 {means[2]:.4f}")
+    if args.out:
+        _common.write_result(args.out, {**meta, "args": vars(args), "rows": rows})
+    return 0
 
 
 def _scored(model, Xt, Yt) -> tuple[dict, float]:
@@ -50,6 +139,8 @@ def _scored(model, Xt, Yt) -> tuple[dict, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     meta = _common.result_metadata(argv=argv)
+    if args.grid:
+        return run_grid(args, meta)
     import bench_defaults
 
     from xmc_engine import XMCClassifier
