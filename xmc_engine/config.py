@@ -195,14 +195,16 @@ NEGATIVE_SAMPLING = ("uniform", "frequency", "lsh")
 AUTO_SAMPLED_RATIO = 8.0
 #: Neighbours of each of the two votes blended into predictions (``TrainConfig.neighbours``,
 #: :mod:`xmc_engine.neighbours`): the training rows nearest a query row in the network's last
-#: hidden layer, and in the input features. Measured with ``bench/bench_neighbours.py``
-#: (``bench/RESULTS.md``, "Neighbour votes at prediction").
+#: hidden layer, and in the input features. Chosen with :data:`NEIGHBOURS_NETWORK_WEIGHT` by
+#: ``bench/bench_neighbours.py --grid`` (``bench/RESULTS.md``, "Neighbour votes at
+#: prediction"): of 10, 25, 50 and 100 neighbours x network weights 0.3-0.7, 25 at 0.5 had the
+#: best mean P@1 and P@5 over the eight shared sets that train the logistic loss (3 seeds).
 NEIGHBOURS_K = 25
 #: Each neighbour's vote is its cosine similarity to this power (1 to 8 gave P@k within 0.001
 #: on debian_builddeps; a higher power leans on the nearest rows).
 NEIGHBOURS_POWER = 3.0
 #: The network's probability's share of a label's score; the mean of the two neighbour votes
-#: has the rest.
+#: has the rest (chosen with :data:`NEIGHBOURS_K`).
 NEIGHBOURS_NETWORK_WEIGHT = 0.5
 #: ``neighbours="auto"`` votes with the training rows up to this many of them: the exact search
 #: costs every query row a product with every training row. Measured ("Neighbour votes at
