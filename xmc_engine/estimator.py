@@ -424,9 +424,15 @@ class XMCClassifier:
 
         return get_backend(getattr(self, "_backend_name", "cpu"), threads=self.threads)
 
+    @property
+    def _votes(self):
+        """The :class:`~xmc_engine.neighbours.NeighbourIndex` predictions vote with, or
+        ``None`` (the network alone; also a model fitted or loaded before the votes existed)."""
+        return getattr(self, "neighbours_", None)
+
     def _topk(self, X: sp.csr_matrix, k: int, row_chunk: int = EVAL_ROWS):
         """:meth:`predict_topk` on an already validated ``X``."""
-        if getattr(self, "neighbours_", None) is not None:
+        if self._votes is not None:
             return self.neighbours_.blend_topk(self.params_, self.loss_, X, k, row_chunk)
         be = self._inference_backend()
         params = [be.asarray(p) for p in self.params_]
@@ -531,7 +537,7 @@ class XMCClassifier:
         """The probabilities of the logits ``scores`` (rows of validated ``X``) under the
         fitted loss: softmax over all labels, or each label's sigmoid; with ``neighbours_``
         ``scores`` are the blend's, probabilities already."""
-        if getattr(self, "neighbours_", None) is not None:
+        if self._votes is not None:
             return np.asarray(scores, dtype=np.float32)
         if self.loss_ == "bce":
             return (0.5 * (1.0 + np.tanh(0.5 * scores.astype(np.float64)))).astype(np.float32)
@@ -563,7 +569,7 @@ class XMCClassifier:
         if (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
                 or not 0 < threshold <= 1):
             raise ValueError(f"threshold must be a probability in (0, 1], got {threshold!r}")
-        if self.loss_ == "bce" or getattr(self, "neighbours_", None) is not None:
+        if self.loss_ == "bce" or self._votes is not None:
             P = self._proba_reaching(X, threshold, None if k is None else check_k(k))
         else:
             most = int(1.0 / threshold)  # more labels cannot all reach the threshold
@@ -683,7 +689,7 @@ class XMCClassifier:
         }
         arrays = dict(zip(shape.param_names, self.params_, strict=True))
         arrays["label_frequency"] = self.label_frequency_
-        index = getattr(self, "neighbours_", None)
+        index = self._votes
         config["neighbours_k"] = 0 if index is None else index.k
         if index is not None:
             arrays.update(neighbours_X_indptr=index.X.indptr, neighbours_X_indices=index.X.indices,
