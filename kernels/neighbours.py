@@ -23,10 +23,19 @@ Versions
                          [l in labels of top_idx[i, j]]``, ``w_ij = max(top_sim[i, j], 0) **
                          power`` normalised to sum 1 over ``j`` (a row whose similarities are all
                          <= 0 adds nothing).
-References: ``reference.sparse_dot_rows``, ``reference.neighbour_vote``.
+``add_sigmoid_cpu``       @njit, prange over query rows: adds ``w * sigmoid(Z[i, l])`` to the
+                         entries of ``out`` that hold a vote (``> 0``) and sets it on the
+                         network's top labels ``top_idx[i]`` that hold none; every other entry
+                         stays 0. Their blended score ``w * sigmoid(Z[i, l])`` is at most that
+                         of each of the network's top labels, so the top of ``out`` is the
+                         top of the whole blend, without a sigmoid of every logit.
+References: ``reference.sparse_dot_rows``, ``reference.neighbour_vote``; ``add_sigmoid_cpu``
+against the dense blend in ``tests/test_neighbours.py``.
 """
 
 from __future__ import annotations
+
+import math
 
 from numba import njit, prange
 
@@ -66,3 +75,18 @@ def vote_cpu(top_idx, top_sim, power, y_indptr, y_indices, scale, out):
             r = top_idx[i, j]
             for p in range(y_indptr[r], y_indptr[r + 1]):
                 out[i, y_indices[p]] += w
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def add_sigmoid_cpu(Z, top_idx, w, out):
+    """``out[i, l] += w * sigmoid(Z[i, l])`` where ``out[i, l] > 0`` or ``l`` is in
+    ``top_idx[i]`` (the latter, where ``out[i, l]`` is 0, set rather than added)."""
+    for i in prange(Z.shape[0]):
+        row, z = out[i], Z[i]
+        for j in range(row.shape[0]):
+            if row[j] > 0:
+                row[j] += w * 0.5 * (1.0 + math.tanh(0.5 * z[j]))
+        for t in range(top_idx.shape[1]):
+            j = top_idx[i, t]
+            if row[j] <= 0:
+                row[j] = w * 0.5 * (1.0 + math.tanh(0.5 * z[j]))

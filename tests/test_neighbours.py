@@ -292,3 +292,21 @@ def test_rows_held_out_of_training_vote_too(monkeypatch):
     start = next(r for r in model.history_ if r["event"] == "start")
     assert start["heldout_rows"] > 0 and model.n_train_ < X.shape[0]
     assert model.neighbours_ is not None and model.neighbours_.n_rows == X.shape[0]
+
+
+def test_the_sparse_sigmoid_path_ranks_as_the_dense_blend(index_and_queries):
+    """With the logistic loss and k below the label count the blend takes the sigmoid only of
+    the voted labels and the network's own top k (kernels/neighbours.py: add_sigmoid_cpu);
+    k = every label takes it of all: their first k agree."""
+    X, H, Y, Xq, _ = index_and_queries
+    rng = np.random.default_rng(8)
+    d, L, h = X.shape[1], Y.shape[1], H.shape[1]
+    params = [rng.standard_normal((d, h)).astype(np.float32), np.zeros(h, np.float32),
+              rng.standard_normal((h, L)).astype(np.float32),
+              rng.standard_normal(L).astype(np.float32)]
+    index = NeighbourIndex(X, host_hidden(params, X), Y, 3)
+    for k in (1, 4):
+        labels, scores = index.blend_topk(params, "bce", Xq, k)
+        all_labels, all_scores = index.blend_topk(params, "bce", Xq, L)
+        np.testing.assert_array_equal(labels, all_labels[:, :k])
+        np.testing.assert_allclose(scores, all_scores[:, :k], rtol=1e-6)

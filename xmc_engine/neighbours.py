@@ -159,8 +159,18 @@ class NeighbourIndex:
         for start in range(0, n, rows):
             Xc = X[start:start + rows]
             H = host_hidden(params, Xc)
-            S = w * network_probabilities(params, H, loss, self.labels_per_row)
-            self.votes(Xc, H, 1.0 - w, out=S)
+            if loss == "bce" and k < L:
+                # the votes first; the sigmoid only where a label has a vote or is among the
+                # network's own top k (the rest cannot reach the top k of the blend)
+                S = self.votes(Xc, H, 1.0 - w)
+                Z = np.ascontiguousarray(H @ np.asarray(params[-2]) + np.asarray(params[-1]),
+                                         dtype=np.float32)
+                top = np.empty((Z.shape[0], k), dtype=np.int64)
+                topk.topk_cpu(Z, k, top, np.empty((Z.shape[0], k), dtype=np.float32))
+                neighbours.add_sigmoid_cpu(Z, top, w, S)
+            else:
+                S = w * network_probabilities(params, H, loss, self.labels_per_row)
+                self.votes(Xc, H, 1.0 - w, out=S)
             topk.topk_cpu(S, k, labels[start:start + rows], scores[start:start + rows])
         return labels, scores
 
