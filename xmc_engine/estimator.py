@@ -432,8 +432,11 @@ class XMCClassifier:
 
     def _topk(self, X: sp.csr_matrix, k: int, row_chunk: int = EVAL_ROWS):
         """:meth:`predict_topk` on an already validated ``X``."""
-        if self._votes is not None:
-            return self.neighbours_.blend_topk(self.params_, self.loss_, X, k, row_chunk)
+        if self._votes is not None:  # on the host's cores, ``threads`` of them where given
+            from xmc_engine.backends import get_backend
+
+            with get_backend("cpu", threads=self.threads).thread_budget():
+                return self._votes.blend_topk(self.params_, self.loss_, X, k, row_chunk)
         be = self._inference_backend()
         params = [be.asarray(p) for p in self.params_]
         return predict_topk(be, params, X, k, row_chunk=row_chunk, label_chunk=self.label_chunk)
