@@ -26,6 +26,7 @@ seconds of each ranking, and the means over the seeds::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="shared datasets or synthetic shapes (bench_defaults.py's names)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=float, default=5.0)
+    p.add_argument("--params", type=json.loads, default={},
+                   help="XMCClassifier options on top of the defaults, a JSON object (e.g. "
+                        "'{\"loss\": \"softmax\"}')")
     p.add_argument("--grid", action="store_true",
                    help="score every --ks x --weights setting of the votes on each fitted "
                         "model (P@k only, no timings) instead of the default's comparison")
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
         X, Y, Xt, Yt = bench_defaults.load_any(name)
         for seed in args.seeds:
             t0 = time.perf_counter()
-            model = XMCClassifier(seed=seed, epochs=args.epochs, eval_every=0).fit(X, Y)
+            model = XMCClassifier(**{"seed": seed, "epochs": args.epochs, "eval_every": 0,
+                                     **args.params}).fit(X, Y)
             fit_s = time.perf_counter() - t0
             auto = model.neighbours_ is not None
             if not auto:
