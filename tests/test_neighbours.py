@@ -128,7 +128,12 @@ def test_auto_votes_with_the_logistic_loss_on_sets_up_to_the_row_limit():
     cfg = TrainConfig()
     assert cfg.neighbours_for(config.NEIGHBOURS_MAX_ROWS, "bce") == config.NEIGHBOURS_K
     assert cfg.neighbours_for(config.NEIGHBOURS_MAX_ROWS + 1, "bce") == 0
-    assert cfg.neighbours_for(100, "softmax") == 0
+    assert cfg.neighbours_for(100, "softmax") == 0  # no probe compared the losses
+    # the softmax that won the probe by a close call votes, one far ahead does not
+    assert cfg.neighbours_for(100, "softmax", config.NEIGHBOURS_SOFTMAX_Z - 0.1) \
+        == config.NEIGHBOURS_K
+    assert cfg.neighbours_for(100, "softmax", config.NEIGHBOURS_SOFTMAX_Z) == 0
+    assert cfg.neighbours_for(config.NEIGHBOURS_MAX_ROWS + 1, "softmax", 0.5) == 0
     assert TrainConfig(neighbours=3).neighbours_for(10**9, "softmax") == 3
     assert TrainConfig(neighbours=0).neighbours_for(100, "bce") == 0
 
@@ -310,3 +315,20 @@ def test_the_sparse_sigmoid_path_ranks_as_the_dense_blend(index_and_queries):
         all_labels, all_scores = index.blend_topk(params, "bce", Xq, L)
         np.testing.assert_array_equal(labels, all_labels[:, :k])
         np.testing.assert_allclose(scores, all_scores[:, :k], rtol=1e-6)
+
+
+@pytest.mark.parametrize("z, votes", [(2.5, True), (8.0, False)])
+def test_a_probed_softmax_votes_where_it_won_by_a_close_call(toy, monkeypatch, z, votes):
+    from xmc_engine import training
+
+    def choose(cfg, X, Y, device):
+        return {"loss": "softmax", "p1": {"softmax": 0.3, "bce": 0.2}, "z": z, "rows": 1,
+                "heldout": 1, "seconds": 0.0, "compile_seconds": 0.0, "compiled": 0,
+                "fit": None}
+
+    monkeypatch.setattr(training, "choose_loss", choose)
+    X, Y, _, _ = toy
+    model = XMCClassifier(epochs=1, seed=0, threads=1).fit(X, Y)
+    probe = next(r for r in model.history_ if r["event"] == "loss_probe")
+    assert model.loss_ == "softmax" and probe["z"] == z
+    assert (model.neighbours_ is not None) == votes

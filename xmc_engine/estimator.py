@@ -384,7 +384,8 @@ class XMCClassifier:
 
         from xmc_engine.neighbours import NeighbourIndex, host_hidden
 
-        k = cfg.neighbours_for(self.n_train_, self.loss_)
+        probe = next((r for r in self.history_ if r.get("event") == "loss_probe"), None)
+        k = cfg.neighbours_for(self.n_train_, self.loss_, None if probe is None else probe.get("z"))
         if k == 0:
             return
         if processes > 1:  # each process (MPI rank) holds only its own rows
