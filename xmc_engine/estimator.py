@@ -186,8 +186,10 @@ class XMCClassifier:
         training rows nearest each row in the network's last hidden layer, and as many in the
         features (:mod:`xmc_engine.neighbours`); the fitted model keeps its training rows for
         it (``neighbours_``, saved with it). 0: the network alone. ``"auto"`` (the default):
-        25 (:data:`xmc_engine.config.NEIGHBOURS_K`) where the model trained the logistic loss
-        on up to 100,000 rows (:data:`xmc_engine.config.NEIGHBOURS_MAX_ROWS`), else 0.
+        25 (:data:`xmc_engine.config.NEIGHBOURS_K`) where the model trained the logistic loss,
+        or a softmax the loss probe found ahead by fewer than 6 standard errors
+        (:data:`xmc_engine.config.NEIGHBOURS_SOFTMAX_Z`), on up to 100,000 rows
+        (:data:`xmc_engine.config.NEIGHBOURS_MAX_ROWS`), else 0.
         Evaluations during ``fit`` score the network alone; ``metrics_`` and every
         prediction after it, the blend.
     propensity_a, propensity_b : float
