@@ -66,3 +66,8 @@ def script_heldout(monkeypatch, values):
 
     monkeypatch.setattr(training, "heldout_hits", scripted)
     return calls, models
+
+
+def final_record(history) -> dict:
+    """The run's last ``final`` record (a ``neighbours`` record may come after it)."""
+    return next(r for r in reversed(history) if r.get("event") == "final")

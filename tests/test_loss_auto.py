@@ -9,6 +9,7 @@ import scipy.sparse as sp
 
 import xmc_engine.config as config
 import xmc_engine.training as training
+from tests._helpers import final_record
 from tests.conftest import real_dataset
 from tests.test_estimator import tiny_data
 from xmc_engine import XMCClassifier
@@ -454,7 +455,7 @@ def test_the_run_goes_on_from_the_winning_fit_where_it_stopped(spy):
     (fit,) = spy["fits"]
     probe = next(r for r in clf.history_ if r["event"] == "loss_probe")
     start = next(r for r in clf.history_ if r["event"] == "start")
-    final = clf.history_[-1]
+    final = final_record(clf.history_)
     n = X.shape[0]
     # 2,400 rows, 240 held out: two periods of 1,024 rows leave them and a batch
     assert fit["loss"] == clf.loss_ and fit["samples"] == probe["rows"] == 2048
@@ -500,7 +501,7 @@ def test_after_a_second_look_the_run_goes_on_from_the_longer_fit(spy, monkeypatc
     assert probe["first_look"]["rows"] == 1024 and probe["first_look"]["z"] == looks[0][1]
     assert probe["rows"] == fit["samples"] == 2048 and probe["heldout"] == 240
     assert probe["continued"]["samples"] == 2048 and fit["loss"] == clf.loss_
-    assert clf.history_[-1]["samples"] == 3 * X.shape[0]
+    assert final_record(clf.history_)["samples"] == 3 * X.shape[0]
     start = next(r for r in clf.history_ if r["event"] == "start")
     fixed = XMCClassifier(epochs=3, loss=clf.loss_, lr_decay=start["lr_decay"], **kw).fit(X, Y)
     for got, want in zip(clf.params_, fixed.params_, strict=True):
@@ -520,7 +521,8 @@ def test_runs_that_start_from_the_initialisation(kw):
     assert probe["rows"] > 0 and probe["continued"] is None
     assert start["samples"] == 0
     # (half an epoch, 1,200 rows, ends at the first barrier after it: two periods of 1,024)
-    assert clf.history_[-1]["samples"] == (12 * X.shape[0] if "continue_probe" in kw else 2048)
+    assert final_record(clf.history_)["samples"] == (12 * X.shape[0] if "continue_probe" in kw
+                                                     else 2048)
 
 
 def test_a_continued_run_stopped_in_its_first_epoch_resumes_as_if_uninterrupted(tmp_path):
@@ -560,8 +562,8 @@ def test_the_probe_trains_whole_periods_of_the_first_epoch_and_the_run_the_rest(
     assert probe["continued"]["samples"] == rows == spy["fits"][0]["samples"]
     (begun,) = spy["starts"]
     assert begun["position"] == {"epoch": 0, "cursor": rows, "period": -1}
-    assert clf.history_[-1]["samples"] == 3 * n
-    assert clf.history_[-1]["epoch"] == 3
+    assert final_record(clf.history_)["samples"] == 3 * n
+    assert final_record(clf.history_)["epoch"] == 3
 
 
 @pytest.mark.parametrize("algorithm", ["adaptive", "sync", "average", "easgd", "crossbow"])
@@ -585,7 +587,7 @@ def test_every_device_goes_on_from_the_winning_fit(spy, algorithm):
             np.testing.assert_array_equal(got, want)
         for got, want in zip(opt, fit["optimizer_state"], strict=True):
             np.testing.assert_array_equal(got, want)
-    assert clf.history_[-1]["samples"] == 12 * X.shape[0]
+    assert final_record(clf.history_)["samples"] == 12 * X.shape[0]
 
 
 def test_a_run_of_one_device_with_its_own_period_is_still_the_run_from_the_start(spy):
