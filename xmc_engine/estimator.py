@@ -667,7 +667,8 @@ class XMCClassifier:
         return self
 
     def to_gpu(self) -> XMCClassifier:
-        """Run inference on CUDA device 0 (raises if no usable CUDA device)."""
+        """Run the network's inference on CUDA device 0 (raises if no usable CUDA device);
+        the neighbour votes (``neighbours_``) run on the host either way."""
         from xmc_engine.backends import get_backend
 
         get_backend("cuda")  # raises BackendUnavailableError with the fix
