@@ -37,6 +37,14 @@ def _naive_vote(Q, R, Y, k):
     return out
 
 
+def _random_network(seed, d, h, L):
+    """Parameters of a one-hidden-layer network (the order of :mod:`xmc_engine.model`)."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((d, h)).astype(np.float32), np.zeros(h, np.float32),
+            rng.standard_normal((h, L)).astype(np.float32),
+            rng.standard_normal(L).astype(np.float32)]
+
+
 @pytest.fixture
 def index_and_queries():
     rng = np.random.default_rng(3)
@@ -66,11 +74,8 @@ def test_votes_match_a_row_by_row_computation(index_and_queries, k):
 @pytest.mark.parametrize("loss", ["bce", "softmax"])
 def test_blend_topk_ranks_the_blend_of_every_label(index_and_queries, loss):
     X, H, Y, Xq, _ = index_and_queries
-    rng = np.random.default_rng(5)
-    d, L, h = X.shape[1], Y.shape[1], H.shape[1]
-    params = [rng.standard_normal((d, h)).astype(np.float32), np.zeros(h, np.float32),
-              rng.standard_normal((h, L)).astype(np.float32),
-              rng.standard_normal(L).astype(np.float32)]
+    L = Y.shape[1]
+    params = _random_network(5, X.shape[1], H.shape[1], L)
     index = NeighbourIndex(X, host_hidden(params, X), Y, 7)
     labels, scores = index.blend_topk(params, loss, Xq, 5, row_chunk=4)
     Hq = host_hidden(params, Xq)
@@ -304,11 +309,8 @@ def test_the_sparse_sigmoid_path_ranks_as_the_dense_blend(index_and_queries):
     the voted labels and the network's own top k (kernels/neighbours.py: add_sigmoid_cpu);
     k = every label takes it of all: their first k agree."""
     X, H, Y, Xq, _ = index_and_queries
-    rng = np.random.default_rng(8)
-    d, L, h = X.shape[1], Y.shape[1], H.shape[1]
-    params = [rng.standard_normal((d, h)).astype(np.float32), np.zeros(h, np.float32),
-              rng.standard_normal((h, L)).astype(np.float32),
-              rng.standard_normal(L).astype(np.float32)]
+    L = Y.shape[1]
+    params = _random_network(8, X.shape[1], H.shape[1], L)
     index = NeighbourIndex(X, host_hidden(params, X), Y, 3)
     for k in (1, 4):
         labels, scores = index.blend_topk(params, "bce", Xq, k)

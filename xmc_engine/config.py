@@ -1262,9 +1262,8 @@ class TrainConfig(ConfigMixin):
             bad("eval_every", "must be >= 0 (0 = only at the end)")
         if self.eval_k < 1:
             bad("eval_k", "must be >= 1")
-        if isinstance(self.neighbours, str) and self.neighbours != "auto":
-            bad("neighbours", "must be an integer >= 0 (0: the network alone) or 'auto'")
-        if not isinstance(self.neighbours, str) and self.neighbours < 0:
+        if (self.neighbours != "auto" if isinstance(self.neighbours, str)
+                else self.neighbours < 0):
             bad("neighbours", "must be an integer >= 0 (0: the network alone) or 'auto'")
         if self.seed < 0:
             bad("seed", "must be >= 0")

@@ -479,14 +479,13 @@ class XMCClassifier:
         computed here on the host with the forward of :mod:`xmc_engine.model` (ReLU hidden
         layers, linear output), in blocks of at most ``LOGIT_BLOCK`` logits.
         """
-        W = [np.asarray(p) for p in self.params_]
+        from xmc_engine.neighbours import host_hidden, host_logits
+
         out = np.empty(X.shape[0], dtype=np.float64)
         rows = max(1, LOGIT_BLOCK // self.n_labels_)
         for start in range(0, X.shape[0], rows):
-            H = np.maximum(X[start:start + rows] @ W[0] + W[1], 0)
-            for i in range(2, len(W) - 2, 2):
-                H = np.maximum(H @ W[i] + W[i + 1], 0)
-            Z = (H @ W[-2] + W[-1]).astype(np.float64)
+            H = host_hidden(self.params_, X[start:start + rows])
+            Z = host_logits(self.params_, H).astype(np.float64)
             m = Z.max(axis=1)
             out[start:start + rows] = m + np.log(np.exp(Z - m[:, None]).sum(axis=1))
         return out

@@ -45,12 +45,18 @@ def host_hidden(params, X: sp.csr_matrix) -> np.ndarray:
     return np.asarray(H, dtype=np.float32)
 
 
+def host_logits(params, H: np.ndarray) -> np.ndarray:
+    """Every label's logit (the output layer of :mod:`xmc_engine.model`) of the rows whose last
+    hidden layer is ``H`` (:func:`host_hidden`)."""
+    return H @ np.asarray(params[-2]) + np.asarray(params[-1])
+
+
 def network_probabilities(params, H: np.ndarray, loss: str,
                           labels_per_row: float = 1.0) -> np.ndarray:
     """The network's probability of every label (rows of ``H``, the last hidden layer): the
     sigmoid of each logit under ``loss="bce"``; under the softmax, whose target is ``y / |y|``,
     the softmax times ``labels_per_row`` (the training rows' mean), at most 1."""
-    Z = H @ np.asarray(params[-2]) + np.asarray(params[-1])
+    Z = host_logits(params, H)
     if loss == "bce":
         return (0.5 * (1.0 + np.tanh(0.5 * Z))).astype(np.float32)
     Z -= Z.max(axis=1, keepdims=True)
@@ -163,8 +169,7 @@ class NeighbourIndex:
                 # the votes first; the sigmoid only where a label has a vote or is among the
                 # network's own top k (the rest cannot reach the top k of the blend)
                 S = self.votes(Xc, H, 1.0 - w)
-                Z = np.ascontiguousarray(H @ np.asarray(params[-2]) + np.asarray(params[-1]),
-                                         dtype=np.float32)
+                Z = np.ascontiguousarray(host_logits(params, H), dtype=np.float32)
                 top = np.empty((Z.shape[0], k), dtype=np.int64)
                 topk.topk_cpu(Z, k, top, np.empty((Z.shape[0], k), dtype=np.float32))
                 neighbours.add_sigmoid_cpu(Z, top, w, S)
