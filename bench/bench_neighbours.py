@@ -21,6 +21,15 @@ seconds of each ranking, and the means over the seeds::
     python bench/bench_neighbours.py --grid --data bibtex delicious corel5k stackex_cooking \
         stackex_cs rcv1sub1 debian_debtags debian_builddeps imdb --seeds 0 1 2 \
         --out bench/results/neighbours_grid.json
+
+``--variants`` scores other forms of the vote beside the default's on each fitted model
+(:data:`VARIANTS`: the two spaces' shares, the power of the similarity, each space's number
+of neighbours, one vote over the mean of the two similarities), the network's weight fixed at
+the default's::
+
+    python bench/bench_neighbours.py --variants --data bibtex delicious corel5k \
+        stackex_cooking stackex_cs rcv1sub1 debian_debtags debian_builddeps imdb \
+        --seeds 0 1 2 --out bench/results/neighbours_variants.json
 """
 
 from __future__ import annotations
@@ -32,12 +41,33 @@ import time
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common  # noqa: E402
 
 METRICS = ("P@1", "P@3", "P@5", "PSP@5", "nDCG@5")
+
+#: ``--variants``: each form of the vote as its terms ``(share, space, neighbours, power)``,
+#: ``space`` "hidden" (the last hidden layer), "input" (the features) or "joint" (the mean of
+#: the two cosine similarities). The first is the engine's default.
+VARIANTS = {
+    "default": ((0.5, "hidden", 25, 3.0), (0.5, "input", 25, 3.0)),
+    "hidden 0.7 input 0.3": ((0.7, "hidden", 25, 3.0), (0.3, "input", 25, 3.0)),
+    "hidden 0.3 input 0.7": ((0.3, "hidden", 25, 3.0), (0.7, "input", 25, 3.0)),
+    "hidden alone": ((1.0, "hidden", 25, 3.0),),
+    "power 1": ((0.5, "hidden", 25, 1.0), (0.5, "input", 25, 1.0)),
+    "power 5": ((0.5, "hidden", 25, 5.0), (0.5, "input", 25, 5.0)),
+    "k hidden 10 input 25": ((0.5, "hidden", 10, 3.0), (0.5, "input", 25, 3.0)),
+    "k hidden 25 input 10": ((0.5, "hidden", 25, 3.0), (0.5, "input", 10, 3.0)),
+    "k hidden 25 input 50": ((0.5, "hidden", 25, 3.0), (0.5, "input", 50, 3.0)),
+    "k 10 and 50": ((0.25, "hidden", 10, 3.0), (0.25, "hidden", 50, 3.0),
+                    (0.25, "input", 10, 3.0), (0.25, "input", 50, 3.0)),
+    "joint similarity": ((1.0, "joint", 25, 3.0),),
+    "joint, hidden, input": ((1 / 3, "joint", 25, 3.0), (1 / 3, "hidden", 25, 3.0),
+                             (1 / 3, "input", 25, 3.0)),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grid", action="store_true",
                    help="score every --ks x --weights setting of the votes on each fitted "
                         "model (P@k only, no timings) instead of the default's comparison")
+    p.add_argument("--variants", action="store_true",
+                   help="score the forms of the vote in VARIANTS on each fitted model (P@k "
+                        "only) instead of the default's comparison")
     p.add_argument("--ks", type=int, nargs="+", default=[10, 25, 50],
                    help="with --grid: neighbours of each vote")
     p.add_argument("--weights", type=float, nargs="+", default=[0.3, 0.5, 0.7],
@@ -96,8 +129,61 @@ def grid_scores(model, X, Y, Xt, Yt, ks, weights) -> dict:
                            if m in METRICS} for k, w in settings}
 
 
+def variant_scores(model, X, Y, Xt, Yt) -> dict:
+    """P@k of the network blended with each form of the vote in :data:`VARIANTS` (and
+    ``"network"``: the network alone), at the default network weight: ``{name: {metric:
+    value}}``. Every vote is :func:`kernels.neighbours.vote_cpu` over its space's nearest
+    rows, as the engine's."""
+    from xmc_engine.kernels import neighbours as nk
+    from xmc_engine.kernels import topk
+
+    from xmc_engine.config import NEIGHBOURS_NETWORK_WEIGHT
+    from xmc_engine.metrics import TopKMetrics, jain_propensity
+    from xmc_engine.neighbours import NeighbourIndex, _unit_rows, host_hidden, network_probabilities
+    from xmc_engine.validation import normalize_rows
+
+    Xn, Xq = model._features(X), model._features(Xt)
+    index = NeighbourIndex(Xn, host_hidden(model.params_, Xn), Y, 1)
+    XT = index.X.T.tocsr()
+    prop = jain_propensity(model.label_frequency_, n_samples=model.n_train_)
+    names = ["network", *VARIANTS]
+    metrics = {v: TopKMetrics(ks=(1, 3, 5), propensity=prop) for v in names}
+    kmax = min(max(t[2] for terms in VARIANTS.values() for t in terms), index.n_rows)
+    w = NEIGHBOURS_NETWORK_WEIGHT
+    rows = max(1, (1 << 24) // max(index.n_labels, index.n_rows))
+    for start in range(0, Xq.shape[0], rows):
+        Xc = Xq[start:start + rows]
+        H = host_hidden(model.params_, Xc)
+        P = network_probabilities(model.params_, H, model.loss_, index.labels_per_row)
+        sims = {"hidden": np.ascontiguousarray(_unit_rows(H) @ index.E.T, dtype=np.float32)}
+        Q = normalize_rows(sp.csr_matrix(Xc, dtype=np.float32), "l2")
+        sims["input"] = np.empty_like(sims["hidden"])
+        nk.sparse_dot_rows_cpu(Q.indptr, Q.indices, Q.data, XT.indptr, XT.indices, XT.data,
+                               sims["input"])
+        sims["joint"] = 0.5 * (sims["hidden"] + sims["input"])
+        near = {}
+        for space, S in sims.items():
+            idx = np.empty((S.shape[0], kmax), dtype=np.int64)
+            val = np.empty((S.shape[0], kmax), dtype=np.float32)
+            topk.topk_cpu(S, kmax, idx, val)
+            near[space] = (idx, val)
+        for name in names:
+            S = np.ascontiguousarray(P, dtype=np.float32) if name == "network" else w * P
+            for share, space, k, power in VARIANTS.get(name, ()):
+                idx, val = near[space]
+                nk.vote_cpu(np.ascontiguousarray(idx[:, :k]), np.ascontiguousarray(val[:, :k]),
+                            power, index.Y.indptr, index.Y.indices, (1.0 - w) * share, S)
+            top = np.empty((S.shape[0], 5), dtype=np.int64)
+            topk.topk_cpu(np.ascontiguousarray(S, dtype=np.float32), min(5, index.n_labels),
+                          top, np.empty((S.shape[0], 5), dtype=np.float32))
+            metrics[name].update(top, Yt[start:start + rows])
+    return {v: {m: float(x) for m, x in metrics[v].result().items() if m in METRICS}
+            for v in names}
+
+
 def run_grid(args, meta) -> int:
-    """``--grid``: the defaults fitted once per set and seed, every ``(k, w)`` scored."""
+    """``--grid`` / ``--variants``: the defaults fitted once per set and seed (votes off),
+    every setting scored on the same model."""
     import bench_defaults
 
     from xmc_engine import XMCClassifier
@@ -108,11 +194,15 @@ def run_grid(args, meta) -> int:
         for seed in args.seeds:
             model = XMCClassifier(seed=seed, epochs=args.epochs, eval_every=0,
                                   neighbours=0).fit(X, Y)
-            scores = grid_scores(model, X, Y, Xt, Yt, args.ks, args.weights)
+            if args.variants:
+                scores = variant_scores(model, X, Y, Xt, Yt)
+            else:
+                scores = grid_scores(model, X, Y, Xt, Yt, args.ks, args.weights)
             rows.append({"data": name, "seed": seed, "loss": model.loss_, "scores": scores})
             print(name, seed, model.loss_, " ".join(
                 f"[{s}] {v['P@1']:.4f}/{v['P@5']:.4f}" for s, v in scores.items()), flush=True)
-    print("\nmeans over the seeds, P@1 / P@3 / P@5 (k,w; 0,1: the network alone)")
+    print("\nmeans over the seeds, P@1 / P@3 / P@5 ("
+          + ("the forms of the vote" if args.variants else "k,w; 0,1: the network alone") + ")")
     settings = list(rows[0]["scores"])
     print("| data | loss | " + " | ".join(settings) + " |")
     print("|---|---|" + "---|" * len(settings))
@@ -128,7 +218,7 @@ def run_grid(args, meta) -> int:
     for s in settings:
         means = [np.mean([np.mean([r["scores"][s][m] for r in rows if r["data"] == n])
                           for n in bce]) for m in ("P@1", "P@3", "P@5")]
-        print(f"  k,w {s}: P@1 {means[0]:.4f}  P@3 {means[1]:.4f}  P@5 {means[2]:.4f}")
+        print(f"  {s}: P@1 {means[0]:.4f}  P@3 {means[1]:.4f}  P@5 {means[2]:.4f}")
     if args.out:
         _common.write_result(args.out, {**meta, "args": vars(args), "rows": rows})
     return 0
@@ -143,7 +233,7 @@ def _scored(model, Xt, Yt) -> tuple[dict, float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     meta = _common.result_metadata(argv=argv)
-    if args.grid:
+    if args.grid or args.variants:
         return run_grid(args, meta)
     import bench_defaults
 
