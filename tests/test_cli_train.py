@@ -237,7 +237,7 @@ def test_a_run_with_neighbour_votes_says_what_they_did_and_its_model_keeps_them(
                   "--threads", 1, "--out", run).stdout
     line = next(x for x in out.splitlines() if x.startswith("votes:"))
     assert line.startswith("votes: the 25 nearest of 300 training rows vote with the network "
-                           "(P@1 / P@5 "), line
+                           "(auto: the logistic loss): P@1 / P@5 "), line
     assert line.endswith("; --neighbours 0 predicts with the network alone"), line
     record = json.loads((run / "log.jsonl").read_text().splitlines()[-1])
     assert record["event"] == "neighbours" and record["rows"] == 300
@@ -247,4 +247,29 @@ def test_a_run_with_neighbour_votes_says_what_they_did_and_its_model_keeps_them(
     assert float(ev.split("P@1")[1].split()[0].strip(":=")) == pytest.approx(p1, abs=1e-4)
     off = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 2, "--loss", "bce",
                   "--threads", 1, "--neighbours", "0", "--out", tmp_path / "off").stdout
-    assert "votes:" not in off
+    assert "votes: off (--neighbours 25 has the training rows vote with the network)" in off
+
+
+def test_the_summary_says_why_auto_left_the_votes_off():
+    from xmc_engine.config import NEIGHBOURS_MAX_ROWS, TrainConfig
+
+    auto = TrainConfig()
+    assert auto.neighbours_decision(100, "bce") == (25, "the logistic loss")
+    k, why = auto.neighbours_decision(NEIGHBOURS_MAX_ROWS + 1, "bce")
+    assert k == 0 and why.startswith(f"{NEIGHBOURS_MAX_ROWS + 1:,} training rows, above"), why
+    k, why = auto.neighbours_decision(100, "softmax", 22.0)
+    assert k == 0 and "by +22.0 standard errors, +6 or more" in why, why
+    k, why = auto.neighbours_decision(100, "softmax", 3.5)
+    assert k == 25 and "+3.5 standard errors, under +6" in why, why
+    k, why = auto.neighbours_decision(100, "softmax", None)
+    assert k == 0 and "no loss probe" in why, why
+    assert TrainConfig(neighbours=7).neighbours_decision(10**6, "softmax") == (7, "given")
+
+
+def test_a_softmax_run_says_why_it_has_no_votes(files, tmp_path):
+    out = run_cli("train", "--data", files, "--hidden", 16, "--epochs", 1, "--loss", "softmax",
+                  "--threads", 1, "--out", tmp_path / "run").stdout
+    line = next(x for x in out.splitlines() if x.startswith("votes:"))
+    assert line == ("votes: off (auto: the softmax with no loss probe to compare it with the "
+                    "logistic loss; --neighbours 25 has the training rows vote with the "
+                    "network)"), line

@@ -1289,12 +1289,29 @@ class TrainConfig(ConfigMixin):
         rows :data:`NEIGHBOURS_K` with a loss of :data:`NEIGHBOURS_LOSSES`, and with the softmax
         where the loss probe found it ahead by fewer than :data:`NEIGHBOURS_SOFTMAX_Z` standard
         errors (``probe_z``, ``None`` where no probe compared the losses: no votes); else 0."""
+        return self.neighbours_decision(n_train, loss, probe_z)[0]
+
+    def neighbours_decision(self, n_train: int, loss: str,
+                            probe_z: float | None = None) -> tuple[int, str]:
+        """:meth:`neighbours_for`'s number and what decided it, a phrase for the run's summary
+        (``"given"`` where ``neighbours`` is a number)."""
         if self.neighbours != "auto":
-            return int(self.neighbours)
+            return int(self.neighbours), "given"
         if n_train > NEIGHBOURS_MAX_ROWS:
-            return 0
-        close_call = probe_z is not None and probe_z < NEIGHBOURS_SOFTMAX_Z
-        return NEIGHBOURS_K if loss in NEIGHBOURS_LOSSES or close_call else 0
+            return 0, (f"{n_train:,} training rows, above {NEIGHBOURS_MAX_ROWS:,}: every query "
+                       f"row would be compared with each of them")
+        name = {"bce": "the logistic loss", "softmax": "the softmax"}.get(loss, loss)
+        if loss in NEIGHBOURS_LOSSES:
+            return NEIGHBOURS_K, name
+        if probe_z is None:
+            return 0, f"{name} with no loss probe to compare it with the logistic loss"
+        if probe_z < NEIGHBOURS_SOFTMAX_Z:
+            return NEIGHBOURS_K, (f"{name}, which the loss probe found ahead of the logistic "
+                                  f"loss by {probe_z:+.1f} standard errors, under "
+                                  f"+{NEIGHBOURS_SOFTMAX_Z:g}")
+        return 0, (f"the loss probe found {name} ahead of the logistic loss by {probe_z:+.1f} "
+                   f"standard errors, +{NEIGHBOURS_SOFTMAX_Z:g} or more: there the network "
+                   f"beats any neighbour")
 
     @property
     def learning_rate(self) -> float:

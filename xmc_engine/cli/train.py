@@ -444,10 +444,7 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
                                     f"{r['back_to']}'s model ({r['z']:.1f} standard errors "
                                     f"ahead)" for r in back)
               + " (--no-back-to-best goes on from the last)")
-    line = _neighbours_line(next((r for r in model.history_
-                                  if r.get("event") == "neighbours"), None))
-    if line:
-        print(line)
+    print(_neighbours_line(cfg, model, probe))
     kept = next((r for r in model.history_ if r.get("event") == "keep_best"), None)
     if kept is not None and kept["restored"]:
         print(f"kept:  epoch {kept['best_epoch']}'s model (held-out P@1 {kept['best_p1']:.4f}; the "
@@ -460,17 +457,27 @@ def _train_in(run_dir: Path, cfg, args, comm) -> int:
     return 0
 
 
-def _neighbours_line(record: dict | None) -> str | None:
-    """What the neighbour votes did, from the run log's ``neighbours`` record."""
+def _neighbours_line(cfg, model, probe: dict | None) -> str:
+    """The summary's ``votes:`` line: what the neighbour votes did (the run log's
+    ``neighbours`` record), or why there were none."""
+    from xmc_engine.config import NEIGHBOURS_K
+
+    record = next((r for r in model.history_ if r.get("event") == "neighbours"), None)
+    k, why = cfg.neighbours_decision(model.n_train_, model.loss_,
+                                     None if probe is None else probe.get("z"))
     if record is None:
-        return None
+        if k > 0:  # neighbours_for said yes, but the fit kept no rows: several processes
+            return ("votes: off (each of the run's processes held only its own training rows); "
+                    "predictions are the network's")
+        return (f"votes: off ({'auto: ' + why + '; ' if cfg.neighbours == 'auto' else ''}"
+                f"--neighbours {NEIGHBOURS_K} has the training rows vote with the network)")
     line = (f"votes: the {record['k']} nearest of {record['rows']:,} training rows vote with "
-            f"the network")
+            f"the network" + (f" (auto: {why})" if cfg.neighbours == "auto" else ""))
     network, blend = record.get("network") or {}, record.get("metrics") or {}
     if "P@1" in network and "P@1" in blend:
-        line += (f" (P@1 / P@5 {blend['P@1']:.4f} / {blend.get('P@5', float('nan')):.4f}; "
+        line += (f": P@1 / P@5 {blend['P@1']:.4f} / {blend.get('P@5', float('nan')):.4f}, "
                  f"the network alone {network['P@1']:.4f} / "
-                 f"{network.get('P@5', float('nan')):.4f})")
+                 f"{network.get('P@5', float('nan')):.4f}")
     return line + "; --neighbours 0 predicts with the network alone"
 
 
