@@ -341,3 +341,20 @@ def test_two_ranks_train_an_ensemble_member_by_member(tmp_path):
         recs = [json.loads(line) for line in (out / f"member-{j}" / "log.jsonl").open()]
         assert [r["event"] for r in recs].count("start") == 1
         assert recs[-1]["event"] == "final" and recs[-1]["samples"] == 600
+
+
+@needs_mpi
+def test_two_ranks_predict_with_the_network_alone_and_say_so(tmp_path):
+    """The neighbour votes need every training row in one process: over two ranks, each
+    holding half, the run keeps none (no ``neighbours`` record) and its summary says why."""
+    data = _tiny_xc(tmp_path / "train.txt")
+    out = tmp_path / "run"
+    p, _ = _run(2, ["-m", "xmc_engine", "train", "--data", str(data), "--algorithm", "adaptive",
+                    "--devices", "cpu", "--epochs", "1", "--batch-size", "32",
+                    "--loss", "bce", "--threads", "1", "--out", str(out)], timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line, = [x for x in p.stdout.splitlines() if x.startswith("votes:")]
+    assert line == ("votes: off (each of the run's processes held only its own training rows); "
+                    "predictions are the network's"), line
+    recs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert not any(r["event"] == "neighbours" for r in recs)
