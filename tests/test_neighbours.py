@@ -192,6 +192,20 @@ def test_predictions_blend_and_stay_consistent(fitted, toy):
     np.testing.assert_array_equal(chosen.toarray() > 0, full >= t)
 
 
+def test_ranking_with_the_votes_shows_a_progress_bar_in_chunks(fitted, toy, monkeypatch, capsys):
+    """The exact search is the slow part of a prediction: a bar counts its rows (on a
+    terminal, or with ``XMC_PROGRESS=1``), and chunks of any size give the same ranking."""
+    model, Xt = fitted[0], toy[2]
+    whole = model.predict_topk(Xt, 4)
+    monkeypatch.setenv("XMC_PROGRESS", "1")
+    capsys.readouterr()
+    chunked = model.predict_topk(Xt, 4, row_chunk=7)
+    err = capsys.readouterr().err
+    assert "ranking with the votes" in err and f"/{Xt.shape[0]} " in err, err
+    for a, b in zip(whole, chunked, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_network_alone_is_what_neighbours_zero_predicts(toy):
     X, Y, Xt, _ = toy
     on = XMCClassifier(epochs=1, seed=0, threads=1, loss="bce").fit(X, Y)

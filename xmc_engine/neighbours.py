@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
+from xmc_engine import progress
 from xmc_engine.config import NEIGHBOURS_NETWORK_WEIGHT, NEIGHBOURS_POWER
 from xmc_engine.kernels import neighbours, topk
 from xmc_engine.validation import normalize_rows
@@ -162,20 +163,27 @@ class NeighbourIndex:
         labels = np.empty((n, k), dtype=np.int64)
         scores = np.empty((n, k), dtype=np.float32)
         w = NEIGHBOURS_NETWORK_WEIGHT
-        for start in range(0, n, rows):
-            Xc = X[start:start + rows]
-            H = host_hidden(params, Xc)
-            if loss == "bce" and k < L:
-                # the votes first; the sigmoid only where a label has a vote or is among the
-                # network's own top k (the rest cannot reach the top k of the blend)
-                S = self.votes(Xc, H, 1.0 - w)
-                Z = np.ascontiguousarray(host_logits(params, H), dtype=np.float32)
-                top = np.empty((Z.shape[0], k), dtype=np.int64)
-                topk.topk_cpu(Z, k, top, np.empty((Z.shape[0], k), dtype=np.float32))
-                neighbours.add_sigmoid_cpu(Z, top, w, S)
-            else:
-                S = w * network_probabilities(params, H, loss, self.labels_per_row)
-                self.votes(Xc, H, 1.0 - w, out=S)
-            topk.topk_cpu(S, k, labels[start:start + rows], scores[start:start + rows])
+        with progress.bar(total=n, desc="ranking with the votes", unit=" rows") as bar:
+            for start in range(0, n, rows):
+                self._blend_chunk(params, loss, X[start:start + rows], k, w,
+                                  labels[start:start + rows], scores[start:start + rows])
+                bar.update(min(rows, n - start))
         return labels, scores
+
+    def _blend_chunk(self, params, loss: str, Xc: sp.csr_matrix, k: int, w: float,
+                     labels: np.ndarray, scores: np.ndarray) -> None:
+        """:meth:`blend_topk` of the rows ``Xc``, written into ``labels`` / ``scores``."""
+        H = host_hidden(params, Xc)
+        if loss == "bce" and k < self.n_labels:
+            # the votes first; the sigmoid only where a label has a vote or is among the
+            # network's own top k (the rest cannot reach the top k of the blend)
+            S = self.votes(Xc, H, 1.0 - w)
+            Z = np.ascontiguousarray(host_logits(params, H), dtype=np.float32)
+            top = np.empty((Z.shape[0], k), dtype=np.int64)
+            topk.topk_cpu(Z, k, top, np.empty((Z.shape[0], k), dtype=np.float32))
+            neighbours.add_sigmoid_cpu(Z, top, w, S)
+        else:
+            S = w * network_probabilities(params, H, loss, self.labels_per_row)
+            self.votes(Xc, H, 1.0 - w, out=S)
+        topk.topk_cpu(S, k, labels, scores)
 
