@@ -202,8 +202,8 @@ def test_ranking_with_the_votes_shows_a_progress_bar_in_chunks(fitted, toy, monk
     chunked = model.predict_topk(Xt, 4, row_chunk=7)
     err = capsys.readouterr().err
     assert "ranking with the votes" in err and f"/{Xt.shape[0]} " in err, err
-    for a, b in zip(whole, chunked, strict=True):
-        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(whole[0], chunked[0])
+    np.testing.assert_allclose(whole[1], chunked[1], rtol=1e-6)  # BLAS blocks by chunk
 
 
 def test_the_network_alone_is_what_neighbours_zero_predicts(toy):
