@@ -39,6 +39,15 @@ and the grid again with the defaults of ``loss="auto"``, both losses in stage 1,
     python bench/bench_defaults.py --grid-optimizers adagrad --grid-losses softmax bce \
         --datasets bibtex delicious corel5k stackex_cooking stackex_cs rcv1sub1 imdb \
         debian_debtags --out bench/results/defaults_grid_auto.json
+
+again with the neighbour votes (``--out bench/results/defaults_grid_votes.json``, and with
+``--epochs 5``: ``defaults_grid_votes_5ep.json``). After the network-alone table at each epoch
+count a second one scores the last epoch as the models predict, the votes included where a
+run kept its training rows (every run of the logistic loss, the defaults among them).
+``--tables`` prints the tables of an ``--out`` file again without training::
+
+    python bench/bench_defaults.py --tables --out bench/results/defaults_grid_votes.json
+
     python bench/bench_defaults.py --normalize-study --datasets bibtex delicious corel5k \
         stackex_cooking stackex_cs rcv1sub1 imdb debian_debtags debian_builddeps synth1k \
         --out bench/results/defaults_normalize.json
@@ -119,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true",
                    help="reuse the grid runs (not the defaults' runs) already in --out and "
                    "--previous instead of training them again")
+    p.add_argument("--tables", action="store_true",
+                   help="print the tables of the results already in --out, training nothing")
     p.add_argument("--previous", nargs="*", default=[],
                    help="more result files of this script whose runs --resume reuses")
     p.add_argument("--napkinxc", nargs="*",
@@ -357,8 +368,11 @@ def search(grid: Grid, points, shapes) -> None:
     grid.run({}, "defaults")
 
 
-def summarise(rows, dataset: str, epochs: int) -> dict | None:
-    """Best configuration (mean P@1 over seeds at ``epochs``) and the defaults' figures."""
+def summarise(rows, dataset: str, epochs: int, predicted: bool = False) -> dict | None:
+    """Best configuration (mean P@1 over seeds at ``epochs``) and the defaults' figures.
+    ``predicted``: each run scored as its model predicts, the neighbour votes included where
+    it kept its training rows (:func:`run_one`'s ``"neighbours"``, at a run's last epoch
+    only; the network alone elsewhere)."""
     groups: dict[str, list] = {}
     for r in rows:
         if r["dataset"] == dataset and str(epochs) in r["at"]:
@@ -367,7 +381,9 @@ def summarise(rows, dataset: str, epochs: int) -> dict | None:
         return None
 
     def mean(runs, k):
-        return float(np.mean([r["at"][str(epochs)][k] for r in runs]))
+        at = [r["at"][str(epochs)] for r in runs]
+        return float(np.mean([(a.get("neighbours") or a)[k] if predicted and k != "train_time"
+                              else a[k] for a in at]))
 
     stats = {lab: {k: mean(runs, k) for k in ("P@1", "P@3", "P@5", "train_time")}
              | {"seeds": len(runs)} for lab, runs in groups.items()}
@@ -383,6 +399,20 @@ def summarise(rows, dataset: str, epochs: int) -> dict | None:
             "defaults_stats": stats["defaults"],
             "gap_P@1": stats[best]["P@1"] - stats["defaults"]["P@1"],
             "configs": len(stats) - 1}
+
+
+def print_tables(rows, datasets, epochs: list, napkin: dict) -> list[dict]:
+    """:func:`print_table` of the network alone at every epoch count, then at the last as the
+    models predict (the neighbour votes included where a run kept its training rows); returns
+    the first's summary."""
+    summary = [s for n in datasets for e in sorted(epochs)
+               if (s := summarise(rows, n, e)) is not None]
+    print_table(summary, napkin)
+    last = [s for n in datasets if (s := summarise(rows, n, max(epochs), True)) is not None]
+    print(f"\nat {max(epochs)} epochs as the models predict (the neighbour votes where a run "
+          f"kept its training rows; the grid's best chosen by that P@1):")
+    print_table(last, napkin)
+    return summary
 
 
 def print_table(summary: list[dict], napkin: dict) -> None:
@@ -735,6 +765,14 @@ def main(argv=None) -> int:
     if args.loss_auto_study:
         return loss_auto_study(args, meta)
     out = Path(args.out)
+    if args.tables:
+        done = _common.read_json(out)
+        if not done:
+            raise SystemExit(f"--tables: no results in {out}")
+        print_tables(done["rows"], list(done["datasets"]), sorted({int(e) for r in done["rows"]
+                                                                 for e in r["at"]}),
+                     done.get("napkinxc", {}))
+        return 0
     previous, napkin = {}, {}
     for path in [out, *args.previous] if args.resume else []:
         old = _common.read_json(path) or {}
@@ -780,7 +818,7 @@ def main(argv=None) -> int:
                                             "heavy_points": heavy_points,
                                             "heavy": args.heavy},
                                    "summary": summary, "napkinxc": napkin, "rows": rows})
-    print_table(summary, napkin)
+    print_tables(rows, list(notes), args.epochs, napkin)
     print(f"\nwrote {out}")
     return 0
 

@@ -497,6 +497,34 @@ def test_the_defaults_grid_carries_each_loss_and_widens_the_winner():
     assert "loss" not in bench_defaults._cfg("adagrad", 0.05, 64, 128)  # the engine's default
 
 
+def test_the_defaults_grid_scores_the_last_epoch_as_the_models_predict():
+    """bench_defaults.summarise(predicted=True): a run's blend with the votes where it kept
+    its training rows, the network alone where it did not; the best chosen by that P@1."""
+    import bench_defaults
+
+    def row(config, seed, p1, votes=None):
+        at = {"P@1": p1, "P@3": p1 / 2, "P@5": p1 / 3, "train_time": 1.0}
+        if votes is not None:
+            at["neighbours"] = {"P@1": votes, "P@3": votes / 2, "P@5": votes / 3}
+        return {"dataset": "d", "config": config, "seed": seed, "at": {"5": at},
+                "resolved": {"optimizer": "adagrad", "lr": 0.1, "batch_size": 64,
+                             "hidden": [128], "loss": "bce"}}
+
+    soft = bench_defaults._cfg("adagrad", 0.1, 256, 128, "softmax")
+    bce = bench_defaults._cfg("adagrad", 0.05, 256, 128, "bce")
+    rows = [row(soft, 0, 0.60), row(soft, 1, 0.62),          # no votes (a softmax given)
+            row(bce, 0, 0.58, 0.60), row(bce, 1, 0.58, 0.64),
+            row({}, 0, 0.57, 0.61), row({}, 1, 0.59, 0.63)]  # the defaults
+    alone = bench_defaults.summarise(rows, "d", 5)
+    assert alone["best"] == bench_defaults._label(soft)
+    assert alone["gap_P@1"] == pytest.approx(0.61 - 0.58)
+    blend = bench_defaults.summarise(rows, "d", 5, predicted=True)
+    assert blend["best"] == bench_defaults._label(bce)
+    assert blend["best_stats"]["P@3"] == pytest.approx(0.31)
+    assert blend["defaults_stats"]["P@1"] == pytest.approx(0.62)
+    assert blend["gap_P@1"] == pytest.approx(0.0)
+
+
 def test_plateau_stop_replay_reads_the_stop_epoch_and_the_p1_there():
     """bench_plateau_stop.py: the first epoch whose multiplier is below the floor; P@1 of the last
     evaluation at or before it (conservative), training seconds after it interpolated."""
