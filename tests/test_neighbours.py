@@ -165,6 +165,7 @@ def test_fit_keeps_the_training_rows_and_scores_the_blend(fitted, toy):
     assert model.neighbours_.k == config.NEIGHBOURS_K
     record = [r for r in model.history_ if r["event"] == "neighbours"]
     assert len(record) == 1 and record[0]["rows"] == X.shape[0]
+    assert record[0]["why"] == "the logistic loss"  # neighbours="auto" with loss="bce"
     # metrics_ is the blend's, the record keeps the network alone's from the last eval
     assert model.metrics_["P@1"] == pytest.approx(model.evaluate(Xt, Yt)["P@1"])
     last_eval = [r for r in model.history_ if r["event"] == "eval"][-1]

@@ -387,7 +387,8 @@ class XMCClassifier:
         from xmc_engine.neighbours import NeighbourIndex, host_hidden
 
         probe = next((r for r in self.history_ if r.get("event") == "loss_probe"), None)
-        k = cfg.neighbours_for(self.n_train_, self.loss_, None if probe is None else probe.get("z"))
+        k, why = cfg.neighbours_decision(self.n_train_, self.loss_,
+                                         None if probe is None else probe.get("z"))
         if k == 0:
             return
         if processes > 1:  # each process (MPI rank) holds only its own rows
@@ -401,7 +402,7 @@ class XMCClassifier:
         network = self.metrics_
         if eval_set is not None:
             self.metrics_ = self.evaluate(*eval_set)
-        record = {"k": k, "rows": self.neighbours_.n_rows, "seconds": seconds,
+        record = {"k": k, "why": why, "rows": self.neighbours_.n_rows, "seconds": seconds,
                   "network": network, "metrics": self.metrics_ if eval_set is not None else None,
                   "eval_time": time.perf_counter() - t0 - seconds}
         if self.log_dir is not None:

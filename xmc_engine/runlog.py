@@ -151,7 +151,9 @@ not know. The events the engine writes:
 ``neighbours``
     After ``final`` (written by :class:`xmc_engine.XMCClassifier`), where the fitted model
     votes with its training rows (``TrainConfig.neighbours``, :mod:`xmc_engine.neighbours`):
-    ``k`` (the neighbours of each vote), ``rows`` (the training rows kept), ``seconds``
+    ``k`` (the neighbours of each vote), ``why`` (``"given"``, or what decided
+    ``neighbours="auto"``: :meth:`TrainConfig.neighbours_decision`), ``rows`` (the training
+    rows kept), ``seconds``
     (keeping them: their hidden layer, outside ``train_time``), ``network`` (the last
     evaluation of the network alone, the ``final`` record's ``metrics``), ``metrics`` (the
     evaluation of the blend on the same rows, ``null`` without an ``eval_set``) and

@@ -471,6 +471,7 @@ def _neighbours_line(cfg, model, probe: dict | None) -> str:
                     "predictions are the network's")
         return (f"votes: off ({'auto: ' + why + '; ' if cfg.neighbours == 'auto' else ''}"
                 f"--neighbours {NEIGHBOURS_K} has the training rows vote with the network)")
+    why = record.get("why", why)  # what the fit decided (a log of before the field: now's)
     line = (f"votes: the {record['k']} nearest of {record['rows']:,} training rows vote with "
             f"the network" + (f" (auto: {why})" if cfg.neighbours == "auto" else ""))
     network, blend = record.get("network") or {}, record.get("metrics") or {}
