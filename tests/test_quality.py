@@ -67,12 +67,13 @@ def test_adaptive_two_devices_with_defaults_climbs_from_the_first_evaluation(dat
     one-device band. Threaded scheduling is not bit-reproducible, so the best of the
     evaluations is checked. Measured in two runs at ``e2b4e45``: first evaluation (epoch 0.32)
     0.659 / 0.660, best 0.674 / 0.673, the model's P@1 with the votes 0.689 / 0.691 (0.580 and
-    0.639 at ``b308dc8``, before the votes)."""
+    0.639 at ``b308dc8``, before the votes); with another process busy on one of the two cores,
+    three runs: first 0.656-0.659, best 0.669-0.671, with the votes 0.690-0.691."""
     m = _fit(data_dir, "delicious", epochs=3, eval_every=0.25, devices="cpu,cpu@0.5",
              algorithm="adaptive")
     p1 = [r["metrics"]["P@1"] for r in m.history_ if r["event"] == "eval"]
     assert p1[0] >= 0.63, p1
-    assert max(p1) >= 0.66, p1
+    assert max(p1) >= 0.655, p1
     assert m.metrics_["P@1"] >= 0.675, m.metrics_
     merges = [r for r in m.history_ if r["event"] == "merge"]
     assert merges and len(merges[-1]["devices"]) == 2
