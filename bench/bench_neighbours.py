@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -139,12 +138,10 @@ def variant_scores(model, X, Y, Xt, Yt) -> dict:
 
     from xmc_engine.config import NEIGHBOURS_NETWORK_WEIGHT
     from xmc_engine.metrics import TopKMetrics, jain_propensity
-    from xmc_engine.neighbours import NeighbourIndex, _unit_rows, host_hidden, network_probabilities
-    from xmc_engine.validation import normalize_rows
+    from xmc_engine.neighbours import NeighbourIndex, host_hidden, network_probabilities
 
     Xn, Xq = model._features(X), model._features(Xt)
     index = NeighbourIndex(Xn, host_hidden(model.params_, Xn), Y, 1)
-    XT = index.X.T.tocsr()
     prop = jain_propensity(model.label_frequency_, n_samples=model.n_train_)
     names = ["network", *VARIANTS]
     metrics = {v: TopKMetrics(ks=(1, 3, 5), propensity=prop) for v in names}
@@ -155,11 +152,8 @@ def variant_scores(model, X, Y, Xt, Yt) -> dict:
         Xc = Xq[start:start + rows]
         H = host_hidden(model.params_, Xc)
         P = network_probabilities(model.params_, H, model.loss_, index.labels_per_row)
-        sims = {"hidden": np.ascontiguousarray(_unit_rows(H) @ index.E.T, dtype=np.float32)}
-        Q = normalize_rows(sp.csr_matrix(Xc, dtype=np.float32), "l2")
-        sims["input"] = np.empty_like(sims["hidden"])
-        nk.sparse_dot_rows_cpu(Q.indptr, Q.indices, Q.data, XT.indptr, XT.indices, XT.data,
-                               sims["input"])
+        sims = {"hidden": index.hidden_similarities(H)}
+        sims["input"] = index.input_similarities(Xc, out=np.empty_like(sims["hidden"]))
         sims["joint"] = 0.5 * (sims["hidden"] + sims["input"])
         near = {}
         for space, S in sims.items():

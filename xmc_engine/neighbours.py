@@ -131,6 +131,23 @@ class NeighbourIndex:
         neighbours.vote_cpu(idx, sims, NEIGHBOURS_POWER, self.Y.indptr, self.Y.indices,
                             scale, out)
 
+    def hidden_similarities(self, H: np.ndarray) -> np.ndarray:
+        """Cosine similarities (float32, C-contiguous, query rows x reference rows) of the query
+        rows' last hidden layer ``H`` to the reference rows'."""
+        return np.ascontiguousarray(_unit_rows(np.asarray(H, dtype=np.float32)) @ self.E.T,
+                                    dtype=np.float32)
+
+    def input_similarities(self, X: sp.csr_matrix, out: np.ndarray) -> np.ndarray:
+        """Cosine similarities of the query rows ``X`` to the reference rows in the features,
+        written into ``out`` (float32, C-contiguous, query rows x reference rows; overwritten).
+        Returns ``out``."""
+        if self._XT is None:
+            self._XT = self.X.T.tocsr()
+        Xq = normalize_rows(sp.csr_matrix(X, dtype=np.float32), "l2")
+        neighbours.sparse_dot_rows_cpu(Xq.indptr, Xq.indices, Xq.data, self._XT.indptr,
+                                       self._XT.indices, self._XT.data, out)
+        return out
+
     def votes(self, X: sp.csr_matrix, H: np.ndarray, scale: float = 1.0,
               out: np.ndarray | None = None) -> np.ndarray:
         """``scale`` times the mean of the hidden-layer vote and the input vote of query rows
@@ -139,15 +156,9 @@ class NeighbourIndex:
         ``[0, 1]``. Returns ``out``."""
         if out is None:
             out = np.zeros((X.shape[0], self.n_labels), dtype=np.float32)
-        if self._XT is None:
-            self._XT = self.X.T.tocsr()
-        S = np.ascontiguousarray(_unit_rows(np.asarray(H, dtype=np.float32)) @ self.E.T,
-                                 dtype=np.float32)
+        S = self.hidden_similarities(H)
         self._vote(S, 0.5 * scale, out)
-        Xq = normalize_rows(sp.csr_matrix(X, dtype=np.float32), "l2")
-        neighbours.sparse_dot_rows_cpu(Xq.indptr, Xq.indices, Xq.data, self._XT.indptr,
-                                       self._XT.indices, self._XT.data, S)
-        self._vote(S, 0.5 * scale, out)
+        self._vote(self.input_similarities(X, out=S), 0.5 * scale, out)  # S's buffer again
         return out
 
     def blend_topk(self, params, loss: str, X: sp.csr_matrix, k: int,
