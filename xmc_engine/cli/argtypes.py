@@ -42,13 +42,7 @@ def neighbours(s: str) -> int | str:
     """``--neighbours``: an integer >= 0 or ``auto``."""
     if s == "auto":
         return s
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer or 'auto'") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{s!r} must be >= 0 (0: the network alone)")
-    return v
+    return _int_at_least(s, 0, expected="an integer or 'auto'", note=" (0: the network alone)")
 
 
 def positive_float(s: str) -> float:
@@ -61,12 +55,18 @@ def positive_float(s: str) -> float:
 
 def positive_int(s: str) -> int:
     """An integer >= 1."""
+    return _int_at_least(s, 1)
+
+
+def _int_at_least(s: str, low: int, *, expected: str = "an integer", note: str = "") -> int:
+    """``s`` as an integer >= ``low``; else an error saying it is not ``expected`` or must be
+    ``>= low`` (``note`` after it)."""
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{s!r} must be >= 1")
+        raise argparse.ArgumentTypeError(f"{s!r} is not {expected}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"{s!r} must be >= {low}{note}")
     return v
 
 
