@@ -463,17 +463,16 @@ def _neighbours_line(cfg, model, probe: dict | None) -> str:
     from xmc_engine.config import NEIGHBOURS_K
 
     record = next((r for r in model.history_ if r.get("event") == "neighbours"), None)
-    k, why = cfg.neighbours_decision(model.n_train_, model.loss_,
-                                     None if probe is None else probe.get("z"))
     if record is None:
+        k, why = cfg.neighbours_decision(model.n_train_, model.loss_,
+                                         None if probe is None else probe.get("z"))
         if k > 0:  # neighbours_for said yes, but the fit kept no rows: several processes
             return ("votes: off (each of the run's processes held only its own training rows); "
                     "predictions are the network's")
         return (f"votes: off ({'auto: ' + why + '; ' if cfg.neighbours == 'auto' else ''}"
                 f"--neighbours {NEIGHBOURS_K} has the training rows vote with the network)")
-    why = record.get("why", why)  # what the fit decided (a log of before the field: now's)
     line = (f"votes: the {record['k']} nearest of {record['rows']:,} training rows vote with "
-            f"the network" + (f" (auto: {why})" if cfg.neighbours == "auto" else ""))
+            f"the network" + (f" (auto: {record['why']})" if cfg.neighbours == "auto" else ""))
     network, blend = record.get("network") or {}, record.get("metrics") or {}
     if "P@1" in network and "P@1" in blend:
         line += (f": P@1 / P@5 {blend['P@1']:.4f} / {blend.get('P@5', float('nan')):.4f}, "
