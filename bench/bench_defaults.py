@@ -401,18 +401,15 @@ def summarise(rows, dataset: str, epochs: int, predicted: bool = False) -> dict 
             "configs": len(stats) - 1}
 
 
-def print_tables(rows, datasets, epochs: list, napkin: dict) -> list[dict]:
+def print_tables(rows, datasets, epochs: list, napkin: dict) -> None:
     """:func:`print_table` of the network alone at every epoch count, then at the last as the
-    models predict (the neighbour votes included where a run kept its training rows); returns
-    the first's summary."""
-    summary = [s for n in datasets for e in sorted(epochs)
-               if (s := summarise(rows, n, e)) is not None]
-    print_table(summary, napkin)
+    models predict (the neighbour votes included where a run kept its training rows)."""
+    print_table([s for n in datasets for e in sorted(epochs)
+                 if (s := summarise(rows, n, e)) is not None], napkin)
     last = [s for n in datasets if (s := summarise(rows, n, max(epochs), True)) is not None]
     print(f"\nat {max(epochs)} epochs as the models predict (the neighbour votes where a run "
           f"kept its training rows; the grid's best chosen by that P@1):")
     print_table(last, napkin)
-    return summary
 
 
 def print_table(summary: list[dict], napkin: dict) -> None:
